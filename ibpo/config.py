@@ -31,7 +31,9 @@ class ModelConfig:
     # anything else is a Hub model id or a local folder for from_pretrained.
     name: str = "smollm2-135m"
     quantization: str = "nf4"  # nf4 (QLoRA: 4-bit NF4 base, double quantisation) | none
-    dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
+    dtype: str = (
+        "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
+    )
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -50,7 +52,7 @@ class DataConfig:
     split: str = "train"
     eval_dataset: str | None = None  # default: the same source as `dataset`
     eval_split: str = "test"
-    eval_size: int = 200  # held-out problems used for the before/after evaluation (0 = skip)
+    eval_size: int = 100  # held-out problems used for the before/after evaluation (0 = skip)
     question_column: str = "question"
     answer_column: str = "answer"
     # How the gold answer is read from the answer column: plain | gsm8k (text after '####') |
@@ -66,12 +68,12 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     group_size: int = 8  # G completions per prompt
-    max_new_tokens: int = 32
+    max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     generation_batch_size: int = 64  # sequences per generate() call
-    eval_max_new_tokens: int = 32
+    eval_max_new_tokens: int = 24
     eval_batch_size: int = 100
 
 
@@ -92,11 +94,11 @@ class ObjectiveConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 8
-    prompts_per_step: int = 8  # B prompts; each step trains on B * G sequences
+    steps: int = 14
+    prompts_per_step: int = 4  # B prompts; each step trains on B * G sequences
     micro_batch_groups: int = 4  # whole groups per forward/backward (group transforms need them)
     updates_per_rollout: int = 1  # > 1 reuses a rollout (off-policy; needs old log-probs)
-    learning_rate: float = 2e-4
+    learning_rate: float = 5e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_scheduler: str = "constant"  # constant | linear | cosine

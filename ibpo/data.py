@@ -4,7 +4,7 @@ Sources (`data.dataset`):
 * `builtin:<name>`: offline generators (see BUILTINS) with a fixed held-out split: a problem is
   held out when a stable hash of its text says so, whatever the seed, so train and eval never meet.
 * a local `.json` / `.jsonl` / `.parquet` file (read with `datasets`);
-* anything else is a Hub dataset id for `datasets.load_dataset` (e.g. openai/gsm8k with subset main).
+* anything else is a Hub dataset id for `datasets.load_dataset` (e.g. openai/gsm8k, subset main).
 
 For a file or Hub source without the requested eval split, `eval_size` rows are carved out of the
 training split (deterministically) and never trained on. A row without a question or answer is an
@@ -176,7 +176,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
     return [ex for i, ex in enumerate(train) if i not in held_idx], held
 
 
-# --- prompts and the training stream ---------------------------------------------------------------
+# --- prompts and the training stream ---------------------------------------------------------
 
 
 def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:

@@ -56,7 +56,9 @@ def _convert(gguf_dir: Path, gguf_name: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    packed = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+    )
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config.
     config_dict = packed.config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -65,7 +67,9 @@ def _convert(gguf_dir: Path, gguf_name: str, out: Path) -> None:
     missing, unexpected = plain.load_state_dict(packed.state_dict(), strict=False)
     real_missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
     if real_missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={real_missing} unexpected={unexpected}")
+        raise RuntimeError(
+            f"GGUF conversion mismatch: missing={real_missing} unexpected={unexpected}"
+        )
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

@@ -89,7 +89,9 @@ def completion_logprobs(
     logps, ents = [], []
     for s in range(0, h_sel.shape[0], chunk_tokens):
         args = (head, h_sel[s : s + chunk_tokens], t_sel[s : s + chunk_tokens], temperature)
-        lp, ent = checkpoint(_chunk_logp, *args, use_reentrant=False) if use_ckpt else _chunk_logp(*args)
+        lp, ent = (
+            checkpoint(_chunk_logp, *args, use_reentrant=False) if use_ckpt else _chunk_logp(*args)
+        )
         logps.append(lp)
         ents.append(ent)
     n, t = completion_mask.shape
@@ -112,7 +114,10 @@ def naive_completion_logprobs(
     """Reference implementation through full [N, L, V] logits; for tests and benchmarks only."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
     ).logits
     logits = logits[:, prompt_len - 1 : -1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, prompt_len:].unsqueeze(-1))

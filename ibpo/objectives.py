@@ -248,7 +248,8 @@ def resolve_params(cfg: Any) -> ResolvedObjective:
         kwargs[key] = value
     if kwargs.get("weights", "min_replace") not in WEIGHT_TRANSFORMS:
         raise ConfigError(
-            f"objective.weights={kwargs['weights']!r}; choose one of: {', '.join(WEIGHT_TRANSFORMS)}"
+            f"objective.weights={kwargs['weights']!r}; "
+            f"choose one of: {', '.join(WEIGHT_TRANSFORMS)}"
         )
     if kwargs.get("gate", "none") not in GATES:
         raise ConfigError(f"objective.gate={kwargs['gate']!r}; choose one of: {', '.join(GATES)}")

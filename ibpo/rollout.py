@@ -80,7 +80,11 @@ def generate(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
         use_cache=True,
-        **(sampling if do_sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
+        **(
+            sampling
+            if do_sample
+            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        ),
     )
     was_training = model.training
     model.eval()
@@ -97,7 +101,10 @@ def generate(
         model.train(was_training)
     width = max(p.shape[1] for p in pieces)
     completions = torch.cat(
-        [nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id) for p in pieces]
+        [
+            nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
+            for p in pieces
+        ]
     )
     mask, truncated = completion_mask_from(completions, eos)
     input_ids = torch.cat([prompt_ids, completions], 1)

@@ -51,7 +51,9 @@ def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Opt
         return bnb.optim.PagedAdamW8bit(
             params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
         )
-    return torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
+    )
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -88,7 +90,7 @@ def sequence_logprobs(model, rollout: Rollout, sl: slice, chunk: int, temperatur
 
 @torch.no_grad()
 def frozen_logprobs(model, rollout, slices, chunk, temperature, reference: bool):
-    """Detached log-probs per micro-batch: the rollout policy (old) or the reference (adapter off)."""
+    """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off)."""
     ctx = reference_mode(model) if reference else nullcontext()
     with ctx:
         return [sequence_logprobs(model, rollout, sl, chunk, temperature)[0] for sl in slices]
@@ -231,7 +233,9 @@ def train(cfg: Config) -> dict:
 
     eval_before = held_out()
     if main and eval_before:
-        accelerator.print(f"held-out accuracy before: {eval_before['accuracy']:.3f} (n={eval_before['n']})")
+        accelerator.print(
+            f"held-out accuracy before: {eval_before['accuracy']:.3f} (n={eval_before['n']})"
+        )
     metrics_file = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115
     bar = tqdm(range(cfg.train.steps), disable=not (main and cfg.train.progress), desc="ibpo")
     status, step = "completed", 0
@@ -240,8 +244,11 @@ def train(cfg: Config) -> dict:
             m = rl_step(model, tokenizer, optimizer, scheduler, accelerator,
                         stream.take(cfg.train.prompts_per_step), cfg, objective)  # fmt: skip
             m["step"] = step + 1
-            bar.set_postfix(reward=f"{m['reward']:.3f}", acc=f"{m['accuracy']:.3f}",
-                            len=f"{m['completion_length']:.0f}", s=f"{m['step_time']:.1f}")  # fmt: skip
+            bar.set_postfix(
+                reward=f"{m['reward']:.3f}",
+                len=f"{m['completion_length']:.0f}",
+                s=f"{m['step_time']:.1f}",
+            )
             if metrics_file:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()

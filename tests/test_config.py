@@ -13,7 +13,10 @@ def test_defaults_are_the_embedded_demo():
 def test_recipe_and_overrides(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("train:\n  steps: 3\n  learning_rate: 1\nobjective:\n  name: grpo\n")
-    cfg = load_config(recipe, ["train.steps=5", "objective.kl_coef=0.04", "model.lora_target_modules=[q_proj, v_proj]"])
+    cfg = load_config(
+        recipe,
+        ["train.steps=5", "objective.kl_coef=0.04", "model.lora_target_modules=[q_proj, v_proj]"],
+    )
     assert cfg.train.steps == 5
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.objective.name == "grpo" and cfg.objective.kl_coef == 0.04

@@ -4,7 +4,6 @@ import pytest
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import PromptStream, builtin_examples, load_splits, render_prompt
-
 from tests.conftest import make_tokenizer
 
 
@@ -21,7 +20,10 @@ def test_builtin_split_is_fixed_and_disjoint():
 
 def test_local_jsonl_with_column_mapping_and_gsm8k_answers(tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [{"q": f"What is {i} + 1?", "sol": f"{i} + 1 = {i + 1}\n#### {i + 1:,}"} for i in range(998, 1010)]
+    rows = [
+        {"q": f"What is {i} + 1?", "sol": f"{i} + 1 = {i + 1}\n#### {i + 1:,}"}
+        for i in range(998, 1010)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = DataConfig(dataset=str(path), question_column="q", answer_column="sol",
                      answer_format="gsm8k", eval_size=4)  # fmt: skip
@@ -55,7 +57,9 @@ def test_boxed_answer_format(tmp_path):
 def test_render_prompt_uses_chat_template():
     tok = make_tokenizer()
     text = render_prompt(tok, "What is 2 + 2?", DataConfig(system_prompt="be brief"))
-    assert text == "<system>be brief\n<user>What is 2 + 2?\nAnswer with just the number.\n<assistant>"
+    assert (
+        text == "<system>be brief\n<user>What is 2 + 2?\nAnswer with just the number.\n<assistant>"
+    )
 
 
 def test_prompt_stream_is_seeded_and_sharded():

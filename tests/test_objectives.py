@@ -158,7 +158,9 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
     for name, obj in OBJECTIVES.items():
         agg = obj.aggregation
         full, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults)
-        (g_full,) = torch.autograd.grad(aggregate(full, mask, agg, step_normaliser(agg, [mask], 6)), logp)
+        (g_full,) = torch.autograd.grad(
+            aggregate(full, mask, agg, step_normaliser(agg, [mask], 6)), logp
+        )
         norm = step_normaliser(agg, [mask[:4], mask[4:]], 6)
         total = 0
         for sl in (slice(0, 4), slice(4, 8)):
