@@ -12,8 +12,12 @@ Not here: code execution (sandbox), format rewards, or dataset-specific answer p
 
 from __future__ import annotations
 
+import logging
 import re
 from fractions import Fraction
+
+# We turn math-verify's signal timeouts off on purpose (thread safety); silence its reminder.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _ANSWER_LINE = re.compile(
