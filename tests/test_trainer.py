@@ -35,6 +35,10 @@ def _setup(tiny_model_dir, overrides):
     return cfg, acc, model, tok
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
 def _examples():
     return builtin_examples("arithmetic", "train")[:4]
 
@@ -56,8 +60,9 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     finally:
         del trainer_mod.REWARDS["alternating"]
     after = model.state_dict()
-    changed = [n for n in before if not torch.equal(before[n], after[n])]
-    assert changed and all("lora_" in n for n in changed)
+    # compare bytes: packed 4-bit weights stored as float32 may contain NaN bit patterns
+    changed = [n for n in before if not torch.equal(_bytes(before[n]), _bytes(after[n]))]
+    assert changed and [n for n in changed if "lora_" not in n] == []
     assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
     for key in ("reward", "loss", "entropy", "grad_norm", "step_time", "peak_memory_gb"):
         assert key in m
