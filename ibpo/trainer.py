@@ -246,6 +246,7 @@ def train(cfg: Config) -> dict:
             m["step"] = step + 1
             bar.set_postfix(
                 reward=f"{m['reward']:.3f}",
+                acc=f"{m['accuracy']:.3f}",
                 len=f"{m['completion_length']:.0f}",
                 s=f"{m['step_time']:.1f}",
             )
