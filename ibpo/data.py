@@ -103,12 +103,16 @@ def gold_answer(value: Any, answer_format: str) -> str | None:
     return text or None
 
 
+def _is_file_source(source: str) -> bool:
+    return Path(source).suffix in (".json", ".jsonl", ".parquet")
+
+
 def _load_rows(source: str, split: str, subset: str | None):
     """A `datasets.Dataset`, or None when the split does not exist."""
     import datasets
 
     path = Path(source)
-    if path.suffix in (".json", ".jsonl", ".parquet"):
+    if _is_file_source(source):
         if not path.is_file():
             raise ConfigError(f"data file '{source}' not found")
         builder = "parquet" if path.suffix == ".parquet" else "json"
@@ -160,7 +164,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
     train = rows_to_examples(_load_rows(cfg.dataset, cfg.split, cfg.subset), cfg, cfg.dataset)
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
-    if cfg.eval_size and (cfg.eval_dataset or not Path(cfg.dataset).suffix):
+    if cfg.eval_size and (cfg.eval_dataset or not _is_file_source(cfg.dataset)):
         eval_rows = _load_rows(eval_source, cfg.eval_split, cfg.subset)
     if eval_rows is not None:
         held = rows_to_examples(eval_rows, cfg, eval_source)
