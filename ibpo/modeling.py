@@ -29,7 +29,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on CUDA with bf16 support, else fp16 on CUDA, fp32 on CPU.
 
-    fp32 on CPU is deliberate: without native bf16 units, bf16 matmuls on CPU run ~5x slower.
+    fp32 on CPU is deliberate: without native bf16 units, bf16 generation ran 3.4x slower
+    (scripts/bench_cpu_dtype.py).
     """
     if name != "auto":
         return _DTYPES[name]
