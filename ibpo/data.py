@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,7 +221,3 @@ class PromptStream:
             out.append(self.examples[self._order[self.position]])
             self.position += 1
         return out
-
-    def __iter__(self) -> Iterator[Example]:
-        while True:
-            yield from self.take(1)

@@ -29,16 +29,6 @@ class Rollout:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
-    def slice(self, start: int, stop: int) -> Rollout:
-        return Rollout(
-            self.input_ids[start:stop],
-            self.attention_mask[start:stop],
-            self.completion_mask[start:stop],
-            self.prompt_len,
-            self.texts[start:stop],
-            self.truncated[start:stop],
-        )
-
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
     ids = {tokenizer.eos_token_id}
