@@ -75,6 +75,10 @@ class RolloutConfig:
     generation_batch_size: int = 64  # sequences per generate() call
     eval_max_new_tokens: int = 24
     eval_batch_size: int = 100
+    # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
+    # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
 
 
 @dataclass
@@ -92,6 +96,36 @@ class ObjectiveConfig:
     reward: str = "math"  # reward function name (ibpo.rewards.REWARDS)
 
 
+# The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt
+# (data.prompt_template applied), {attempt} the incorrect completion, {reference} a sibling's.
+# It asks for a *local* repair, which the paper found better than a rewrite.
+DEFAULT_REPAIR_TEMPLATE = (
+    "{question}\n\n"
+    "Here is an attempt at this problem:\n{attempt}\n\n"
+    "Here is another attempt at the same problem:\n{reference}\n\n"
+    "The first attempt may contain a mistake. Repair it locally: keep every part of it that is "
+    "right, change only what is wrong, and write the repaired first attempt in full."
+)
+
+
+@dataclass
+class RepairConfig:
+    """Counterfactual repairs (IBPO.md Part 2); the defaults are the paper's values."""
+
+    enabled: bool | None = None  # None: on for objective 'ibpo', off for the baselines
+    references: int = 1  # K - 1 sibling references per incorrect completion (K = 2)
+    # correct_first: correct siblings first, then others | correct_only: skip a member whose
+    # group has no correct sibling | random: any sibling
+    reference_selection: str = "correct_first"
+    max_repairs_per_group: int = 4  # incorrect members repaired per group (bounds the cost)
+    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    temperature: float | None = None  # None: rollout.temperature
+    rho: float = 0.5  # phi_i = rho * mean over references of 1[repair correct]
+    shaping_lambda: float = 0.6  # R' = R + lambda * phi (incorrect members only)
+    unchanged_weight: float = 0.0  # blame kept on tokens a successful repair did not change
+    template: str = DEFAULT_REPAIR_TEMPLATE
+
+
 @dataclass
 class TrainConfig:
     steps: int = 14
@@ -107,6 +141,8 @@ class TrainConfig:
     logprob_chunk_tokens: int = 1024  # completion tokens per lm_head chunk
     seed: int = 0
     output_dir: str = "outputs/ibpo-demo"
+    eval_before: bool = True  # evaluate the held-out set before training too (not only after)
+    log_reference_kl: bool = True  # log KL to the reference each step (one no-grad forward)
     log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
     progress: bool = True
 
@@ -117,6 +153,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    repair: RepairConfig = field(default_factory=RepairConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +268,7 @@ _CHOICES = {
     ("data", "answer_format"): ("plain", "gsm8k", "boxed"),
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
+    ("repair", "reference_selection"): ("correct_first", "correct_only", "random"),
 }
 
 _POSITIVE = [
@@ -244,6 +282,8 @@ _POSITIVE = [
     ("train", "updates_per_rollout"),
     ("train", "logprob_chunk_tokens"),
     ("model", "lora_r"),
+    ("repair", "references"),
+    ("repair", "max_repairs_per_group"),
 ]
 
 
@@ -258,8 +298,8 @@ def validate(cfg: Config) -> None:
     for section, key in _POSITIVE:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{section}.{key} must be > 0")
-    if cfg.train.steps < 0 or cfg.data.eval_size < 0:
-        raise ConfigError("train.steps and data.eval_size must be >= 0")
+    if cfg.train.steps < 0 or cfg.data.eval_size < 0 or cfg.rollout.max_resample_rounds < 0:
+        raise ConfigError("train.steps, data.eval_size, rollout.max_resample_rounds must be >= 0")
     if cfg.rollout.group_size < 2:
         raise ConfigError("rollout.group_size must be >= 2: advantages compare members of a group")
     if cfg.rollout.temperature <= 0:
@@ -275,3 +315,19 @@ def validate(cfg: Config) -> None:
     resolve_params(cfg.objective)  # raises ConfigError on a bad weights/gate/aggregation value
     if "{question}" not in cfg.data.prompt_template:
         raise ConfigError("data.prompt_template must contain '{question}'")
+    _validate_repair(cfg.repair)
+
+
+def _validate_repair(rep: RepairConfig) -> None:
+    for key in ("rho", "unchanged_weight"):
+        if not 0.0 <= getattr(rep, key) <= 1.0:
+            raise ConfigError(f"repair.{key} must lie in [0, 1]")
+    if rep.shaping_lambda < 0:
+        raise ConfigError("repair.shaping_lambda must be >= 0")
+    if rep.max_new_tokens is not None and rep.max_new_tokens <= 0:
+        raise ConfigError("repair.max_new_tokens must be > 0 (or null for rollout.max_new_tokens)")
+    if rep.temperature is not None and rep.temperature <= 0:
+        raise ConfigError("repair.temperature must be > 0 (or null for rollout.temperature)")
+    for field_name in ("{question}", "{attempt}", "{reference}"):
+        if field_name not in rep.template:
+            raise ConfigError(f"repair.template must contain '{field_name}'")

@@ -184,7 +184,15 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
 
 def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
     """The text the model continues: the chat template applied to the templated question."""
-    user = cfg.prompt_template.format(question=question)
+    return render_user_message(tokenizer, user_message(question, cfg), cfg)
+
+
+def user_message(question: str, cfg: DataConfig) -> str:
+    return cfg.prompt_template.format(question=question)
+
+
+def render_user_message(tokenizer, user: str, cfg: DataConfig) -> str:
+    """Chat template (system prompt, thinking switch) around one user message."""
     if not getattr(tokenizer, "chat_template", None):
         return user
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []

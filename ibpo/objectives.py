@@ -70,7 +70,10 @@ WEIGHT_TRANSFORMS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 GATES = ("none", "group", "token")
 
 
-# --- surrogates: each returns (per-token loss [n, T], stats) ----------------------------------
+# --- surrogates -------------------------------------------------------------------------------
+# Each returns (per-token loss l [n, T], coef [n, T], stats). `coef` is the detached coefficient
+# the surrogate actually applies, dl/dlogp = -coef * adv: what the cancellation diagnostic reads
+# (IBPO.md Part 1), so the diagnostic measures the objective that ran, not a re-derivation of it.
 
 
 def exchangeable(
@@ -85,7 +88,7 @@ def exchangeable(
     gate: str = "none",
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """IBPO/DFPO: linear surrogate with detached, group-exchangeable sequence weights."""
     n, _ = logp.shape
     with torch.no_grad():
@@ -105,7 +108,7 @@ def exchangeable(
         coef = w_t.reshape(n, 1) * keep
     loss = -coef * adv * logp
     gated = 1.0 - (keep * mask).sum().item() / max(mask.sum().item(), 1.0)
-    return loss, {"gate_fraction": gated, "weight_mean": w_t.mean().item()}
+    return loss, coef.expand_as(logp), {"gate_fraction": gated, "weight_mean": w_t.mean().item()}
 
 
 def clipped_token(
@@ -118,7 +121,7 @@ def clipped_token(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """PPO-style clipped token ratio (GRPO, Dr.GRPO, DAPO); the clip depends on sign(A)."""
     ratio = (logp - old_logp).exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -126,7 +129,8 @@ def clipped_token(
     with torch.no_grad():
         active = ((ratio * adv) > (clipped * adv)).to(mask.dtype)  # min picked the clipped branch
         frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
-    return loss, {"clip_fraction": frac}
+        coef = ratio.detach() * (1 - active)  # d(-min)/d logp = -r A unclipped, 0 clipped
+    return loss, coef, {"clip_fraction": frac}
 
 
 def gspo_sequence(
@@ -139,7 +143,7 @@ def gspo_sequence(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """GSPO: clipped sequence ratio s_i = exp(mean_t(logp - old_logp)), shared by its tokens.
 
     Written per token as s_{i,t} = sg[s_i] * pi/sg[pi], whose gradient is s_i * grad logp_t;
@@ -152,7 +156,8 @@ def gspo_sequence(
     with torch.no_grad():
         active = ((s * adv) > (clipped * adv)).to(mask.dtype)
         frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
-    return loss, {"clip_fraction": frac}
+        coef = s.detach() * (1 - active)
+    return loss, coef, {"clip_fraction": frac}
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -183,6 +188,16 @@ def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normaliser: flo
     return (per_token * mask).sum() / normaliser
 
 
+def token_weights(mask: Tensor, aggregation: str) -> Tensor:
+    """The per-token factor `aggregate` applies before dividing by Z: [n, T].
+
+    1/|y_i| under seq_mean (one reason GRPO's coefficients differ between members), else 1.
+    """
+    if aggregation == "seq_mean":
+        return mask / mask.sum(-1, keepdim=True).clamp_min(1)
+    return mask
+
+
 AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
 
 
@@ -191,7 +206,7 @@ AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
 
 @dataclass(frozen=True)
 class Objective:
-    surrogate: Callable[..., tuple[Tensor, dict[str, float]]]
+    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
     aggregation: str
     scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
     defaults: dict[str, Any] = field(default_factory=dict)  # surrogate keyword arguments
@@ -222,7 +237,7 @@ OBJECTIVES: dict[str, Objective] = {
 @dataclass(frozen=True)
 class ResolvedObjective:
     name: str
-    surrogate: Callable[..., tuple[Tensor, dict[str, float]]]
+    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
     kwargs: dict[str, Any]
     aggregation: str
     scale_rewards: bool

@@ -29,6 +29,35 @@ class Rollout:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def completion_ids(self) -> Tensor:  # [N, T]
+        return self.input_ids[:, self.prompt_len :]
+
+    def select(self, rows: list[int]) -> Rollout:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return Rollout(
+            self.input_ids[idx], self.attention_mask[idx], self.completion_mask[idx],
+            self.prompt_len, [self.texts[i] for i in rows], self.truncated[idx],
+        )  # fmt: skip
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of different prompt/completion widths: prompts re-padded on the left,
+    completions on the right (position ids come from the attention mask, so nothing shifts)."""
+    P = max(r.prompt_len for r in rollouts)
+    T = max(r.completion_mask.shape[1] for r in rollouts)
+    pad = nn.functional.pad
+    ids, att, cmask = [], [], []
+    for r in rollouts:
+        left, right = P - r.prompt_len, T - r.completion_mask.shape[1]
+        ids.append(pad(r.input_ids, (left, right), value=pad_id))
+        att.append(pad(r.attention_mask, (left, right), value=0))
+        cmask.append(pad(r.completion_mask, (0, right), value=0.0))
+    return Rollout(
+        torch.cat(ids), torch.cat(att), torch.cat(cmask), P,
+        [t for r in rollouts for t in r.texts], torch.cat([r.truncated for r in rollouts]),
+    )  # fmt: skip
+
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
     ids = {tokenizer.eos_token_id}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import resource
 import time
 from contextlib import nullcontext
@@ -29,15 +30,23 @@ from pathlib import Path
 import torch
 import yaml
 
-from ibpo.advantages import group_advantages, token_advantages
 from ibpo.config import Config
-from ibpo.data import PromptStream, load_splits, render_prompt
+from ibpo.data import PromptStream, load_splits
+from ibpo.diagnostics import cancellation_residual
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy, reference_mode
-from ibpo.objectives import ResolvedObjective, aggregate, k3_kl, resolve_params, step_normaliser
+from ibpo.objectives import (
+    ResolvedObjective,
+    aggregate,
+    k3_kl,
+    resolve_params,
+    step_normaliser,
+    token_weights,
+)
 from ibpo.rewards import REWARDS
-from ibpo.rollout import Rollout, generate
+from ibpo.rollout import Rollout
+from ibpo.scoring import collect_batch
 
 
 def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -96,28 +105,16 @@ def frozen_logprobs(model, rollout, slices, chunk, temperature, reference: bool)
         return [sequence_logprobs(model, rollout, sl, chunk, temperature)[0] for sl in slices]
 
 
-def rl_step(model, tokenizer, optimizer, scheduler, accelerator, examples, cfg, objective):
+def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
     """One full RL step; returns a dict of metrics."""
     ro, tr = cfg.rollout, cfg.train
     G = ro.group_size
     t0 = time.perf_counter()
-    # 1-2. rollout
-    prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
-    rollout = generate(
-        model, tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
-        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-    )  # fmt: skip
+    # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]
+    batch = collect_batch(model, tokenizer, stream, cfg, objective, REWARDS[cfg.objective.reward],
+                          rng)  # fmt: skip
+    rollout, rewards, seq_adv, adv = batch.rollout, batch.rewards, batch.seq_adv, batch.adv
     t_gen = time.perf_counter()
-    # 3. rewards [B, G]
-    reward_fn = REWARDS[cfg.objective.reward]
-    answers = [ex.answer for ex in examples for _ in range(G)]
-    rewards = torch.tensor([reward_fn(t, a) for t, a in zip(rollout.texts, answers)])
-    rewards = rewards.view(len(examples), G)
-    # 4. advantages -> [N, T]
-    seq_adv = group_advantages(rewards, objective.scale_rewards).flatten()
-    device = rollout.input_ids.device
-    seq_adv = seq_adv.to(device)
-    adv = token_advantages(seq_adv, rollout.completion_mask)
     # 5. frozen log-probs (only when they matter)
     slices = micro_batches(rollout, G, tr.micro_batch_groups)
     chunk, temp = tr.logprob_chunk_tokens, ro.temperature
@@ -125,13 +122,14 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, examples, cfg, 
     if tr.updates_per_rollout > 1:
         old = frozen_logprobs(model, rollout, slices, chunk, temp, reference=False)
     ref = None
-    if objective.kl_coef > 0:
+    if objective.kl_coef > 0 or tr.log_reference_kl:
         ref = frozen_logprobs(model, rollout, slices, chunk, temp, reference=True)
     t_frozen = time.perf_counter()
     # 6-7. updates
     masks = [rollout.completion_mask[sl] for sl in slices]
     norm = step_normaliser(objective.aggregation, masks, ro.max_new_tokens)
     stats: dict[str, list[float]] = {}
+    cancel: dict[str, float] = {}
     model.train()
     for _ in range(tr.updates_per_rollout):
         for k, sl in enumerate(slices):
@@ -140,15 +138,21 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, examples, cfg, 
                 logp, ent, mask = sequence_logprobs(model, rollout, sl, chunk, temp)
                 width = mask.shape[1]
                 old_logp = logp.detach() if old is None else old[k]
-                per_token, info = objective.surrogate(
-                    logp, old_logp, trim(adv[sl], width), mask, seq_adv[sl], G, **objective.kwargs
+                a = trim(adv[sl], width)
+                per_token, coef, info = objective.surrogate(
+                    logp, old_logp, a, mask, seq_adv[sl], G, **objective.kwargs
                 )
                 if ref is not None:
                     kl = k3_kl(logp, ref[k])
-                    per_token = per_token + objective.kl_coef * kl
                     info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).item()
+                    if objective.kl_coef > 0:
+                        per_token = per_token + objective.kl_coef * kl
                 loss = aggregate(per_token, mask, objective.aggregation, norm)
                 accelerator.backward(loss)
+            c = coef * token_weights(mask, objective.aggregation)
+            tokens = trim(rollout.completion_ids[sl], width)
+            for key, v in cancellation_residual(c, a, tokens, mask, G).items():
+                cancel[key] = cancel.get(key, 0.0) + v
             info["loss"] = loss.item()
             info["entropy"] = ((ent * mask).sum() / mask.sum().clamp_min(1)).item()
             for key, v in info.items():
@@ -161,20 +165,23 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, examples, cfg, 
     n_tokens = rollout.completion_mask.sum().item()
     metrics = {k: sum(v) / len(v) for k, v in stats.items()}
     metrics["loss"] = sum(stats["loss"]) / tr.updates_per_rollout  # the step's loss, not a mean
+    metrics.update(batch.stats)
     metrics.update(
         reward=rewards.mean().item(),
-        accuracy=(rewards == 1).float().mean().item(),
+        accuracy=(rewards >= 1.0).float().mean().item(),
         zero_variance_groups=(rewards.std(1) == 0).float().mean().item(),
+        residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
+        shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
         truncated=rollout.truncated.float().mean().item(),
         grad_norm=float(grad_norm),
         lr=scheduler.get_last_lr()[0],
-        time_generate=t_gen - t0,
+        time_rollout=t_gen - t0,
         time_frozen_logprobs=t_frozen - t_gen,
         time_update=t_end - t_frozen,
         step_time=t_end - t0,
         tokens_per_second=n_tokens / (t_end - t0),
-        peak_memory_gb=peak_memory_gb(device),
+        peak_memory_gb=peak_memory_gb(rollout.input_ids.device),
     )
     return metrics
 
@@ -204,6 +211,7 @@ def train(cfg: Config) -> dict:
     start = time.time()
     accelerator = Accelerator(log_with=cfg.train.log_with, project_dir=cfg.train.output_dir)
     set_seed(cfg.train.seed)
+    rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
     out = Path(cfg.train.output_dir)
     main = accelerator.is_main_process
     if main:
@@ -231,7 +239,7 @@ def train(cfg: Config) -> dict:
             cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
         )  # fmt: skip
 
-    eval_before = held_out()
+    eval_before = held_out() if cfg.train.eval_before else None
     if main and eval_before:
         accelerator.print(
             f"held-out accuracy before: {eval_before['accuracy']:.3f} (n={eval_before['n']})"
@@ -241,8 +249,8 @@ def train(cfg: Config) -> dict:
     status, step = "completed", 0
     try:
         for step in bar:
-            m = rl_step(model, tokenizer, optimizer, scheduler, accelerator,
-                        stream.take(cfg.train.prompts_per_step), cfg, objective)  # fmt: skip
+            m = rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg,
+                        objective, rng)  # fmt: skip
             m["step"] = step + 1
             bar.set_postfix(
                 reward=f"{m['reward']:.3f}",

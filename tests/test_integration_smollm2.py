@@ -1,13 +1,14 @@
 """Integration on the real SmolLM2-135M-Instruct in 4-bit NF4 (fetched once from PyPI, cached)."""
 
 import json
+import random
 
 import pytest
 import torch
 
 from ibpo.cli import main
 from ibpo.config import load_config
-from ibpo.data import builtin_examples
+from ibpo.data import PromptStream, builtin_examples
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
@@ -31,11 +32,14 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
     model, tok = load_policy(cfg.model, torch.device("cpu"))
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    examples = builtin_examples("arithmetic", "train")
-    for step in range(2):
-        m = rl_step(model, tok, opt, sched, acc, examples[2 * step : 2 * step + 2], cfg,
-                    resolve_params(cfg.objective))  # fmt: skip
+    stream = PromptStream(builtin_examples("arithmetic", "train"), seed=0, shuffle=False)
+    rng = random.Random(0)
+    for _ in range(2):
+        m = rl_step(model, tok, opt, sched, acc, stream, cfg, resolve_params(cfg.objective), rng)
         assert 0.0 <= m["reward"] <= 1.0 and m["completion_length"] > 0
+        # the embedded model repairs some of its wrong answers: IBPO's counterfactuals ran
+        assert m["repairs"] > 0 and 0.0 <= m["repair_success_rate"] <= 1.0
+        assert 0.0 <= m["residual"] < 1e-6  # ibpo's min-replace weights: exchangeable
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert any(p.abs().sum() > 0 for p in lora.values())  # the adapter moved off its zero init
     model.save_pretrained(tmp_path / "adapter")

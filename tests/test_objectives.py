@@ -40,7 +40,7 @@ def shared_token_case(old_shift, lengths=(3, 3, 3, 3), rewards=(1.0, 0.0, 1.0, 0
 
 def shared_grad(surrogate, aggregation, kwargs, **case):
     theta, logp, old, adv, mask, seq_adv = shared_token_case(**case)
-    per_tok, _ = surrogate(logp, old, adv, mask, seq_adv, G, **kwargs)
+    per_tok, _, _ = surrogate(logp, old, adv, mask, seq_adv, G, **kwargs)
     loss = aggregate(per_tok, mask, aggregation, step_normaliser(aggregation, [mask], 3))
     loss.backward()
     return theta.grad.item()
@@ -91,7 +91,7 @@ def test_subset_shared_token_gets_exactly_subset_advantage_under_min_replace():
     old = logp.detach() - shifts
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), scale=True).flatten()
     adv = token_advantages(seq_adv, mask)
-    per_tok, info = exchangeable(logp, old, adv, mask, seq_adv, G, weights="min_replace")
+    per_tok, _, info = exchangeable(logp, old, adv, mask, seq_adv, G, weights="min_replace")
     (per_tok * mask).sum().backward()
     w_min = torch.exp(shifts.flatten()).min()  # w_i = exp(mean_t(logp - old)) = exp(shift_i)
     expected = -(w_min * (seq_adv[0] + seq_adv[1])).item()
@@ -107,7 +107,7 @@ def test_on_policy_exchangeable_equals_reinforce_with_group_baseline():
     seq_adv = group_advantages(rewards, scale=False).flatten()
     adv = token_advantages(seq_adv, mask)
     for weights in ("min_replace", "adv_orthogonal"):
-        per_tok, _ = exchangeable(logp, logp.detach(), adv, mask, seq_adv, G, weights=weights)
+        per_tok, _, _ = exchangeable(logp, logp.detach(), adv, mask, seq_adv, G, weights=weights)
         (g,) = torch.autograd.grad((per_tok * mask).sum(), logp)
         reinforce = -(seq_adv.view(-1, 1) * mask)  # d/dlogp of -sum A (R - mean) logp
         if weights == "min_replace":
@@ -129,7 +129,7 @@ def test_weight_transforms():
 
 def test_group_gate_drops_whole_group_whatever_the_sign():
     theta, logp, old, adv, mask, seq_adv = shared_token_case(old_shift=[0.0, 0.0, 0.0, 0.5])
-    per_tok, info = exchangeable(
+    per_tok, _, info = exchangeable(
         logp, old, adv, mask, seq_adv, G, weights="min_replace", gate="group",
         eps_low=0.2, eps_high=0.28,
     )  # fmt: skip
@@ -141,7 +141,7 @@ def test_clip_fraction_reported_and_k3_nonnegative():
     logp = torch.log(torch.tensor([[0.5, 0.2]]))
     old = torch.log(torch.tensor([[0.3, 0.2]]))
     adv = torch.ones(1, 2)
-    _, info = clipped_token(logp, old, adv, torch.ones(1, 2), torch.ones(1), 1)
+    _, _, info = clipped_token(logp, old, adv, torch.ones(1, 2), torch.ones(1), 1)
     assert info["clip_fraction"] == 0.5
     x = torch.randn(100)
     assert (k3_kl(x, x + torch.randn(100)) >= 0).all()
@@ -156,14 +156,14 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
     adv = token_advantages(seq_adv, mask)
     for name, obj in OBJECTIVES.items():
         agg = obj.aggregation
-        full, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults)
+        full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults)
         (g_full,) = torch.autograd.grad(
             aggregate(full, mask, agg, step_normaliser(agg, [mask], 6)), logp
         )
         norm = step_normaliser(agg, [mask[:4], mask[4:]], 6)
         total = 0
         for sl in (slice(0, 4), slice(4, 8)):
-            part, _ = obj.surrogate(
+            part, _, _ = obj.surrogate(
                 logp[sl], logp[sl].detach(), adv[sl], mask[sl], seq_adv[sl], G, **obj.defaults
             )
             total = total + aggregate(part, mask[sl], agg, norm)
@@ -183,3 +183,25 @@ def test_resolve_params_defaults_and_errors():
         resolve_params(ObjectiveConfig(name="dfpo", weights="nope"))
     with pytest.raises(ConfigError, match="token_mean"):
         resolve_params(ObjectiveConfig(name="dfpo", aggregation="sum"))
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_reported_coefficient_is_the_applied_one(name):
+    """coef * adv * token_weights equals -Z * dloss/dlogp: the diagnostic reads what ran."""
+    from ibpo.objectives import token_weights
+
+    obj = OBJECTIVES[name]
+    torch.manual_seed(0)
+    n, T = 2 * G, 5
+    mask = torch.ones(n, T)
+    mask[1, 3:] = 0
+    mask[6, 1:] = 0
+    logp = (-torch.rand(n, T) * 2).requires_grad_()
+    old = logp.detach() + 0.4 * torch.randn(n, T)  # large shifts: clipping active
+    seq_adv = group_advantages(torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 0]]), True).flatten()
+    adv = token_advantages(seq_adv, mask)
+    per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.defaults)
+    Z = step_normaliser(obj.aggregation, [mask], T)
+    aggregate(per_tok, mask, obj.aggregation, Z).backward()
+    expected = coef * adv * token_weights(mask, obj.aggregation)
+    torch.testing.assert_close(-logp.grad * Z, expected, atol=1e-6, rtol=1e-5)

@@ -1,10 +1,11 @@
 import json
+import random
 
 import pytest
 import torch
 
 from ibpo.config import load_config
-from ibpo.data import builtin_examples
+from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
 from ibpo.trainer import build_optimizer, rl_step, train
@@ -43,6 +44,12 @@ def _examples():
     return builtin_examples("arithmetic", "train")[:4]
 
 
+def _step(model, tok, opt, sched, acc, cfg):
+    stream = PromptStream(_examples(), seed=0, shuffle=False)
+    return rl_step(model, tok, opt, sched, acc, stream, cfg, resolve_params(cfg.objective),
+                   random.Random(0))  # fmt: skip
+
+
 def test_one_step_changes_lora_only(tiny_model_dir):
     cfg, acc, model, tok = _setup(tiny_model_dir, ["model.quantization=nf4",
                                                    "train.learning_rate=0.01"])  # fmt: skip
@@ -56,7 +63,7 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     trainer_mod.REWARDS["alternating"] = lambda text, ans: float(next(calls) % 2)
     try:
         cfg.objective.reward = "alternating"
-        m = rl_step(model, tok, opt, sched, acc, _examples(), cfg, resolve_params(cfg.objective))
+        m = _step(model, tok, opt, sched, acc, cfg)
     finally:
         del trainer_mod.REWARDS["alternating"]
     after = model.state_dict()
@@ -85,7 +92,7 @@ def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
         cfg.objective.reward = "alternating"
         try:
             torch.manual_seed(5)
-            rl_step(model, tok, opt, sched, acc, _examples(), cfg, resolve_params(cfg.objective))
+            _step(model, tok, opt, sched, acc, cfg)
         finally:
             del trainer_mod.REWARDS["alternating"]
         grads.append(opt.grads[0])

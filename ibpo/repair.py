@@ -1,0 +1,172 @@
+"""Counterfactual repairs (IBPO.md Part 2): the group's own members as counterfactuals.
+
+For each incorrect completion y_i of a group (at most `max_repairs_per_group` per group), K - 1
+sibling references are chosen (correct siblings first by default) and the policy is asked, through
+a documented template, to repair y_i *locally* given the question and the reference. All repairs of
+a step are generated in one batched call (adapter on, no gradient) and graded with the training
+grader. From them:
+
+    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 for correct y_i)
+    edited[i, t] = token t of y_i was changed by its most local successful repair
+                   (token-level Levenshtein alignment; all True when no repair succeeded)
+
+`advantages.shape_rewards` and `advantages.token_advantages` turn these into R' and token
+advantages. Repairs are scored, never trained on.
+
+Not here: the reward shaping arithmetic (advantages.py) or the loss.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ibpo.advantages import edited_tokens
+from ibpo.config import DataConfig, RepairConfig
+from ibpo.data import render_user_message, user_message
+from ibpo.rollout import Rollout, generate
+
+
+@dataclass(frozen=True)
+class RepairJob:
+    group: int  # b in [0, B)
+    member: int  # i in [0, G): the incorrect attempt
+    reference: int  # j in [0, G): the sibling shown as a reference
+
+
+def choose_references(
+    correct: list[bool], member: int, k: int, selection: str, rng: random.Random
+) -> list[int]:
+    """Up to k sibling indices for `member` of one group (never the member itself)."""
+    siblings = [j for j in range(len(correct)) if j != member]
+    rng.shuffle(siblings)
+    if selection == "random":
+        return siblings[:k]
+    good = [j for j in siblings if correct[j]]
+    if selection == "correct_only":
+        return good[:k]
+    return (good + [j for j in siblings if not correct[j]])[:k]
+
+
+def plan_repairs(
+    correct: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
+) -> list[RepairJob]:
+    """correct [B, G] bool -> the repair generations of a step (at most max_per_group x K-1 per
+    group). Which incorrect members are repaired when the cap binds is random, not positional."""
+    jobs = []
+    for b, row in enumerate(correct.tolist()):
+        wrong = [i for i, ok in enumerate(row) if not ok]
+        rng.shuffle(wrong)
+        for i in wrong[:max_per_group]:
+            for j in choose_references(row, i, references, selection, rng):
+                jobs.append(RepairJob(b, i, j))
+    return jobs
+
+
+def phi_from_repairs(
+    jobs: list[RepairJob], success: list[bool], shape: tuple[int, int], rho: float
+) -> Tensor:
+    """phi [B, G] = rho * (share of a member's repairs that succeeded); 0 where none ran."""
+    hits, runs = torch.zeros(shape), torch.zeros(shape)
+    for job, ok in zip(jobs, success):
+        runs[job.group, job.member] += 1
+        hits[job.group, job.member] += float(ok)
+    return rho * hits / runs.clamp_min(1)
+
+
+def fill_template(template: str, question: str, attempt: str, reference: str) -> str:
+    # str.replace, not str.format: templates and answers may contain LaTeX braces
+    return (
+        template.replace("{question}", question)
+        .replace("{attempt}", attempt.strip())
+        .replace("{reference}", reference.strip())
+    )
+
+
+def _token_lists(rollout: Rollout) -> list[list[int]]:
+    lengths = rollout.completion_mask.sum(-1).long().tolist()
+    return [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
+
+
+def edit_masks(
+    attempts: list[list[int]],
+    width: int,
+    jobs: list[RepairJob],
+    repairs: list[list[int]],
+    success: list[bool],
+    group_size: int,
+) -> tuple[Tensor, float]:
+    """edited [N, width] bool (True = carries blame) and the edited share of repaired attempts.
+
+    An attempt with several successful repairs takes the most local one (fewest edited tokens).
+    """
+    edited = torch.ones(len(attempts), width, dtype=torch.bool)
+    best: dict[int, list[bool]] = {}
+    for job, rep, ok in zip(jobs, repairs, success):
+        if not ok:
+            continue
+        n = job.group * group_size + job.member
+        marks = edited_tokens(attempts[n], rep)
+        if n not in best or sum(marks) < sum(best[n]):
+            best[n] = marks
+    n_edit = n_tok = 0
+    for n, marks in best.items():
+        edited[n, : len(marks)] = torch.tensor(marks, dtype=torch.bool)
+        n_edit, n_tok = n_edit + sum(marks), n_tok + len(marks)
+    return edited, (n_edit / n_tok if n_tok else 0.0)
+
+
+@dataclass
+class RepairOutcome:
+    phi: Tensor  # [B, G]
+    edited: Tensor  # [N, T] bool
+    stats: dict[str, float]
+
+
+def run_repairs(
+    model, tokenizer, questions: list[str], rollout: Rollout, rewards: Tensor, answers: list[str],
+    reward_fn, rep: RepairConfig, data_cfg: DataConfig, gen: dict, rng: random.Random,
+) -> RepairOutcome:  # fmt: skip
+    """Generate and grade the repairs of one step. `gen`: max_new_tokens, batch_size,
+    temperature, top_p, top_k for the repair generations (already resolved)."""
+    B, G = rewards.shape
+    correct = rewards >= 1.0
+    jobs = plan_repairs(correct, rep.references, rep.max_repairs_per_group,
+                        rep.reference_selection, rng)  # fmt: skip
+    width = rollout.completion_mask.shape[1]
+    n_wrong = int((~correct).sum().item())
+    stats = {"repairs": float(len(jobs)), "repair_tokens": 0.0, "repair_rate": 0.0,
+             "repair_success_rate": 0.0, "edited_token_fraction": 0.0}  # fmt: skip
+    if not jobs:
+        return RepairOutcome(torch.zeros(B, G), torch.ones(B * G, width, dtype=torch.bool), stats)
+    texts = rollout.texts
+    prompts = [
+        render_user_message(
+            tokenizer,
+            fill_template(
+                rep.template,
+                user_message(questions[j.group], data_cfg),
+                texts[j.group * G + j.member],
+                texts[j.group * G + j.reference],
+            ),
+            data_cfg,
+        )  # fmt: skip
+        for j in jobs
+    ]
+    out = generate(
+        model, tokenizer, prompts, 1, gen["max_new_tokens"], gen["batch_size"],
+        temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"],
+    )  # fmt: skip
+    success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(out.texts, jobs)]
+    phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
+    edited, frac = edit_masks(_token_lists(rollout), width, jobs, _token_lists(out), success, G)
+    stats.update(
+        repair_tokens=out.completion_mask.sum().item(),
+        repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
+        repair_success_rate=sum(success) / len(jobs),
+        edited_token_fraction=frac,
+    )
+    return RepairOutcome(phi, edited.to(rollout.completion_mask.device), stats)

@@ -1,0 +1,159 @@
+"""The exchangeability residual on constructed groups, and dynamic sampling's bounds."""
+
+import random
+
+import pytest
+import torch
+
+from ibpo.advantages import group_advantages, token_advantages
+from ibpo.diagnostics import cancellation_residual, prefix_node_ids
+from ibpo.objectives import OBJECTIVES, token_weights
+
+G = 4
+# one group: members 0-2 share "5 1", member 3 shares only "5"; lengths differ
+TOKENS = torch.tensor([[5, 1, 2, 0], [5, 1, 3, 4], [5, 1, 2, 9], [5, 8, 8, 0]])
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float)
+
+
+def test_prefix_nodes_identify_same_token_at_same_context():
+    ids = prefix_node_ids(TOKENS, MASK, G)
+    assert len(set(ids[:, 0].tolist())) == 1  # everyone emits 5 first
+    assert ids[0, 1] == ids[1, 1] == ids[2, 1] != ids[3, 1]
+    assert ids[0, 2] == ids[2, 2] != ids[1, 2]  # "5 1 2" shared by 0 and 2 only
+    assert ids[0, 3] == -1 and ids[3, 3] == -1  # off the mask
+    # the same tokens in another group are other nodes (another prompt = another context)
+    two = prefix_node_ids(torch.cat([TOKENS, TOKENS]), torch.cat([MASK, MASK]), G)
+    assert set(two[:4].flatten().tolist()) & set(two[4:].flatten().tolist()) <= {-1}
+
+
+def _residual(name, old_shift, rewards=(1.0, 0.0, 1.0, 0.0), **overrides):
+    obj = OBJECTIVES[name]
+    kwargs = {**obj.defaults, **overrides}
+    logp = -torch.rand(G, 4, generator=torch.Generator().manual_seed(0)) - 0.1
+    old = logp - torch.tensor(old_shift).view(G, 1)
+    seq_adv = group_advantages(torch.tensor([rewards]), obj.scale_rewards).flatten()
+    adv = token_advantages(seq_adv, MASK)
+    _, coef, info = obj.surrogate(logp, old, adv, MASK, seq_adv, G, **kwargs)
+    c = coef * token_weights(MASK, obj.aggregation)
+    r = cancellation_residual(c, adv, TOKENS, MASK, G)
+    return r["residual_num"] / r["residual_den"], r, info
+
+
+SHIFTS = [0.3, -0.25, 0.1, 0.35]  # unequal sequence ratios, large enough to activate clipping
+
+
+@pytest.mark.parametrize("name", ["ibpo", "dfpo"])
+def test_residual_is_exactly_zero_for_min_replace(name):
+    res, r, _ = _residual(name, SHIFTS)
+    assert res == 0.0 and r["residual_den"] > 0
+    assert r["shared_tokens"] == 4 + 3 + 2 and r["tokens"] == MASK.sum()
+
+
+def test_residual_positive_for_grpo_with_clipping_and_gspo_with_unequal_ratios():
+    res, _, info = _residual("grpo", SHIFTS)
+    assert info["clip_fraction"] > 0 and res > 0.05
+    res, _, _ = _residual("gspo", SHIFTS)
+    assert res > 0.05
+    # on-policy with equal lengths gspo would cancel; here lengths differ only for grpo's seq_mean
+    res, _, _ = _residual("dapo", [0.0] * G)  # token_mean, ratio 1, no clip: exchangeable
+    assert res == pytest.approx(0.0, abs=1e-12)
+
+
+def test_adv_orthogonal_cancels_the_token_shared_by_the_whole_group():
+    obj = OBJECTIVES["dfpo"]
+    tokens = torch.tensor([[5, 1], [5, 2], [5, 3], [5, 4]])  # only the first token is shared
+    mask = torch.ones(G, 2)
+    logp = -torch.rand(G, 2, generator=torch.Generator().manual_seed(1))
+    old = logp - torch.tensor(SHIFTS).view(G, 1)
+    seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), True).flatten()
+    adv = token_advantages(seq_adv, mask)
+    kw = {**obj.defaults, "weights": "adv_orthogonal"}
+    _, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **kw)
+    r = cancellation_residual(coef, adv, tokens, mask, G)
+    assert r["residual_num"] == pytest.approx(0.0, abs=1e-6 * r["residual_den"])
+    assert r["shared_tokens"] == 4
+
+
+# --- dynamic sampling -------------------------------------------------------------------------
+
+
+class _Stream:
+    def __init__(self):
+        self.asked = []
+
+    def take(self, n):
+        self.asked.append(n)
+        return [object()] * n
+
+
+class _Tok:
+    pad_token_id = 0
+
+
+def _fake_rounds(monkeypatch, reward_rows):
+    """Each round returns the next list of group reward rows (one row per requested prompt)."""
+    import ibpo.scoring as scoring
+
+    rows = iter(reward_rows)
+
+    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng):
+        r = torch.tensor(next(rows)[: len(examples)], dtype=torch.float32)
+        n, g = r.shape
+        mask = torch.ones(n * g, 3)
+        from ibpo.rollout import Rollout
+
+        ro = Rollout(torch.ones(n * g, 5, dtype=torch.long), torch.ones(n * g, 5, dtype=torch.long),
+                     mask, 2, ["x"] * (n * g), torch.zeros(n * g, dtype=torch.bool))  # fmt: skip
+        return ro, r, r, None, {"generated_tokens": float(n * g * 3)}
+
+    monkeypatch.setattr(scoring, "_score_round", fake_round)
+
+
+def _cfg(dynamic, rounds, B=3):
+    from ibpo.config import load_config
+
+    return load_config(None, ["rollout.group_size=2", f"train.prompts_per_step={B}",
+                              f"rollout.dynamic_sampling={str(dynamic).lower()}",
+                              f"rollout.max_resample_rounds={rounds}"])  # fmt: skip
+
+
+def _collect(cfg):
+    from ibpo.objectives import resolve_params
+    from ibpo.scoring import collect_batch
+
+    stream = _Stream()
+    b = collect_batch(None, _Tok(), stream, cfg, resolve_params(cfg.objective), None,
+                      random.Random(0))  # fmt: skip
+    return b, stream
+
+
+FLAT, LIVE = [1, 1], [1, 0]
+
+
+def test_dynamic_sampling_refills_until_full(monkeypatch):
+    _fake_rounds(monkeypatch, [[FLAT, LIVE, FLAT], [LIVE, FLAT], [LIVE]])
+    b, stream = _collect(_cfg(True, 5))
+    assert stream.asked == [3, 2, 1]
+    assert b.rewards.shape == (3, 2) and (b.rewards.std(1) > 0).all()
+    assert b.stats["dropped_groups"] == 3 and b.stats["resample_rounds"] == 2
+    assert b.stats["generated_tokens"] == (6 + 4 + 2) * 3
+    assert b.adv.shape == (6, 3) and b.adv.abs().sum() > 0
+
+
+def test_dynamic_sampling_stops_after_max_rounds(monkeypatch):
+    _fake_rounds(monkeypatch, [[FLAT, FLAT, LIVE]] + [[FLAT, FLAT]] * 10)
+    b, stream = _collect(_cfg(True, 2))
+    assert stream.asked == [3, 2, 2]  # the first round plus at most 2 more
+    assert b.rewards.shape == (1, 2) and b.stats["dropped_groups"] == 6
+
+
+def test_dynamic_sampling_with_no_signal_trains_the_last_round(monkeypatch):
+    _fake_rounds(monkeypatch, [[FLAT, FLAT]] * 3)
+    b, _ = _collect(_cfg(True, 1, B=2))
+    assert b.rewards.shape == (2, 2) and (b.adv == 0).all()
+
+
+def test_without_dynamic_sampling_flat_groups_stay(monkeypatch):
+    _fake_rounds(monkeypatch, [[FLAT, LIVE, FLAT]])
+    b, stream = _collect(_cfg(False, 3))
+    assert stream.asked == [3] and b.rewards.shape == (3, 2) and b.stats["dropped_groups"] == 0

@@ -1,0 +1,176 @@
+"""IBPO Part 2: repair planning, phi, reward shaping, token edit masks (IBPO.md properties)."""
+
+import random
+
+import pytest
+import torch
+
+from ibpo.advantages import edited_tokens, group_advantages, shape_rewards, token_advantages
+from ibpo.config import DataConfig, RepairConfig
+from ibpo.repair import (
+    edit_masks,
+    fill_template,
+    phi_from_repairs,
+    plan_repairs,
+    run_repairs,
+)
+from ibpo.rollout import Rollout
+
+# --- shaping ----------------------------------------------------------------------------------
+
+
+def test_shaping_touches_only_incorrect_members_and_phi_is_bounded_by_rho():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    correct = rewards >= 1
+    jobs = plan_repairs(correct, references=2, max_per_group=4, selection="correct_first",
+                        rng=random.Random(0))  # fmt: skip
+    success = [k % 2 == 0 for k in range(len(jobs))]
+    phi = phi_from_repairs(jobs, success, (2, 4), rho=0.5)
+    assert ((phi >= 0) & (phi <= 0.5)).all() and phi.max() > 0
+    assert (phi[correct] == 0).all()  # correct members are never repaired
+    shaped = shape_rewards(rewards, phi, 0.6, correct)
+    assert torch.equal(shaped[correct], rewards[correct])
+    torch.testing.assert_close(shaped[~correct], rewards[~correct] + 0.6 * phi[~correct])
+
+
+def test_all_equal_groups_give_zero_advantage():
+    ones, zeros = torch.ones(3, 8), torch.zeros(3, 8)
+    for scale in (True, False):
+        assert (group_advantages(ones, scale) == 0).all()
+        assert (group_advantages(zeros, scale) == 0).all()
+    # an all-correct group plans no repair at all, so shaping keeps it flat
+    assert plan_repairs(ones.bool(), 1, 4, "correct_first", random.Random(0)) == []
+    # all-wrong with no successful repair: phi = 0, still flat
+    jobs = plan_repairs(zeros.bool(), 1, 8, "correct_first", random.Random(0))
+    phi = phi_from_repairs(jobs, [False] * len(jobs), (3, 8), 0.5)
+    assert (group_advantages(shape_rewards(zeros, phi, 0.6, zeros.bool()), True) == 0).all()
+
+
+def test_plan_prefers_correct_siblings_respects_cap_and_never_self():
+    correct = torch.tensor([[True, False, False, False, True, False]])
+    jobs = plan_repairs(correct, references=2, max_per_group=3, selection="correct_first",
+                        rng=random.Random(1))  # fmt: skip
+    members = {j.member for j in jobs}
+    assert len(members) == 3 and members <= {1, 2, 3, 5}  # cap, incorrect only
+    assert len(jobs) == 3 * 2
+    for j in jobs:
+        assert j.reference != j.member and correct[0, j.reference]  # two correct siblings exist
+    one_correct = torch.tensor([[True, False, False]])
+    jobs = plan_repairs(one_correct, 2, 4, "correct_first", random.Random(0))
+    for m in (1, 2):  # the correct sibling first, then the other incorrect one
+        assert [j.reference for j in jobs if j.member == m][0] == 0
+    none_correct = torch.zeros(1, 4, dtype=torch.bool)
+    assert plan_repairs(none_correct, 1, 4, "correct_only", random.Random(0)) == []
+    assert len(plan_repairs(none_correct, 1, 4, "correct_first", random.Random(0))) == 4
+
+
+# --- token edit masks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "attempt, repair, expected",
+    [
+        ([1, 2, 3, 4], [1, 2, 3, 4], [False, False, False, False]),  # unchanged
+        ([1, 2, 3, 4], [1, 9, 3, 4], [False, True, False, False]),  # substitution
+        ([1, 2, 3, 4], [1, 3, 4], [False, True, False, False]),  # deletion
+        ([1, 2, 3, 4], [1, 2, 7, 3, 4], [False, False, True, False]),  # insertion before 3
+        ([1, 2, 3], [1, 2, 3, 5], [False, False, True]),  # insertion at the end
+        ([5, 6, 7], [], [True, True, True]),  # everything deleted
+        ([], [1], []),
+        ([10, 11, 12, 13, 14], [10, 20, 12, 13], [False, True, False, False, True]),
+    ],
+)
+def test_edited_tokens_alignment(attempt, repair, expected):
+    assert edited_tokens(attempt, repair) == expected
+
+
+def test_edit_mask_never_increases_blame_nor_flips_sign():
+    torch.manual_seed(0)
+    seq_adv = torch.randn(16)
+    mask = (torch.rand(16, 7) > 0.2).float()
+    edited = torch.rand(16, 7) > 0.5
+    plain = token_advantages(seq_adv, mask)
+    for w in (0.0, 0.3, 1.0):
+        masked = token_advantages(seq_adv, mask, edited, unchanged_weight=w)
+        assert (masked.abs() <= plain.abs()).all()
+        assert (masked * plain >= 0).all()  # same sign (or zero)
+        pos = seq_adv >= 0
+        assert torch.equal(masked[pos], plain[pos])  # non-negative advantages untouched
+    assert torch.equal(token_advantages(seq_adv, mask, edited, 1.0), plain)
+    with pytest.raises(ValueError):
+        token_advantages(seq_adv, mask, edited, 1.5)
+
+
+def test_edit_masks_take_the_most_local_successful_repair():
+    from ibpo.repair import RepairJob
+
+    attempts = [[1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    jobs = [RepairJob(0, 1, 0), RepairJob(0, 1, 2), RepairJob(0, 2, 0)]
+    repairs = [[3, 0, 0, 6], [3, 4, 0, 6], [7, 8, 9]]
+    edited, frac = edit_masks(attempts, 5, jobs, repairs, [True, True, False], group_size=3)
+    assert edited[0].all()  # never repaired: full blame
+    assert edited[1].tolist() == [False, False, True, False, True]  # second repair: 1 edit
+    assert edited[2].all()  # its repair failed: full blame
+    assert frac == pytest.approx(1 / 4)
+
+
+def test_template_keeps_latex_braces():
+    t = "Q: {question}\nA: {attempt}\nR: {reference}\n\\boxed{x}"
+    out = fill_template(t, "What is {a}?", " \\frac{1}{2} ", "0.5")
+    assert out == "Q: What is {a}?\nA: \\frac{1}{2}\nR: 0.5\n\\boxed{x}"
+
+
+# --- run_repairs end to end with a scripted generator ---------------------------------------
+
+
+def _rollout(rows: list[list[int]], texts: list[str], prompt_len: int = 2) -> Rollout:
+    T = max(len(r) for r in rows)
+    comp = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T)
+    for n, r in enumerate(rows):
+        comp[n, : len(r)] = torch.tensor(r)
+        mask[n, : len(r)] = 1
+    ids = torch.cat([torch.ones(len(rows), prompt_len, dtype=torch.long), comp], 1)
+    att = torch.cat([torch.ones(len(rows), prompt_len), mask], 1).long()
+    return Rollout(ids, att, mask, prompt_len, texts, torch.zeros(len(rows), dtype=torch.bool))
+
+
+class _Tok:
+    chat_template = None
+
+
+def test_run_repairs_batches_grades_and_masks(monkeypatch):
+    import ibpo.repair as repair_mod
+
+    # group of 4: members 0 and 2 correct ("7"), members 1 and 3 wrong
+    rollout = _rollout([[7], [3, 9], [7], [5, 5, 5]], ["7", "39", "7", "555"])
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    calls = []
+
+    def fake_generate(model, tok, prompts, n, max_new, bs, **kw):
+        calls.append(prompts)
+        # member 1's repair keeps its first token and fixes the second; member 3's fails
+        rows, texts = [], []
+        for p in prompts:
+            if "39" in p:
+                rows.append([3, 7]), texts.append("37")
+            else:
+                rows.append([5, 5, 6]), texts.append("556")
+        return _rollout(rows, texts)
+
+    monkeypatch.setattr(repair_mod, "generate", fake_generate)
+    rep = RepairConfig(references=1)
+    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
+    out = run_repairs(None, _Tok(), ["3 + 4"], rollout, rewards, ["37"], _reward, rep,
+                      DataConfig(), gen, random.Random(0))  # fmt: skip
+    assert len(calls) == 1 and len(calls[0]) == 2  # one batched call, one repair per wrong member
+    assert all("3 + 4" in p and "7" in p for p in calls[0])  # question and a correct reference
+    assert out.phi.tolist() == [[0.0, 0.5, 0.0, 0.0]]
+    assert out.edited[1].tolist() == [False, True, True]  # token 3 kept; 9 edited; pad column
+    assert out.edited[3].all() and out.edited[0].all()
+    assert out.stats["repairs"] == 2 and out.stats["repair_success_rate"] == 0.5
+    assert out.stats["repair_rate"] == 1.0 and out.stats["repair_tokens"] == 5
+
+
+def _reward(text: str, answer: str) -> float:
+    return float(text.strip() == answer)
