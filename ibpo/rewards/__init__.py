@@ -5,8 +5,9 @@ A reward function takes (completion text, gold answer) and returns a float in [0
 
 from collections.abc import Callable
 
+from ibpo.rewards.code import code_reward
 from ibpo.rewards.math import extract_answer, math_reward
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward}
+REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward, "code": code_reward}
 
-__all__ = ["REWARDS", "extract_answer", "math_reward"]
+__all__ = ["REWARDS", "code_reward", "extract_answer", "math_reward"]

