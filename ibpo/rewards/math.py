@@ -1,40 +1,95 @@
-r"""Math answer grading: extract the final answer, then verify it with math-verify.
+r"""Math answer grading: extract the final answer, normalise it, compare it with the gold answer.
 
-Extraction comes first because verifying a whole completion can match a restated expression
-("9 + 7 = 26" would be scored correct for 16). Order: Qwen3 `<think>...</think>` blocks are
-dropped; then the last `\boxed{...}`; else an "Answer: ..." / "answer is ..." / "#### ..." line;
-else the last number in the text. Numbers are compared exactly when both sides are plain numbers
-(fast path); anything else goes to math-verify with its signal-based timeouts off, so grading is
-safe in threads.
+Extraction first: verifying a whole completion can match a restated expression ("9 + 7 = 26"
+would count for 16). Qwen3 thinking is dropped (`<think>...</think>`; an unterminated `<think>`
+to the end, so a completion cut off mid-thought has no answer; all before a lone `</think>`, for
+templates that open the block in the prompt). Then the answer is the last `\boxed{...}`,
+`\fbox{...}` or `\boxed 5` (an empty or unterminated box: no answer); else the last "answer
+is ..." / "Answer: ..." / "#### ..." (a `$...$` span or the first sentence; a lone number in
+prose alone: "The answer is 12 apples" -> 12); else the last number.
 
-Not here: code execution (sandbox), format rewards, or dataset-specific answer parsing (data.py).
+Normalisation (both sides) drops `$`, `\(\)`, `\[\]`, `\left`/`\right`, spacing, degrees, `\%`,
+dollar signs, a whole `\text{...}`, trailing units (`\text{ cm}`, "5 dollars"), a trailing period
+and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a
+pair); `(B)` -> B. Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
+
+Comparison: plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`), and sets, intervals and
+tuples of them, are compared in Python: integers exactly, others to 6 decimals (math-verify's
+rounding), sets in any order, `[1,2)` is not `[1,2]`. Identical strings match. Only the rest
+(radicals, expressions, ...) reaches sympy, through math-verify.
+
+Time bound: math-verify's signal timeouts only work in the main thread, so they are off. Answers
+over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, big or nested factorials are
+compared as text only. The rest runs in a pool of worker processes over pipes, so any thread (or
+daemonic pool process) may grade. Overrunning VERIFY_TIMEOUT_S counts as wrong and kills the
+worker: a stuck sympy call (often C big-integer code) cannot be interrupted, and a thread could
+not be stopped at all. The kernel also caps each comparison at WORKER_CPU_S of CPU, so nothing
+burns on if this process dies. The price: a worker start (1-3 s, at the first sympy comparison
+and after each kill) and a pipe round trip (well under 1 ms) per comparison. Verdicts are cached,
+timeouts included, so a repeated pathological answer costs one kill. Where no worker can start
+(non-POSIX, no subprocess), math-verify runs in-process behind the text guards, with a warning.
+
+Not here: partial credit, tolerance beyond 6 decimals, unit conversion (5 m vs 500 cm), code
+execution (sandbox), format rewards, dataset-specific gold parsing (data.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import logging
+import os
 import re
+import select
+import subprocess
+import sys
+import threading
+import time
 from fractions import Fraction
 
 # We turn math-verify's signal timeouts off on purpose (thread safety); silence its reminder.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+_log = logging.getLogger(__name__)
 
-_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
-_ANSWER_LINE = re.compile(
-    r"(?:final answer|answer)\s*(?:is|:)?\s*[:=]?\s*(.+)|####\s*(.+)", re.IGNORECASE
+VERIFY_TIMEOUT_S = 5.0  # wall clock for one math-verify comparison, then its worker is killed
+WORKER_CPU_S = 10  # kernel limit on the CPU seconds of one comparison inside a worker
+MAX_ANSWER_CHARS = 400  # longer answers are compared as text only
+MAX_EXPONENT = 10_000  # a larger literal exponent is compared as text only
+MAX_FACTORIAL = 1_000  # likewise n! for larger n
+_MAX_WORKERS = 4  # concurrent comparisons; more threads wait for a free worker
+_WORKER_MEMORY = 4 << 30  # address-space cap of a worker (bytes)
+
+# ---------------------------------------------------------------------------- extraction
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
+_BOX_TOKEN = re.compile(r"[^\s$]+")
+# Greedy `.*` so the last "answer is" of a line wins.
+_ANSWER_LINE = re.compile(r"^.*(?:\banswer\s*(?:is|:|=)|####)\s*:?(.*)$", re.I | re.M)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_COEFFICIENT = re.compile(r"\d[A-Za-z](?![A-Za-z])")  # "3x" is not 3 (while "5cm" is 5)
+# A minus after a word or bracket is subtraction ("9-7" ends in 7, not -7).
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<![\w)\]])-?\.\d+"
 )
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_PLAIN = re.compile(r"^-?(?:\d+(?:\.\d+)?|\.\d+)(?:/\d+)?$")
+
+
+def strip_thinking(text: str) -> str:
+    text = _THINK.sub("", text)
+    end = text.rfind("</think>")
+    return text[end + len("</think>") :] if end >= 0 else text
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} (or \fbox{...}), with nested braces handled."""
+    r"""Content of the last \boxed{...} / \fbox{...} (nested braces) or `\boxed 5`, else None."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
+    m = _BOX.match(text, start) if start >= 0 else None
+    if m is None:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
+    i = m.end()
+    if not text.startswith("{", i):
+        token = _BOX_TOKEN.match(text, i)
+        return token.group(0) if token else None
     depth = 0
     for j in range(i, len(text)):
         if text[j] == "{":
@@ -43,61 +98,318 @@ def last_boxed(text: str) -> str | None:
             depth -= 1
             if depth == 0:
                 return text[i + 1 : j].strip()
-    return None
+    return None  # unterminated: the completion was cut off inside the box
 
 
-def strip_thinking(text: str) -> str:
-    return _THINK.sub("", text)
+def _answer_span(span: str) -> str:
+    """The answer part of what follows "answer is": a $...$ span or the first sentence."""
+    delim = "$$" if span.startswith("$$") else "$" if span.startswith("$") else ""
+    if delim and (close := span.find(delim, len(delim))) > 0:
+        return span[: close + len(delim)]
+    span = _SENTENCE_END.split(span, maxsplit=1)[0].strip()
+    if not any(c in span for c in "\\^{}") and not _COEFFICIENT.search(span):
+        nums = _NUMBER.findall(span)
+        if len(nums) == 1:  # "12 apples", "x = 5"; several numbers may be a tuple: keep whole
+            return nums[0]
+    return span
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion, or None when it gives none."""
-    text = strip_thinking(text)
+    """The final answer of a completion (raw text, not normalised), or None when it gives none."""
+    text = strip_thinking(text or "").replace("\u2212", "-")  # Unicode minus
     boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for line in reversed(lines):
-        m = _ANSWER_LINE.search(line)
-        if m:
-            ans = (m.group(1) or m.group(2)).strip().rstrip(".").strip()
-            nums = _NUMBER.findall(ans)
-            # "The answer is 12 apples" -> 12; keep LaTeX-ish answers whole
-            if nums and not any(c in ans for c in "\\^{}"):
-                return nums[0]
-            if ans:
-                return ans
+    if boxed is not None or "\\boxed" in text or "\\fbox" in text:
+        return boxed or None
+    for span in reversed(_ANSWER_LINE.findall(text)):
+        if ans := _answer_span(span.strip()):
+            return ans
     nums = _NUMBER.findall(text)
     return nums[-1] if nums else None
 
 
-def _as_number(text: str) -> Fraction | None:
-    s = text.strip().replace(",", "").rstrip(".").strip("$ ")
-    if not _PLAIN.match(s):
-        return None
+# ---------------------------------------------------------------------------- normalisation
+_DROP = re.compile(
+    r"\\(?:left|right)(?![A-Za-z])|\\[,!;: ]|\\q?quad(?![A-Za-z])|\\displaystyle|~"
+    r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°|\\?%|\\?\$"
+)
+_TEXT_ALL = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\{([^{}]*)\}")
+_UNIT_TEXT = re.compile(
+    r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?[23]\}?)?$"
+)
+_UNIT_WORDS = re.compile(r"(?<=\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?$")
+_MATH_WORDS = {"pi", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "sqrt", "mod"}
+_ASSIGN = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d{1,3}(?: \d{3})+")
+_CHOICE = re.compile(r"\(?([A-J])\)?")
+_FRAC_ALIAS = re.compile(r"\\[dt]frac(?![A-Za-z])")
+_MATH_MODE = re.compile(r"\\\((.*)\\\)|\\\[(.*)\\\]", re.DOTALL)
+
+
+def _normalize(s: str) -> str:
+    s = s.strip().replace("\u2212", "-")
+    if m := _MATH_MODE.fullmatch(s):  # \(...\) or \[...\]
+        s = m.group(1) if m.group(1) is not None else m.group(2)
+    s = _DROP.sub("", s).replace("{,}", ",")
+    s = _FRAC_ALIAS.sub(r"\\frac", s).strip()
+    if m := _TEXT_ALL.fullmatch(s):
+        s = m.group(1).strip()
+    s = _UNIT_TEXT.sub("", s)
+    m = _UNIT_WORDS.search(s)
+    if m and not set(m.group(1).lower().split()) & _MATH_WORDS:
+        s = s[: m.start()]
+    s = s.strip().rstrip(".").strip()
+    if s.count("=") == 1:
+        s = _ASSIGN.sub("", s, count=1)
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "").replace(" ", "")
+    if m := _CHOICE.fullmatch(s):
+        s = m.group(1)
+    return re.sub(r"^-\s+", "-", s)
+
+
+# ---------------------------------------------------------------------------- comparison
+_DECIMAL = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d{1,3})?|-?\d+/\d+")  # exponent <= 999
+_FRAC = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}")
+_EXPONENT = re.compile(r"\^\s*\{?\s*\(?\s*-?\s*(\d+)")
+# Power towers: 9^{9^9}, 9^(9^9), 9^{9}^{9}, 9^99^9 (while a^2b^2 is fine).
+_TOWER = re.compile(r"\^\s*(?:\{[^{}]*\^|\([^()]*\^|\{[^{}]*\}\s*\^|(?:\d+|\w|\\[A-Za-z]+)\s*\^)")
+_FACTORIAL = re.compile(r"(\d*)\s*!")
+_SEQUENCE = re.compile(r"(\\\{|[(\[])?([^()\[\]{}]*,[^()\[\]{}]*)(\\\}|[)\]])?")
+_INFINITY = {"\\infty": float("inf"), "+\\infty": float("inf"), "-\\infty": float("-inf")}
+
+
+def _as_number(s: str) -> Fraction | None:
     try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+        if _DECIMAL.fullmatch(s):
+            return Fraction(s)
+        if m := _FRAC.fullmatch(s):
+            return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+    except (ValueError, ZeroDivisionError):  # 1/0, over Python's int digit limit
+        pass
+    return None
+
+
+def _same_number(a: Fraction, b: Fraction) -> bool:
+    if a == b:
+        return True
+    if a.denominator == 1 and b.denominator == 1:
+        return False  # integers are exact: 1000001 is not 1000000
+    return round(a, 6) == round(b, 6)
+
+
+def _as_sequence(s: str) -> tuple[str, str, list] | None:
+    r"""(open, close, items) of `\{1,2\}`, `[0,\infty)`, `(1, 2)` or `1, 2` with numeric items."""
+    m = _SEQUENCE.fullmatch(s)
+    if m is None:
         return None
+    items = [_INFINITY.get(x.strip()) or _as_number(x.strip()) for x in m.group(2).split(",")]
+    return None if None in items else (m.group(1) or "", m.group(3) or "", items)
+
+
+def _set_key(x: Fraction | float) -> Fraction | float:
+    return round(x, 6) if isinstance(x, Fraction) and x.denominator != 1 else x
+
+
+def _same_sequence(a: tuple[str, str, list], b: tuple[str, str, list]) -> bool | None:
+    """Sets in any order; intervals and tuples item by item with the same brackets; else None."""
+    if (a[0] == b[0] == "\\{" and a[1] == b[1] == "\\}") or not (a[0] + a[1] + b[0] + b[1]):
+        return set(map(_set_key, a[2])) == set(map(_set_key, b[2]))  # a bare list is a set too
+    if not (a[0] and a[1] and b[0] and b[1]) or "\\{" in (a[0], b[0]):
+        return None  # a set against a bracket, or an unbalanced side: math-verify decides
+    if a[:2] != b[:2] or len(a[2]) != len(b[2]):
+        return False  # [1,2) is not [1,2]
+    return all(
+        x == y or isinstance(x, Fraction) and isinstance(y, Fraction) and _same_number(x, y)
+        for x, y in zip(a[2], b[2])
+    )
+
+
+def _too_costly(s: str) -> bool:
+    """Inputs sympy could spend minutes (or gigabytes) on: compared as text instead."""
+    s = s.replace("**", "^")
+    if len(s) > MAX_ANSWER_CHARS or _TOWER.search(s):
+        return True
+    if any(int(e) > MAX_EXPONENT for e in _EXPONENT.findall(s)):
+        return True
+    # "n!" with large n, or a factorial of an expression ("(10^5)!", "3!!!")
+    return any(not n or int(n) > MAX_FACTORIAL for n in _FACTORIAL.findall(s))
+
+
+def _squash(s: str) -> str:
+    return "".join(s.split())
 
 
 def answers_match(pred: str, gold: str) -> bool:
+    """Whether the extracted answer `pred` equals the gold answer (see the module docstring)."""
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return _squash(pred) == _squash(gold)
+    pred, gold = _normalize(pred), _normalize(gold)
+    if not pred or not gold:
+        return False
     a, b = _as_number(pred), _as_number(gold)
     if a is not None and b is not None:
-        return a == b
-    from math_verify import parse, verify
-
-    def _parse(s: str):
-        return parse(f"\\boxed{{{s}}}", parsing_timeout=None) or parse(s, parsing_timeout=None)
-
-    try:
-        gold_p, pred_p = _parse(gold), _parse(pred)
-        return bool(gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=None))
-    except Exception:  # a malformed expression is a wrong answer, never a crash
+        return _same_number(a, b)
+    if _squash(pred) == _squash(gold):
+        return True
+    seq_a, seq_b = _as_sequence(pred), _as_sequence(gold)
+    if seq_a and seq_b and (same := _same_sequence(seq_a, seq_b)) is not None:
+        return same
+    if seq_a and b is not None or seq_b and a is not None:
+        return False  # a list is not a number: "1,2" is not 12
+    if _too_costly(pred) or _too_costly(gold):
         return False
+    return _verify_bounded(gold, pred)
 
 
 def math_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer equals the gold answer, else 0.0."""
+    if not completion or answer is None:
+        return 0.0
     pred = extract_answer(completion)
-    return float(pred is not None and answers_match(pred, answer))
+    return float(pred is not None and answers_match(pred, str(answer)))
+
+
+# ---------------------------------------------------------------------------- math-verify
+@functools.lru_cache(maxsize=2048)
+def _parse(s: str) -> list:
+    from math_verify import parse
+
+    return parse(f"\\boxed{{{s}}}", parsing_timeout=None) or parse(s, parsing_timeout=None)
+
+
+def _verify(gold: str, pred: str) -> bool:
+    """math-verify without any time bound: call it only in a worker or on guarded input."""
+    from math_verify import verify
+
+    try:
+        g, p = _parse(gold), _parse(pred)
+        return bool(g and p and verify(g, p, timeout_seconds=None))
+    except Exception:  # a malformed expression (or MemoryError in a worker) is a wrong answer
+        return False
+
+
+_BOOT = (
+    "import importlib.util as u, sys\n"
+    "s = u.spec_from_file_location('_ibpo_math_worker', sys.argv[1])\n"
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m._serve(int(sys.argv[2]))\n"
+)
+
+
+def _serve(cpu_s: int) -> None:
+    """Worker loop: one JSON [gold, pred] per stdin line, one '1'/'0' per stdout line."""
+    import resource
+    import signal
+
+    def cap(kind: int, soft: int) -> None:  # lower a soft limit, never above the hard one
+        hard, inf = resource.getrlimit(kind)[1], resource.RLIM_INFINITY
+        resource.setrlimit(kind, (soft if hard == inf else min(soft, hard), hard))
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    cap(resource.RLIMIT_AS, _WORKER_MEMORY)
+    out = os.fdopen(os.dup(1), "wb")  # keep the pipe; stray prints go to stderr (devnull)
+    os.dup2(2, 1)
+    _parse("1")  # import sympy and math-verify before saying ready
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        gold, pred = json.loads(line)
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        # The kernel sends SIGXCPU (fatal) once this comparison has used cpu_s more seconds.
+        cap(resource.RLIMIT_CPU, int(used.ru_utime + used.ru_stime) + cpu_s + 1)
+        out.write(b"1\n" if _verify(gold, pred) else b"0\n")
+        out.flush()
+
+
+class _Worker:
+    """One math-verify process, used by one thread at a time."""
+
+    def __init__(self) -> None:
+        cmd = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(WORKER_CPU_S)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        self._buf = b""
+        if self._read_line(60.0) != b"ready":
+            self.close()
+            raise OSError("the math-verify worker exited before it was ready")
+
+    def _read_line(self, timeout: float) -> bytes | None:
+        """The next line from the worker, or None when it died or `timeout` passed."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def ask(self, gold: str, pred: str, timeout: float) -> bool | None:
+        try:
+            self.proc.stdin.write(json.dumps([gold, pred]).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died (CPU or memory limit) since its last answer
+            return None
+        line = self._read_line(timeout)
+        return None if line is None else line == b"1"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(_MAX_WORKERS)
+        self.idle: list[_Worker] = []
+        self.in_process = os.name != "posix"
+
+
+_pool = _Pool()
+if hasattr(os, "register_at_fork"):  # a forked child must not share its parent's pipes
+    os.register_at_fork(after_in_child=lambda: globals().update(_pool=_Pool()))
+
+
+@atexit.register
+def _close_workers() -> None:
+    with _pool.lock:
+        while _pool.idle:
+            _pool.idle.pop().close()
+
+
+def _compare_in_worker(gold: str, pred: str, timeout: float) -> bool:
+    pool = _pool
+    with pool.slots:
+        with pool.lock:
+            worker = pool.idle.pop() if pool.idle else None
+        if worker is None and not pool.in_process:
+            try:
+                worker = _Worker()
+            except OSError as err:
+                _log.warning("math grading in-process without a time bound: %s", err)
+                pool.in_process = True
+        if worker is None:
+            return _verify(gold, pred)
+        try:
+            verdict = worker.ask(gold, pred, timeout)
+        except BaseException:
+            worker.close()
+            raise
+        if verdict is None:  # overran or died: kill it, a stuck sympy call would burn CPU on
+            worker.close()
+            return False
+        with pool.lock:
+            pool.idle.append(worker)
+        return verdict
+
+
+@functools.lru_cache(maxsize=4096)
+def _verify_bounded(gold: str, pred: str) -> bool:
+    return _compare_in_worker(gold, pred, VERIFY_TIMEOUT_S)

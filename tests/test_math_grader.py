@@ -1,0 +1,259 @@
+"""The math grader: extraction, normalisation, the math-verify comparison and its time bound."""
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import ibpo.rewards.math as grader
+from ibpo.rewards.math import extract_answer, last_boxed, math_reward, strip_thinking
+
+posix_only = pytest.mark.skipif(os.name != "posix", reason="worker processes need POSIX")
+
+# (completion, gold answer, expected verdict)
+CASES = [
+    # extraction: the final answer, not a restated expression
+    ("7 + 5 = 12", "12", True),
+    ("9 + 7 = 26", "16", False),
+    ("The answer is 16.", "16", True),
+    ("The final answer is 16", "16", True),
+    ("Answer: 42\n", "42", True),
+    ("#### 72", "72", True),
+    ("Step 1: 3 apples.\nStep 2: 5 apples.\nAnswer: 8 apples", "8", True),
+    ("The answer is 12 apples. Earlier I thought 13.", "12", True),
+    ("Final Answer: The final answer is $16$. I hope it is correct.", "16", True),
+    ("Answer: 7\nbut also 9", "9", False),
+    ("It costs 10-3 dollars", "-3", False),
+    ("x = -4", "-4", True),
+    ("The answer is 3x.", "3", False),
+    ("The answer is 3x.", "3x", True),
+    ("The answer is 12km.", "12", True),
+    ("The temperature is \u22125", "-5", True),
+    ("", "1", False),
+    ("I do not know", "3", False),
+    ("The answer is 12", None, False),
+    # Qwen3 thinking
+    ("<think>maybe 9? no</think>The answer: 12", "12", True),
+    ("<think>it is 12</think>", "12", False),
+    ("<think>the answer is 16</think>\nSo \\boxed{17}", "16", False),
+    ("<think>the answer is 16</think>\nSo \\boxed{17}", "17", True),
+    ("<think>3+4=7. So the answer is 7", "7", False),  # cut off mid-thought: no answer
+    ("3+4=7, so 7.</think>\n\nThe answer is 7.", "7", True),  # think opened in the prompt
+    ("Reasoning with 16.</think>The answer is 17", "16", False),
+    # boxes and fractions
+    ("So \\boxed{\\frac{1}{2}}.", "0.5", True),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", True),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", True),
+    ("\\boxed{\\tfrac{3}{4}}", "3/4", True),
+    ("$\\boxed{1/2}$", "\\frac{2}{4}", True),
+    ("\\boxed{0.5}", "\\frac{1}{3}", False),
+    ("\\boxed 5", "5", True),
+    ("the result is \\boxed 5$.", "5", True),
+    ("\\fbox{7}", "7", True),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}2", True),
+    ("\\boxed{x^{2}+2x+1}", "(x+1)^2", True),
+    ("3 then \\boxed{4} then 5", "5", False),
+    ("\\boxed{}", "1", False),
+    ("The answer is \\boxed{12", "12", False),  # cut off inside the box
+    # radicals
+    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", True),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{12}", False),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", True),
+    # intervals: open and closed ends differ
+    ("\\boxed{[1,2)}", "[1,2)", True),
+    ("\\boxed{[1,2)}", "[1,2]", False),
+    ("\\boxed{(-\\infty, 3]}", "(-\\infty,3]", True),
+    ("\\boxed{(-\\infty, 3)}", "(-\\infty,3]", False),
+    ("\\boxed{\\left[ 0, \\infty \\right)}", "[0,\\infty)", True),
+    ("\\boxed{(-\\infty,1)\\cup(2,\\infty)}", "(-\\infty, 1) \\cup (2, \\infty)", True),
+    # sets in any order; tuples in order
+    ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}", True),
+    ("\\boxed{\\{1, 2\\}}", "\\{1,2,3\\}", False),
+    ("\\boxed{\\{\\frac{1}{3}, 2\\}}", "\\{2, 0.3333333\\}", True),
+    ("The solutions are \\boxed{1, 2, 3}", "3, 2, 1", True),
+    ("\\boxed{1,2}", "12", False),
+    ("\\boxed{(1, 2)}", "(2, 1)", False),
+    ("\\boxed{(1,2)}", "(1, 2)", True),
+    # percent: the sign is a unit
+    ("\\boxed{50\\%}", "50", True),
+    ("The answer is 50%.", "50", True),
+    ("\\boxed{0.5}", "50\\%", False),
+    # units, degrees, dollars
+    ("\\boxed{5 \\text{ cm}}", "5", True),
+    ("\\boxed{12\\text{ cm}^2}", "12", True),
+    ("The answer is 5 dollars.", "5", True),
+    ("\\boxed{30^\\circ}", "30", True),
+    ("\\boxed{30^{\\circ}}", "30\u00b0", True),
+    ("\\boxed{\\$5.00}", "5", True),
+    ("\\boxed{2x}", "2", False),
+    # thousands separators
+    ("Answer: 1,000", "1000", True),
+    ("\\boxed{1{,}000}", "1000", True),
+    ("\\boxed{1\\,000}", "1000", True),
+    ("She has 1,234,567 coins.", "1234567", True),
+    ("The pair is 1,2", "12", False),
+    ("\\boxed{10,000.5}", "10000.5", True),
+    # wrapping, spacing, trailing period, assignments
+    ("$\\left( 1, 2 \\right)$ so \\boxed{\\left( 1, 2 \\right)}", "(1,2)", True),
+    ("\\boxed{3\\!}", "3", True),
+    ("The answer is $\\frac{1}{2}$.", "0.5", True),
+    ("The answer is \\(\\frac{3}{4}\\).", "0.75", True),
+    ("Answer: 3.", "3", True),
+    ("\\boxed{x = 5}", "5", True),
+    ("\\boxed{y=2x+3}", "2x+3", True),
+    ("\\boxed{a^2b^2}", "b^2a^2", True),  # not mistaken for a power tower
+    # signs, scientific notation, precision
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True),
+    ("\\boxed{- 7}", "-7", True),
+    ("\\boxed{1.5e3}", "1500", True),
+    ("\\boxed{1.5 \\times 10^{3}}", "1500", True),
+    ("\\boxed{\\frac{1}{3}}", "0.3333333", True),
+    ("\\boxed{0.333}", "1/3", False),
+    ("\\boxed{1000001}", "1000000", False),
+    # multiple choice
+    ("The answer is (B).", "B", True),
+    ("\\boxed{\\text{(C)}}", "C", True),
+    ("\\boxed{\\textbf{(C)}}", "B", False),
+    # pathological input: answered at once, as text
+    ("\\boxed{9^{9^{9^{9}}}}", "1", False),
+    ("\\boxed{9^9^9^9}", "9^9^9^9", True),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", CASES)
+def test_math_reward_table(completion, gold, expected):
+    assert math_reward(completion, gold) == float(expected)
+
+
+def test_extraction_order_and_forms():
+    assert last_boxed("\\boxed{\\frac{a}{b}} and \\fbox{x^{2}}") == "x^{2}"
+    assert last_boxed("\\boxed{\\text{a {b} c}}") == "\\text{a {b} c}"
+    assert last_boxed("\\boxed 17 is it") == "17"
+    assert last_boxed("no box") is None
+    assert last_boxed("\\boxed{12") is None
+    assert strip_thinking("<think>a</think>b<think>c") == "b"
+    assert strip_thinking("a</think>b") == "b"
+    assert extract_answer("The final answer is $\\frac{1}{2}$. I hope so.") == "$\\frac{1}{2}$"
+    assert extract_answer("The answer is 12 apples.") == "12"
+    assert extract_answer("The answer is (1, 2).") == "(1, 2)"
+    assert extract_answer("Answer: x = -4") == "-4"
+    # "answer again" is not an answer line: the last number decides
+    assert extract_answer("Let me check my answer again. 9-7 = 2") == "2"
+
+
+def test_common_answers_never_reach_math_verify(monkeypatch):
+    def forbidden(gold, pred):
+        raise AssertionError(f"math-verify called for {pred!r} vs {gold!r}")
+
+    monkeypatch.setattr(grader, "_verify_bounded", forbidden)
+    for completion, gold, expected in [
+        ("#### 1,024", "1024", True),
+        ("\\boxed{\\frac{6}{8}}", "0.75", True),
+        ("\\boxed{\\{2, 1\\}}", "\\{1,2\\}", True),
+        ("\\boxed{[0, \\infty)}", "(0,\\infty)", False),
+        ("\\boxed{1,2}", "12", False),
+    ]:
+        assert math_reward(completion, gold) == float(expected), completion
+    # throughput of the plain-number path (training rewards are mostly plain numbers)
+    rng = random.Random(0)
+    data = []
+    for i in range(1000):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        text = f"She sold {a} and then {b}.\n{a} + {b} = {a + b}.\n" * 3 + f"#### {a + b:,}"
+        data.append((text, str(a + b + i % 2)))
+    start = time.perf_counter()
+    total = sum(math_reward(c, g) for c, g in data)
+    assert total == 500
+    assert time.perf_counter() - start < 5.0
+
+
+PATHOLOGICAL = [
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{9**9**9**9}",
+    "\\boxed{9**(9**9)}",
+    "\\boxed{9^{99}^{99}}",
+    "\\boxed{(10^{6})!}",
+    "\\boxed{123456!}",
+    "\\boxed{2^{99999999}}",
+    "\\boxed{2^{-99999999}}",
+    "\\boxed{" + "(" * 3000 + "1" + ")" * 3000 + "}",
+    "1 + " * 20000 + "\\boxed{10^{10^{10}}}",
+]
+
+
+def test_pathological_answers_return_fast_from_a_thread():
+    results = {}
+
+    def grade():
+        results["rewards"] = [math_reward(c, "1") for c in PATHOLOGICAL]
+
+    start = time.monotonic()
+    thread = threading.Thread(target=grade)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert time.monotonic() - start < 2.0
+    assert results["rewards"] == [0.0] * len(PATHOLOGICAL)
+    assert math_reward("\\boxed{10^{10^{10}}}", "10^{10^{10}}") == 1.0  # same text still counts
+
+
+@posix_only
+def test_overrun_kills_the_worker_and_a_fresh_one_takes_over():
+    assert grader._compare_in_worker("2", "1+1", 60.0)  # leaves a live worker idle
+    worker = grader._pool.idle[-1]
+    with ThreadPoolExecutor(1) as ex:  # not the main thread: no signal.alarm possible
+        start = time.monotonic()
+        verdict = ex.submit(grader._compare_in_worker, "1", "9^{9^{9}}", 1.0).result(timeout=30)
+        elapsed = time.monotonic() - start
+    assert verdict is False
+    assert elapsed < 3.0
+    assert worker.proc.poll() is not None  # killed, not left computing
+    assert worker not in grader._pool.idle
+    assert grader._compare_in_worker("\\sqrt{8}", "2\\sqrt{2}", 60.0)
+
+
+@posix_only
+def test_worker_cpu_limit_holds_when_nobody_waits(monkeypatch):
+    monkeypatch.setattr(grader, "WORKER_CPU_S", 1)
+    worker = grader._Worker()
+    try:
+        worker.proc.stdin.write(json.dumps(["1", "9^{9^{9}}"]).encode() + b"\n")
+        worker.proc.stdin.close()  # as if the grading process had died
+        assert worker.proc.wait(timeout=30) == -signal.SIGXCPU
+    finally:
+        worker.proc.kill()
+        worker.proc.wait()
+        worker.proc.stdout.close()
+
+
+@posix_only
+def test_threads_share_a_bounded_pool(monkeypatch):
+    monkeypatch.setattr(grader, "_MAX_WORKERS", 2)
+    pool = grader._Pool()
+    monkeypatch.setattr(grader, "_pool", pool)
+    pairs = [(f"{k}\\sqrt{{3}}", f"\\sqrt{{{3 * k * k + k % 2}}}") for k in range(11, 19)]
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda p: grader._compare_in_worker(p[1], p[0], 60.0), pairs))
+        assert got == [k % 2 == 0 for k in range(11, 19)]
+        assert 1 <= len(pool.idle) <= 2
+    finally:
+        for worker in pool.idle:
+            worker.close()
+
+
+def test_without_a_worker_grading_runs_in_process(monkeypatch, caplog):
+    monkeypatch.setattr(grader.sys, "executable", "/nonexistent/python")
+    pool = grader._Pool()
+    monkeypatch.setattr(grader, "_pool", pool)
+    with caplog.at_level(logging.WARNING, logger=grader.__name__):
+        assert grader._compare_in_worker("\\sqrt{12}", "2\\sqrt{3}", 1.0)
+        assert not grader._compare_in_worker("\\sqrt{12}", "3\\sqrt{2}", 1.0)
+    assert pool.in_process
+    assert "without a time bound" in caplog.text
