@@ -6,9 +6,9 @@
 
 Every run gets identical settings except `objective.name` (same prompts per step, steps, group
 size, lengths, learning rate; the seed fixes data order and sampling). Each run is a separate
-`ibpo train` process, so memory and wall time are per run; finished runs (with a summary.json)
-are skipped, so an interrupted comparison resumes. Seeds are the outer loop so that any drift of
-the machine's speed spreads over all objectives.
+`ibpo train` process (in smoke mode they share one), so memory and wall time are per run;
+finished runs (with a summary.json) are skipped, so an interrupted comparison resumes. Seeds
+are the outer loop so that any drift of the machine's speed spreads over all objectives.
 
 Writes <out>/comparison.md (table), comparison.json (per-run figures) and comparison.png
 (training reward, entropy and cancellation residual per step, mean over seeds).
@@ -28,13 +28,14 @@ OBJECTIVES = ["ibpo", "dfpo", "grpo", "dr_grpo", "dapo", "gspo"]
 # The README's comparison: the embedded SmolLM2-135M-Instruct (4-bit NF4 + LoRA) on built-in
 # arithmetic, where it starts far from perfect. Sized for 2 CPU cores.
 BUDGET = [
-    "train.steps=12",
-    "train.prompts_per_step=4",
+    "train.steps=10",
+    "train.prompts_per_step=3",
     "rollout.group_size=8",
     "rollout.max_new_tokens=16",
     "rollout.eval_max_new_tokens=16",
     "data.eval_size=100",
     "train.learning_rate=5e-4",
+    "train.log_reference_kl=false",
 ]
 SMOKE = [
     "train.steps=2",
@@ -47,20 +48,31 @@ SMOKE = [
 ]
 
 
-def run_one(objective: str, seed: int, out: Path, overrides: list[str]) -> Path:
+def run_one(
+    objective: str, seed: int, out: Path, overrides: list[str], in_process: bool, first: bool
+) -> Path:
     run_dir = out / f"{objective}-s{seed}"
     if (run_dir / "summary.json").is_file():
         print(f"[skip] {run_dir} is done", flush=True)
         return run_dir
     args = [
         *overrides,
+        # greedy decoding of one model on a fixed held-out set: the "before" accuracy is the same
+        # for every run, so only the first run of a comparison measures it
+        f"train.eval_before={'true' if first else 'false'}",
         f"objective.name={objective}",
         f"train.seed={seed}",
         f"train.output_dir={run_dir}",
         "train.progress=false",
     ]
     print(f"[run] {objective} seed {seed}", flush=True)
-    subprocess.run([sys.executable, "-m", "ibpo.cli", "train", *args], check=True)
+    if in_process:  # smoke mode: no interpreter start-up per run
+        from ibpo.config import load_config
+        from ibpo.trainer import train
+
+        train(load_config(None, args))
+    else:
+        subprocess.run([sys.executable, "-m", "ibpo.cli", "train", *args], check=True)
     return run_dir
 
 
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="outputs/compare")
     p.add_argument("--model", default=None, help="model.name for every run (default: embedded)")
-    p.add_argument("--smoke", action="store_true", help="2 tiny steps per run (for CI)")
+    p.add_argument("--smoke", action="store_true", help="2 tiny steps per run, in-process (CI)")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to every run")
     ns = p.parse_args(argv)
     out = Path(ns.out)
@@ -147,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {o: [] for o in objectives}
     for seed in seeds:
         for objective in objectives:
-            dirs[objective].append(run_one(objective, seed, out, overrides))
+            first = seed == seeds[0] and objective == objectives[0]
+            dirs[objective].append(run_one(objective, seed, out, overrides, ns.smoke, first))
     results = {o: [run_figures(d) for d in ds] for o, ds in dirs.items()}
     md = table(results)
+    before = [r["before"] for rs in results.values() for r in rs if r["before"] is not None]
+    if before:
+        md = f"Held-out accuracy before training: {before[0]:.3f}\n\n" + md
     cmd = "python scripts/compare_objectives.py " + " ".join(argv or sys.argv[1:])
     header = f"Command: `{cmd.strip()}`  \nSettings: `{' '.join(overrides)}`\n\n"
     (out / "comparison.md").write_text(header + md)
