@@ -1,6 +1,7 @@
 """IBPO Part 2: repair planning, phi, reward shaping, token edit masks (IBPO.md properties)."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -174,3 +175,33 @@ def test_run_repairs_batches_grades_and_masks(monkeypatch):
 
 def _reward(text: str, answer: str) -> float:
     return float(text.strip() == answer)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("repair.rho=1.5", "repair.rho"),
+        ("repair.unchanged_weight=-0.1", "repair.unchanged_weight"),
+        ("repair.references=0", "repair.references"),
+        ("repair.reference_selection=best", "correct_first"),
+        ("repair.template=fix {attempt}", "{question}"),
+        ("repair.temperature=0", "repair.temperature"),
+    ],
+)
+def test_repair_config_errors_name_the_key(override, message):
+    from ibpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_repairs_default_on_for_ibpo_only():
+    from ibpo.config import load_config
+    from ibpo.objectives import resolve_params
+    from ibpo.scoring import repairs_enabled
+
+    for name, expected in [("ibpo", True), ("dfpo", False), ("grpo", False)]:
+        cfg = load_config(None, [f"objective.name={name}"])
+        assert repairs_enabled(cfg, resolve_params(cfg.objective)) is expected
+    cfg = load_config(None, ["objective.name=ibpo", "repair.enabled=false"])
+    assert repairs_enabled(cfg, resolve_params(cfg.objective)) is False
