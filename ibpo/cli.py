@@ -1,8 +1,10 @@
-"""Command line: `ibpo train [RECIPE.yaml] [section.key=value ...]`, `ibpo config ...`.
+"""Command line: `ibpo train [RECIPE.yaml] [section.key=value ...]`, `ibpo config ...`, `ibpo plan`.
 
 `ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
-names the fix and exit with status 2, never a traceback.
+names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus N]
+[--gpu-memory-gb M] [--model-config PATH_OR_HUB_ID]` prints the estimated peak GPU memory of the
+recipe per phase (ibpo/plan.py) and settings that fit when it does not.
 """
 
 from __future__ import annotations
@@ -49,12 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
     p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
     p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
+    p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_plan.add_argument("--gpus", type=int, default=1, help="GPUs (DDP: each holds a replica)")
+    p_plan.add_argument("--gpu-memory-gb", type=float, default=24.0, help="GiB per GPU")
+    p_plan.add_argument(
+        "--model-config", help="config.json, model folder or Hub id (default: model.name)"
+    )
     ns = parser.parse_args(argv)
     try:
         recipe, overrides = _split_args(ns.args)
         cfg = load_config(recipe, overrides)
         if ns.command == "config":
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        if ns.command == "plan":
+            from ibpo.plan import estimate, format_plan
+
+            print(format_plan(estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb)))
             return 0
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from ibpo.trainer import train

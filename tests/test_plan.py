@@ -1,0 +1,331 @@
+"""The memory planner: exact byte counts against bitsandbytes / PEFT / transformers, activation
+estimates against the tensors a CPU run keeps alive, suggestions, and `ibpo plan`."""
+
+import json
+import math
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ibpo import plan
+from ibpo.cli import main
+from ibpo.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+             vocab_size=151936)  # fmt: skip
+QWEN3_8B = QWEN3 | dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+                        tie_word_embeddings=False)  # fmt: skip
+QWEN3_4B = QWEN3 | dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                        tie_word_embeddings=True)  # fmt: skip
+QWEN3_1_7B = QWEN3 | dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                          intermediate_size=6144, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest on one thread; more only stall on a busy CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cfg(*overrides):
+    return load_config(None, ["model.name=unused", *overrides])
+
+
+def _shape(d):
+    return plan.ModelShape.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "config, billions",
+    [(QWEN3_8B, 8.2), (QWEN3_4B, 4.0), (QWEN3_1_7B, 1.7)],
+    ids=["8B", "4B", "1.7B"],
+)
+def test_parameter_counts_match_published_totals(config, billions):
+    assert _shape(config).parameter_count() / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "targets", ["all-linear", ["q_proj", "v_proj"], ["down_proj"], r".*\.mlp\..*_proj"]
+)
+def test_lora_count_is_exactly_peft(targets):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import make_tiny_qwen3
+
+    model = make_tiny_qwen3(54)
+    shape = _shape(model.config.to_dict())
+    peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert plan.lora_parameter_count(shape, 8, targets) == trainable > 0
+
+
+def test_nf4_weight_bytes_are_exactly_bitsandbytes(tiny_model_dir):
+    import bitsandbytes as bnb
+
+    from ibpo.modeling import load_policy
+
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.dtype=bfloat16"])
+    model, _ = load_policy(cfg.model, torch.device("cpu"))
+    total = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            qs = module.weight.quant_state
+            assert qs.blocksize == plan.NF4_BLOCK and qs.nested
+            assert qs.state2.blocksize == plan.NF4_NESTED_BLOCK
+            state = [qs.absmax, qs.code, qs.state2.absmax, qs.state2.code, qs.offset]
+            total += sum(t.numel() * t.element_size() for t in [module.weight, *state])
+    total += sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if "lora_" not in n and not isinstance(p, bnb.nn.Params4bit))  # fmt: skip
+    shape = plan.load_model_shape(tiny_model_dir, cfg.model)
+    assert plan.weight_bytes(shape, "nf4", 2) == total
+    lora = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in lora} == {torch.float32}  # PEFT upcasts adapters: F32 is right
+
+
+def test_kv_cache_is_exactly_the_transformers_cache():
+    from tests.conftest import make_tiny_qwen3
+
+    model = make_tiny_qwen3(54).eval()
+    N, P, T = 3, 5, 7
+    ids = torch.randint(3, 54, (N, P))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=T, min_new_tokens=T, eos_token_id=1, pad_token_id=0,
+                             return_dict_in_generate=True)  # fmt: skip
+    cache = out.past_key_values
+    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    shape = _shape(model.config.to_dict())
+    assert plan.kv_cache_bytes(shape, N, P + T - 1, 4) == measured  # the last token is not fed
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated inside the block and still alive (CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, n = storage.data_ptr(), storage.nbytes()
+            if n == 0 or key in self.seen or key in inputs:  # views of existing tensors
+                continue
+            self.seen.add(key)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, n)
+        return out
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """(hidden, intermediate, vocab, overrides) -> (4-bit LoRA policy, config, shape); models
+    are built once per shape and shared by the tests of this module."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from ibpo.modeling import load_policy
+    from tests.conftest import make_tokenizer
+
+    built = {}
+
+    def get(hidden, inter, vocab, overrides):
+        if (hidden, inter, vocab) not in built:
+            path = tmp_path_factory.mktemp("plan-model")
+            d = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=hidden // 4, tie_word_embeddings=False, pad_token_id=0,
+                     eos_token_id=1)  # fmt: skip
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(Qwen3Config(**d)).save_pretrained(path)
+            make_tokenizer().save_pretrained(path)
+            cfg = load_config(None, [f"model.name={path}", "model.dtype=bfloat16"])
+            built[(hidden, inter, vocab)] = (load_policy(cfg.model, torch.device("cpu"))[0], path)
+        model, path = built[(hidden, inter, vocab)]
+        base = [f"model.name={path}", "model.dtype=bfloat16", "data.eval_size=0"]
+        cfg = load_config(None, [*base, "train.prompts_per_step=1", *overrides])
+        return model, cfg, plan.load_model_shape(str(path), cfg.model)
+
+    return get
+
+
+def _transient(parts):
+    """Components allocated during the phase (the tracker does not see persistent state)."""
+    skip = ("base weights", "LoRA weights", "optimizer state", "rollout tensors")
+    return sum(v for k, v in parts.items() if not k.startswith(skip))
+
+
+SHAPES = [(256, 768, 54), (64, 192, 8000)]  # layer-bound, and head/logits-bound (large vocab)
+
+
+@pytest.mark.parametrize("hidden, inter, vocab", SHAPES)
+def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
+    from ibpo.logprobs import completion_logprobs
+
+    N, P, T, chunk = 8, 16, 48, 128
+    model, cfg, shape = policy(hidden, inter, vocab, [
+        f"rollout.group_size={N}", f"data.max_prompt_tokens={P}", f"rollout.max_new_tokens={T}",
+        f"train.logprob_chunk_tokens={chunk}"])  # fmt: skip
+    model.train()  # gradient checkpointing acts in train mode only, as in the trainer
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(3, 54, (N, P + T))
+    att = torch.ones_like(ids)
+    att[0, :3] = 0  # left padding: the attention mask is materialised as on a real batch
+    with LiveBytes() as mem:
+        logp, _ = completion_logprobs(model, ids, att, P, torch.ones(N, T), chunk)
+        logp.sum().backward()
+    predicted = _transient(plan.phase_bytes(shape, cfg)["training"])
+    assert 0.95 <= predicted / mem.peak <= 1.3  # a conservative estimate, but not a loose one
+
+
+@pytest.mark.parametrize(  # prefill-bound twice, then bound by the last step's sampling logits
+    "shape, P, T, decode",
+    [(SHAPES[0], 96, 4, False), (SHAPES[1], 96, 4, False), (SHAPES[1], 8, 8, True)],  # fmt: skip
+)
+def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
+    hidden, inter, vocab = shape
+    N = 16
+    model, cfg, dims = policy(hidden, inter, vocab, [
+        f"rollout.group_size={N}", f"rollout.generation_batch_size={N}",
+        f"data.max_prompt_tokens={P}", f"rollout.max_new_tokens={T}",
+        "repair.enabled=false"])  # fmt: skip
+    model.eval()
+    ids = torch.randint(3, 54, (N, P))
+    att = torch.ones_like(ids)
+    att[0, :2] = 0
+    with torch.no_grad(), LiveBytes() as mem:
+        model.generate(input_ids=ids, attention_mask=att, max_new_tokens=T, min_new_tokens=T,
+                       do_sample=True, top_k=None, eos_token_id=1, pad_token_id=0)  # fmt: skip
+    parts = plan.phase_bytes(dims, cfg)["generation"]
+    assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
+    predicted = _transient(parts)
+    assert 0.9 <= predicted / mem.peak <= 1.3
+
+
+def test_more_tokens_and_bigger_batches_need_more_memory():
+    base = ["train.prompts_per_step=8", "rollout.max_new_tokens=1024", "data.eval_size=0"]
+    for key, small, big, phase in [
+        ("rollout.max_new_tokens", 512, 2048, "training"),
+        ("rollout.max_new_tokens", 512, 2048, "generation"),
+        ("data.max_prompt_tokens", 128, 1024, "training"),
+        ("train.micro_batch_groups", 1, 4, "training"),
+        ("train.logprob_chunk_tokens", 256, 16384, "training"),
+        ("rollout.generation_batch_size", 8, 64, "generation"),
+        ("model.lora_r", 8, 64, "training"),
+    ]:
+        a = plan.estimate(QWEN3_4B, _cfg(*base, f"{key}={small}"))
+        b = plan.estimate(QWEN3_4B, _cfg(*base, f"{key}={big}"))
+        assert sum(b.phases[phase].values()) > sum(a.phases[phase].values()), key
+        assert b.allocated_gb >= a.allocated_gb, key
+    nf4 = plan.estimate(QWEN3_4B, _cfg("model.quantization=nf4")).components
+    bf16 = plan.estimate(QWEN3_4B, _cfg("model.quantization=none")).components
+    assert bf16["base weights (none)"] > 3 * nf4["base weights (nf4)"]
+
+
+def test_training_phase_arithmetic_by_hand():
+    cfg = _cfg("rollout.group_size=8", "rollout.max_new_tokens=1024", "data.max_prompt_tokens=512",
+               "train.micro_batch_groups=1", "model.lora_r=16")  # fmt: skip
+    train = plan.phase_bytes(_shape(QWEN3_8B), cfg)["training"]
+    # 36 checkpointed layer inputs [8 x 1536, 4096] bf16 + RoPE + the bool padding mask
+    S = 8 * 1536
+    assert train["activations: layer inputs"] == 36 * S * 4096 * 2 + 2 * S * 128 * 2 + 8 * 1536**2
+    assert train["LoRA grads (fp32)"] == 4 * 36 * 16 * sum(
+        a + b for a, b in _shape(QWEN3_8B).linears().values()
+    )
+
+
+def test_suggestions_fit_and_are_the_largest_that_do():
+    base = ["model.name=unused", "rollout.max_new_tokens=2048", "train.prompts_per_step=16",
+            "rollout.generation_batch_size=128", "train.micro_batch_groups=4"]  # fmt: skip
+    p = plan.estimate(QWEN3_4B, load_config(None, base), 1, 24.0)
+    assert not p.fits and p.suggestions
+    fixed = plan.estimate(QWEN3_4B, load_config(None, [*base, *p.suggestions]), 1, 24.0)
+    assert fixed.fits and fixed.peak_gb <= 24.0
+    for s in p.suggestions:  # one notch larger on any knob would not fit
+        key, value = s.split("=")
+        larger = int(value) + 1 if key.endswith("micro_batch_groups") else int(value) * 2
+        others = [o for o in p.suggestions if o != s]
+        bigger = load_config(None, [*base, *others, f"{key}={larger}"])
+        assert not plan.estimate(QWEN3_4B, bigger, 1, 24.0).fits, s
+
+
+def test_no_suggestion_when_nothing_fits():
+    p = plan.estimate(QWEN3_8B, _cfg("rollout.max_new_tokens=32768"), 1, 8.0)
+    assert not p.fits and p.suggestions == []
+    assert any("no batch setting fits" in n for n in p.notes)
+
+
+def test_ddp_adds_gradient_buckets_and_splits_evaluation():
+    one = plan.estimate(QWEN3_1_7B, _cfg("data.eval_size=500", "rollout.eval_batch_size=500"), 1)
+    two = plan.estimate(QWEN3_1_7B, _cfg("data.eval_size=500", "rollout.eval_batch_size=500"), 2)
+    assert "DDP grad buckets" in two.phases["training"]
+    assert two.phases["training"]["DDP grad buckets"] == one.phases["training"]["LoRA grads (fp32)"]
+    assert sum(two.phases["evaluation"].values()) < sum(one.phases["evaluation"].values())
+
+
+def test_embedded_default_plans_offline():
+    p = plan.estimate(None, load_config(), 1, 24.0)
+    assert p.model == "smollm2-135m" and p.fits
+    assert p.parameters / 1e6 == pytest.approx(134.5, rel=0.01)
+
+
+def _write_config(tmp_path, d) -> Path:
+    folder = tmp_path / "qwen3-1.7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(d))
+    return folder
+
+
+def test_cli_plan_prints_a_table(tmp_path, capsys):
+    folder = _write_config(tmp_path, QWEN3_1_7B)
+    recipe = ROOT / "recipes/qwen3_1.7b/gsm8k_ibpo_1gpu.yaml"
+    rc = main(["plan", str(recipe), "rollout.max_new_tokens=512", "--gpus", "2",
+               "--gpu-memory-gb", "24", "--model-config", str(folder / "config.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "KV cache" in out and "torch allocations" in out and "on 2 x 24 GiB" in out
+    assert main(["plan", f"model.name={folder}"]) == 0  # a model folder as model.name
+    assert "1.72B parameters" in capsys.readouterr().out
+
+
+def test_cli_plan_bad_model_config(tmp_path, capsys):
+    assert main(["plan", "--model-config", str(tmp_path / "missing" / "config.json")]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    assert main(["plan", "--model-config", str(bad)]) == 2
+    assert "not a decoder LM config" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="gpus"):
+        plan.estimate(QWEN3_8B, _cfg(), gpus=0)
+
+
+def test_bench_gpu_smoke_runs_on_cpu():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench_gpu.py"), "--smoke"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = result["results"]
+    assert row["status"] == "ok" and row["completion_length"] == row["new_tokens"]
+    assert row["plan_allocated_gb"] > 0 and math.isfinite(row["step_time_s"])
