@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument(
         "--model-config", help="config.json, model folder or Hub id (default: model.name)"
     )
-    ns = parser.parse_args(argv)
+    # parse_known_args: overrides may follow options (`ibpo plan r.yaml --gpus 2 train.steps=5`)
+    ns, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    ns.args = [*ns.args, *extra]
     try:
         recipe, overrides = _split_args(ns.args)
         cfg = load_config(recipe, overrides)

@@ -120,6 +120,9 @@ class RepairConfig:
     max_repairs_per_group: int = 4  # incorrect members repaired per group (bounds the cost)
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     temperature: float | None = None  # None: rollout.temperature
+    # Repair prompts hold the question, the attempt and a reference (about prompt + 2 x completion
+    # tokens), so their KV cache per sequence is ~3x a rollout's: bound the batch separately.
+    batch_size: int | None = None  # None: rollout.generation_batch_size
     rho: float = 0.5  # phi_i = rho * mean over references of 1[repair correct]
     shaping_lambda: float = 0.6  # R' = R + lambda * phi (incorrect members only)
     unchanged_weight: float = 0.0  # blame kept on tokens a successful repair did not change
@@ -326,6 +329,8 @@ def _validate_repair(rep: RepairConfig) -> None:
         raise ConfigError("repair.shaping_lambda must be >= 0")
     if rep.max_new_tokens is not None and rep.max_new_tokens <= 0:
         raise ConfigError("repair.max_new_tokens must be > 0 (or null for rollout.max_new_tokens)")
+    if rep.batch_size is not None and rep.batch_size <= 0:
+        raise ConfigError("repair.batch_size must be > 0 (or null: rollout.generation_batch_size)")
     if rep.temperature is not None and rep.temperature <= 0:
         raise ConfigError("repair.temperature must be > 0 (or null for rollout.temperature)")
     for field_name in ("{question}", "{attempt}", "{reference}"):

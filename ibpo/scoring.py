@@ -59,7 +59,7 @@ def _score_round(model, tokenizer, examples, cfg: Config, repairing: bool, rewar
     rep = cfg.repair
     gen = {
         "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
-        "batch_size": ro.generation_batch_size,
+        "batch_size": rep.batch_size or ro.generation_batch_size,
         "temperature": rep.temperature or ro.temperature,
         "top_p": ro.top_p,
         "top_k": ro.top_k,
