@@ -1,10 +1,11 @@
-"""Command line: `ibpo train [RECIPE.yaml] [section.key=value ...]`, `ibpo config ...`, `ibpo plan`.
+"""Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`.
 
 `ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
 names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus N]
 [--gpu-memory-gb M] [--model-config PATH_OR_HUB_ID]` prints the estimated peak GPU memory of the
-recipe per phase (ibpo/plan.py) and settings that fit when it does not.
+recipe per phase (ibpo/plan.py) and settings that fit when it does not. `ibpo eval BENCHMARK
+[options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]` (ibpo/evaluation.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,22 @@ def summary_line(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # `ibpo eval BENCHMARK [options]` = scripts/eval_<BENCHMARK>.py
+        from ibpo.benchmarks import BENCHMARKS
+        from ibpo.evaluation import main as eval_main
+
+        if len(argv) < 2 or argv[1] not in BENCHMARKS:
+            print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
+            return 2
+        return eval_main(argv[2:], benchmark=argv[1])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
     p_train.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
     p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
     p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    sub.add_parser("eval", help="evaluate a model/adapter on a benchmark: ibpo eval NAME --help")
     p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
     p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
     p_plan.add_argument("--gpus", type=int, default=1, help="GPUs (DDP: each holds a replica)")
