@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary_line(summary))
     print(json.dumps(summary))
-    return 0
+    # a run stopped by non-finite steps or out of memory is a failure for schedulers and scripts;
+    # an interrupted one saved its checkpoint and can be resumed
+    return 1 if summary["status"] in ("nonfinite", "out_of_memory") else 0
 
 
 if __name__ == "__main__":

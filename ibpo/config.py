@@ -148,6 +148,17 @@ class TrainConfig:
     log_reference_kl: bool = True  # log KL to the reference each step (one no-grad forward)
     log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
     progress: bool = True
+    # Checkpoints (<output_dir>/checkpoints/step-<N>: adapter, optimizer, scheduler, RNG, data
+    # position, metrics) every `save_every` steps and at the end (0 = only at the end; also on
+    # SIGINT/SIGTERM). The last `keep_checkpoints` are kept.
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    # null = start afresh (replacing this output_dir's checkpoints) | latest (this output_dir's
+    # newest checkpoint; afresh when there is none) | a step-<N> folder or another output_dir
+    resume_from: str | None = None
+    # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
+    # skipped steps stop the run with a checkpoint (0 = never stop).
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -303,6 +314,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{section}.{key} must be > 0")
     if cfg.train.steps < 0 or cfg.data.eval_size < 0 or cfg.rollout.max_resample_rounds < 0:
         raise ConfigError("train.steps, data.eval_size, rollout.max_resample_rounds must be >= 0")
+    if cfg.train.save_every < 0 or cfg.train.max_nonfinite_steps < 0:
+        raise ConfigError("train.save_every and train.max_nonfinite_steps must be >= 0 (0 = off)")
+    if cfg.train.keep_checkpoints < 1:
+        raise ConfigError("train.keep_checkpoints must be >= 1 (resuming needs one)")
+    if cfg.train.resume_from is not None and not cfg.train.resume_from.strip():
+        raise ConfigError("train.resume_from must be null, 'latest' or a checkpoint path")
     if cfg.rollout.group_size < 2:
         raise ConfigError("rollout.group_size must be >= 2: advantages compare members of a group")
     if cfg.rollout.temperature <= 0:

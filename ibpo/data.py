@@ -229,3 +229,16 @@ class PromptStream:
             out.append(self.examples[self._order[self.position]])
             self.position += 1
         return out
+
+    def state_dict(self) -> dict:
+        """Where the stream stands (epoch, position, this epoch's order), for checkpoints."""
+        return {"epoch": self.epoch, "position": self.position, "order": list(self._order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        order = [int(i) for i in state["order"]]
+        if sorted(order) != list(range(len(self.examples))):
+            raise ConfigError(
+                f"the checkpoint's data stream covers {len(order)} examples but this training "
+                f"set (shard) has {len(self.examples)}: resume with the same data settings"
+            )
+        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), order

@@ -107,10 +107,12 @@ def generate(
     )
     was_training = model.training
     model.eval()
+    # DistributedDataParallel has no .generate; the PEFT model under it does (adapter included)
+    gen_model = getattr(model, "module", model)
     pieces = []
     try:
         for s in range(0, prompt_ids.shape[0], batch_size):
-            out = model.generate(
+            out = gen_model.generate(
                 input_ids=prompt_ids[s : s + batch_size],
                 attention_mask=prompt_mask[s : s + batch_size],
                 **kwargs,

@@ -13,6 +13,9 @@ One step (B prompts, G completions each, N = B * G sequences):
   7. clip, optimizer step, scheduler; 8. log.
 Before the first and after the last step the held-out set is evaluated greedily; the adapter is
 saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
+Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM) resume a run exactly
+(checkpoint.py); a step whose loss or gradient is not finite is skipped, and too many in a row
+stop the run; running out of memory ends it with advice on what to lower.
 
 Not here: the math of objectives/advantages, model loading, data sources (their own modules).
 """
@@ -23,6 +26,7 @@ import json
 import math
 import random
 import resource
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ibpo import checkpoint as ckpt
 from ibpo.config import Config
 from ibpo.data import PromptStream, load_splits
 from ibpo.diagnostics import cancellation_residual
@@ -105,6 +110,14 @@ def frozen_logprobs(model, rollout, slices, chunk, temperature, reference: bool)
         return [sequence_logprobs(model, rollout, sl, chunk, temperature)[0] for sl in slices]
 
 
+def update_is_finite(accelerator, losses: list[float], grad_norm) -> bool:
+    """One verdict for all processes: every micro-batch loss and the gradient norm are finite."""
+    bad = float(not all(math.isfinite(x) for x in [*losses, float(grad_norm)]))
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(torch.tensor([bad], device=accelerator.device), "sum").item()
+    return bad == 0
+
+
 def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
     """One full RL step; returns a dict of metrics."""
     ro, tr = cfg.rollout, cfg.train
@@ -131,7 +144,9 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     stats: dict[str, list[float]] = {}
     cancel: dict[str, float] = {}
     model.train()
+    skipped, updates = False, 0
     for _ in range(tr.updates_per_rollout):
+        losses, updates = [], updates + 1
         for k, sl in enumerate(slices):
             sync = k == len(slices) - 1
             with nullcontext() if sync else accelerator.no_sync(model):
@@ -154,17 +169,24 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
             for key, v in cancellation_residual(c, a, tokens, mask, G).items():
                 cancel[key] = cancel.get(key, 0.0) + v
             info["loss"] = loss.item()
+            losses.append(info["loss"])
             info["entropy"] = ((ent * mask).sum() / mask.sum().clamp_min(1)).item()
             for key, v in info.items():
                 stats.setdefault(key, []).append(v)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.max_grad_norm)
+        if not update_is_finite(accelerator, losses, grad_norm):
+            # one NaN/inf update would poison the adapter and the optimizer moments for good:
+            # drop it (no optimizer or scheduler step); train() counts such steps
+            optimizer.zero_grad(set_to_none=True)
+            skipped = True
+            break
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     t_end = time.perf_counter()
     n_tokens = rollout.completion_mask.sum().item()
     metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-    metrics["loss"] = sum(stats["loss"]) / tr.updates_per_rollout  # the step's loss, not a mean
+    metrics["loss"] = sum(stats["loss"]) / updates  # the step's loss, not a mean
     metrics.update(batch.stats)
     metrics.update(
         reward=rewards.mean().item(),
@@ -175,6 +197,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         completion_length=n_tokens / rollout.num_sequences,
         truncated=rollout.truncated.float().mean().item(),
         grad_norm=float(grad_norm),
+        skipped_nonfinite=float(skipped),
         lr=scheduler.get_last_lr()[0],
         time_rollout=t_gen - t0,
         time_frozen_logprobs=t_frozen - t_gen,
@@ -187,9 +210,13 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
 
 
 def _lr_lambda(cfg: Config):
+    """Learning-rate factor per scheduler step. The scheduler steps once per update, and
+    updates_per_rollout updates make one training step (the unit of warmup_steps and steps)."""
     warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_scheduler
+    per_step = cfg.train.updates_per_rollout
 
-    def f(step: int) -> float:
+    def f(update: int) -> float:
+        step = update // per_step
         if step < warm:
             return (step + 1) / warm
         frac = (step - warm) / max(total - warm, 1)
@@ -202,22 +229,8 @@ def _lr_lambda(cfg: Config):
     return f
 
 
-def train(cfg: Config) -> dict:
-    """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    start = time.time()
-    accelerator = Accelerator(log_with=cfg.train.log_with, project_dir=cfg.train.output_dir)
-    set_seed(cfg.train.seed)
-    rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
-    out = Path(cfg.train.output_dir)
-    main = accelerator.is_main_process
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    objective: ResolvedObjective = resolve_params(cfg.objective)
+def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
+    """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
     stream = PromptStream(
         train_examples, cfg.train.seed, cfg.data.shuffle,
@@ -227,7 +240,76 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    if cfg.train.log_with:
+    rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
+    return ckpt.Resumable(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
+
+
+def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if resume is None and ckpt.clear_checkpoints(out):
+        print(f"ibpo: starting afresh: removed the checkpoints of an earlier run in {out} "
+              "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
+
+
+def _log_step(m: dict, step: int, bar, metrics_file, accelerator, log_with) -> None:
+    m["step"] = step
+    if m["skipped_nonfinite"] and accelerator.is_main_process:
+        bar.write(f"ibpo: step {step}: non-finite loss or gradient, update skipped")
+    bar.update(1)
+    bar.set_postfix(
+        reward=f"{m['reward']:.3f}",
+        acc=f"{m['accuracy']:.3f}",
+        len=f"{m['completion_length']:.0f}",
+        s=f"{m['step_time']:.1f}",
+    )
+    if metrics_file:
+        metrics_file.write(json.dumps(m) + "\n")
+        metrics_file.flush()
+    if log_with:
+        accelerator.log(m, step=step)
+
+
+def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, eval_before: bool):
+    """The checkpoint's state (RNG, data position, optimizer...: the run goes on as if it had
+    never stopped), or a fresh one with the held-out accuracy before training."""
+    if resume is not None:
+        state = ckpt.load_checkpoint(accelerator, resume, parts)
+        if accelerator.is_main_process:
+            ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
+        accelerator.print(f"resumed from {resume} (step {state.step})")
+        return state
+    state = ckpt.TrainerState(eval_before=held_out() if eval_before else None)
+    if state.eval_before:
+        e = state.eval_before
+        accelerator.print(f"held-out accuracy before: {e['accuracy']:.3f} (n={e['n']})")
+    return state
+
+
+def train(cfg: Config) -> dict:
+    """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
+
+    Checkpoints (checkpoint.py) are saved every train.save_every steps, at the end, on
+    SIGINT/SIGTERM and when non-finite steps stop the run; train.resume_from resumes one exactly.
+    Running out of memory ends the run with advice instead of a traceback.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    start, tr = time.time(), cfg.train
+    # Accelerate would step the scheduler once per process per update (it assumes data loaders
+    # that shrink with the number of processes); here a step is a step whatever the processes
+    accelerator = Accelerator(log_with=tr.log_with, project_dir=tr.output_dir,
+                              step_scheduler_with_optimizer=False)  # fmt: skip
+    set_seed(tr.seed)
+    out, main = Path(tr.output_dir), accelerator.is_main_process
+    resume = ckpt.resolve_resume(tr.resume_from, out)
+    if main:
+        _prepare_output_dir(out, cfg, resume)
+    objective: ResolvedObjective = resolve_params(cfg.objective)
+    parts, tokenizer, eval_examples = _build(cfg, accelerator)
+    if tr.log_with:
         accelerator.init_trackers("ibpo", config=cfg.to_dict())
     reward_fn = REWARDS[cfg.objective.reward]
 
@@ -235,58 +317,73 @@ def train(cfg: Config) -> dict:
         if not eval_examples:
             return None
         return evaluate_accuracy(
-            model, tokenizer, eval_examples, cfg.data, reward_fn,
+            parts.model, tokenizer, eval_examples, cfg.data, reward_fn,
             cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
         )  # fmt: skip
 
-    eval_before = held_out() if cfg.train.eval_before else None
-    if main and eval_before:
-        accelerator.print(
-            f"held-out accuracy before: {eval_before['accuracy']:.3f} (n={eval_before['n']})"
-        )
-    metrics_file = open(out / "metrics.jsonl", "a") if main else None  # noqa: SIM115
-    bar = tqdm(range(cfg.train.steps), disable=not (main and cfg.train.progress), desc="ibpo")
-    status, step = "completed", 0
+    metrics_path = out / "metrics.jsonl"
+    state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, tr.eval_before)
+    prior = state.wall_seconds
+
+    def checkpoint() -> Path:
+        state.wall_seconds = prior + time.time() - start
+        return ckpt.save_checkpoint(accelerator, out / ckpt.CHECKPOINTS, parts, state,
+                                    metrics_path, tr.keep_checkpoints)  # fmt: skip
+
+    metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
+    bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
+               disable=not (main and tr.progress))  # fmt: skip
+    status, message, last = "completed", None, resume  # last: the newest checkpoint
     try:
-        for step in bar:
-            m = rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg,
-                        objective, rng)  # fmt: skip
-            m["step"] = step + 1
-            bar.set_postfix(
-                reward=f"{m['reward']:.3f}",
-                acc=f"{m['accuracy']:.3f}",
-                len=f"{m['completion_length']:.0f}",
-                s=f"{m['step_time']:.1f}",
-            )
-            if metrics_file:
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-            if cfg.train.log_with:
-                accelerator.log(m, step=step + 1)
-        step = cfg.train.steps
-    except KeyboardInterrupt:
-        status = "interrupted"  # keep what was learnt: the adapter is still saved below
+        with ckpt.GracefulStop() as stop:
+            while state.step < tr.steps:
+                m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler, accelerator,
+                            parts.stream, cfg, objective, parts.rng)  # fmt: skip
+                state.step += 1
+                state.count_step(m["skipped_nonfinite"] > 0)
+                _log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
+                if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
+                    status = "nonfinite"
+                    break
+                if stop.requested(accelerator):
+                    status = "interrupted"
+                    break
+                if tr.save_every and state.step % tr.save_every == 0:
+                    last = checkpoint()
+            if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
+                last = checkpoint()
+    except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
+        status = "interrupted"
+    except Exception as e:
+        if not ckpt.is_oom(e):
+            raise
+        status, message = "out_of_memory", ckpt.oom_message(cfg, state.step + 1, e, last)
     finally:
+        bar.close()
         if metrics_file:
             metrics_file.close()
+    if status == "nonfinite":
+        message = ckpt.nonfinite_message(state, last)
+    if main and message:
+        print(f"ibpo: {message}", file=sys.stderr)
+    adapter = out / "adapter"
+    if status == "out_of_memory":  # the live adapter may be mid-update: the checkpoint's is not
+        adapter = last / "adapter" if last else None
+    elif main:
+        accelerator.unwrap_model(parts.model).save_pretrained(adapter)
+        tokenizer.save_pretrained(adapter)
     eval_after = held_out() if status == "completed" else None
     accelerator.wait_for_everyone()
     summary = {
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-        "steps": step,
-        "objective": objective.name,
-        "model": cfg.model.name,
-        "quantization": cfg.model.quantization,
-        "dataset": cfg.data.dataset,
-        "status": status,
-        "wall_seconds": round(time.time() - start, 1),
-        "adapter": str(out / "adapter"),
-    }
+        "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,
+        "objective": objective.name, "model": cfg.model.name,
+        "quantization": cfg.model.quantization, "dataset": cfg.data.dataset,
+        "status": status, "message": message, "nonfinite_steps": state.nonfinite_total,
+        "resumed_from": resume and str(resume), "checkpoint": last and str(last),
+        "wall_seconds": round(prior + time.time() - start, 1), "adapter": adapter and str(adapter),
+    }  # fmt: skip
     if main:
-        accelerator.unwrap_model(model).save_pretrained(out / "adapter")
-        tokenizer.save_pretrained(out / "adapter")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if cfg.train.log_with:
+    if tr.log_with:
         accelerator.end_training()
     return summary

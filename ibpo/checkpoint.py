@@ -1,0 +1,388 @@
+"""Checkpoints that resume a run exactly, and the guards that keep a run's work when it fails.
+
+A checkpoint `<output_dir>/checkpoints/step-<N>/` holds everything a training step changes:
+
+    adapter/             LoRA weights in PEFT format (usable as is by evaluation and `ibpo push`)
+    optimizer.pt         optimizer state (AdamW moments, step counts, learning rates)
+    scheduler.pt         learning-rate scheduler state
+    process-<rank>.pt    per process: RNG states (python `random`, numpy, torch CPU and CUDA, the
+                         trainer's repair `random.Random`) and the position in its data stream
+    trainer_state.json   step, held-out accuracy before training, non-finite counters, wall time
+    metrics.jsonl        the per-step metrics of steps 1..N
+
+With all of it restored, a resumed run takes the same steps, bit for bit on CPU, as one that was
+never stopped (tests/test_checkpoint.py compares every LoRA tensor with torch.equal).
+
+Writes are atomic: a checkpoint is written into `.tmp-step-<N>`, every file is fsync'd, and the
+folder is renamed; then the `latest` pointer file is replaced (write a temporary file, os.replace).
+A crash while saving leaves a stale temporary folder, which loading ignores and the next save
+removes, and the previous checkpoint intact; a missing or dangling `latest` falls back to the
+newest complete step-<N>. Only the newest `keep` checkpoints are kept.
+
+Several processes (DDP): each writes its own process-<rank>.pt into the temporary folder (one file
+system shared by all processes is assumed, as Accelerate does); the main process writes the rest
+and renames. Every process loads. A checkpoint resumes only with the number of processes that
+wrote it, since data shards and RNG streams are per process. Accelerate's save_state is not used:
+it would store the whole model (the frozen base too) and is not atomic.
+
+The guards: `GracefulStop` turns SIGINT/SIGTERM into a request the loop reads between steps (so a
+checkpoint is saved and the run ends as 'interrupted'; a second Ctrl-C stops at once); `is_oom`
+and `oom_message` turn an out-of-memory error into advice naming the settings that lower memory.
+
+Not here: the training loop (trainer.py); optimizer state sharded by FSDP (each rank would need
+its own shard file); uploading to the Hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ibpo.config import Config, ConfigError
+from ibpo.data import PromptStream
+
+CHECKPOINTS = "checkpoints"  # sub-folder of output_dir
+LATEST = "latest"  # pointer file: the folder name of the newest checkpoint
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP = ".tmp-"  # prefix of folders being written (or left by a crash)
+
+
+@dataclass
+class TrainerState:
+    """The loop's own counters (the rest of a run's state lives in the objects it trains)."""
+
+    step: int = 0
+    eval_before: dict | None = None
+    nonfinite_total: int = 0  # steps skipped for a non-finite loss or gradient
+    nonfinite_streak: int = 0  # ... of them consecutive, up to the current step
+    wall_seconds: float = 0.0  # spent by earlier sessions of this run
+
+    def count_step(self, skipped: bool) -> None:
+        self.nonfinite_total += int(skipped)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+
+
+@dataclass
+class Resumable:
+    """What a training step changes besides TrainerState (model, optimizer, scheduler prepared
+    by Accelerate; the process's data stream and the trainer's repair rng)."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    stream: PromptStream
+    rng: random.Random
+
+
+# --- finding checkpoints -------------------------------------------------------------------------
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_checkpoint(path: Path) -> bool:
+    path = Path(path)
+    return (path / "trainer_state.json").is_file() and (path / "adapter").is_dir()
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete step-<N> folders under `root`, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [p for p in Path(root).iterdir() if step_of(p) is not None and is_checkpoint(p)]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` names; the newest complete one when the pointer is missing or
+    dangling (a crash between renaming a checkpoint and updating the pointer)."""
+    pointer = Path(root) / LATEST
+    if pointer.is_file():
+        target = Path(root) / pointer.read_text().strip()
+        if step_of(target) is not None and is_checkpoint(target):
+            return target
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume_from: str | None, output_dir: Path) -> Path | None:
+    """train.resume_from -> the checkpoint folder to load, or None to start afresh."""
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        return latest_checkpoint(Path(output_dir) / CHECKPOINTS)
+    path = Path(resume_from)
+    if is_checkpoint(path):
+        return path
+    for root in (path / CHECKPOINTS, path):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise ConfigError(
+        f"train.resume_from={resume_from!r}: no checkpoint there. Give a "
+        "<output_dir>/checkpoints/step-<N> folder, an output_dir that holds checkpoints, "
+        "or 'latest' (this run's output_dir)."
+    )
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file and folder under `path` (and `path`) to disk."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _process_state(parts: Resumable) -> dict:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+        "repair_rng": parts.rng.getstate(),
+        "stream": parts.stream.state_dict(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (an abandoned later history of this run) is
+    moved aside first and deleted after."""
+    old = final.with_name(f"{_TMP}old-{final.name}")
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(root: Path, keep: int, protect: Path) -> None:
+    found = [p for p in list_checkpoints(root) if p != protect]
+    for path in found[: max(len(found) - (keep - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(
+    accelerator, root: Path, parts: Resumable, state: TrainerState, metrics: Path | None,
+    keep: int,
+) -> Path:  # fmt: skip
+    """Write checkpoint step-<state.step> under `root` atomically; every process must call it."""
+    root = Path(root)
+    name = f"step-{state.step}"
+    tmp, final = root / f"{_TMP}{name}", root / name
+    main = accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_TMP}*"):  # left by a save that crashed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    torch.save(_process_state(parts), tmp / f"process-{accelerator.process_index}.pt")
+    if main:
+        accelerator.unwrap_model(parts.model).save_pretrained(tmp / "adapter")
+        torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
+        if metrics is not None and Path(metrics).is_file():
+            shutil.copyfile(metrics, tmp / "metrics.jsonl")
+        meta = {**dataclasses.asdict(state), "world_size": accelerator.num_processes}
+        (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
+    accelerator.wait_for_everyone()  # every process-<rank>.pt is written
+    if main:
+        _fsync_tree(tmp)
+        _replace_dir(tmp, final)
+        _atomic_write_text(root / LATEST, name + "\n")
+        _prune(root, keep, protect=final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _load_adapter(model, path: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(path / "adapter_model.safetensors")
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as e:  # shape mismatch: another lora_r / target modules / base model
+        raise ConfigError(
+            f"the adapter in '{path}' does not fit this model ({str(e).splitlines()[0]}); "
+            "resume with the model.* settings the run started with"
+        ) from None
+    if result.unexpected_keys:
+        raise ConfigError(
+            f"the adapter in '{path}' has weights this model lacks "
+            f"({', '.join(result.unexpected_keys[:3])} ...); resume with the same model.* settings"
+        )
+
+
+def _restore_process(state: dict, parts: Resumable) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:  # another number of visible devices: this process's own device only
+            torch.cuda.set_rng_state(state["cuda"][torch.cuda.current_device()])
+    parts.rng.setstate(state["repair_rng"])
+    parts.stream.load_state_dict(state["stream"])
+
+
+def load_checkpoint(accelerator, path: Path, parts: Resumable) -> TrainerState:
+    """Restore everything `save_checkpoint` wrote (RNG last); every process must call it."""
+    path = Path(path)
+    meta = json.loads((path / "trainer_state.json").read_text())
+    world = meta.pop("world_size")
+    if world != accelerator.num_processes:
+        raise ConfigError(
+            f"checkpoint '{path}' was written by {world} process(es), this run has "
+            f"{accelerator.num_processes}: data shards and RNG streams are per process, so resume "
+            "with the same number (its adapter/ folder can still start a new run or be evaluated)"
+        )
+    _load_adapter(accelerator.unwrap_model(parts.model), path / "adapter")
+    parts.optimizer.load_state_dict(
+        torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    )
+    parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    process = torch.load(path / f"process-{accelerator.process_index}.pt", weights_only=True)
+    _restore_process(process, parts)
+    return TrainerState(**meta)
+
+
+def restore_metrics(checkpoint: Path, metrics: Path) -> None:
+    """Make `metrics` hold exactly the checkpoint's steps (drops lines of steps after it)."""
+    saved = Path(checkpoint) / "metrics.jsonl"
+    _atomic_write_text(Path(metrics), saved.read_text() if saved.is_file() else "")
+
+
+def clear_checkpoints(output_dir: Path) -> bool:
+    """A fresh run in an existing output_dir replaces its checkpoints (as it does its adapter
+    and metrics); returns whether there were any."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.exists():
+        return False
+    shutil.rmtree(root)
+    return True
+
+
+# --- guards --------------------------------------------------------------------------------------
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM -> `requested()` turns true: the loop finishes its step, saves a checkpoint
+    and ends as 'interrupted'. A second Ctrl-C raises KeyboardInterrupt at once. The handlers are
+    installed only in the main thread (Python's rule) and restored on exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        # os.write, not print: a handler may run in the middle of another print
+        os.write(
+            sys.stderr.fileno(),
+            f"\nibpo: {signal.Signals(signum).name}: finishing this step, then saving a "
+            "checkpoint (Ctrl-C again stops at once)\n".encode(),
+        )
+
+    def requested(self, accelerator) -> bool:
+        """The same answer on every process (a signal may reach only some of them)."""
+        flag = float(self.signum is not None)
+        if accelerator.num_processes > 1:
+            total = accelerator.reduce(torch.tensor([flag], device=accelerator.device), "sum")
+            flag = float(total.item())
+        return flag > 0
+
+
+def is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def oom_message(cfg: Config, step: int, error: BaseException, last: Path | None) -> str:
+    tr, ro, rep = cfg.train, cfg.rollout, cfg.repair
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    resume = (
+        f"Then resume from {last} with train.resume_from=latest."
+        if last is not None
+        else "No checkpoint was saved yet (train.save_every)."
+    )
+    return (
+        f"out of memory in step {step} ({first[:200]})\n"
+        f"  Fix: lower train.micro_batch_groups (now {tr.micro_batch_groups}; whole groups per "
+        f"forward/backward), train.logprob_chunk_tokens (now {tr.logprob_chunk_tokens}), "
+        f"rollout.generation_batch_size (now {ro.generation_batch_size}; repair.batch_size, now "
+        f"{rep.batch_size or ro.generation_batch_size}, for repairs) or rollout.max_new_tokens "
+        f"(now {ro.max_new_tokens}). "
+        "`ibpo plan <recipe> --gpu-memory-gb <GiB>` estimates the peak memory and suggests "
+        f"settings that fit.\n  {resume}"
+    )
+
+
+def nonfinite_message(state: TrainerState, last: Path | None) -> str:
+    first = state.step - state.nonfinite_streak + 1
+    return (
+        f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
+        "non-finite loss or gradient and were skipped.\n  Likely causes: a reward returning "
+        "NaN/inf, a learning rate too high, float16 overflow (use model.dtype=bfloat16 or "
+        f"float32). Checkpoint: {last}. Raise train.max_nonfinite_steps (0 = never stop) to "
+        "carry on skipping."
+    )

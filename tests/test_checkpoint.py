@@ -1,0 +1,333 @@
+"""Checkpoints and fault handling on the tiny Qwen3 (CPU).
+
+* A run killed with SIGKILL, resumed, stopped with SIGTERM, resumed again ends with the same LoRA
+  tensors (torch.equal) and per-step rewards as an uninterrupted run with the same seed.
+* A crash in the middle of a save leaves the previous checkpoint loadable and `latest` on it.
+* Non-finite steps are skipped, counted and, consecutive, stop the run with a checkpoint.
+* Out of memory ends the run with advice; Ctrl-C saves a checkpoint; a second one stops at once.
+"""
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ibpo.trainer as trainer_mod
+from ibpo import checkpoint as ckpt
+from ibpo.config import ConfigError, load_config
+from ibpo.data import PromptStream, builtin_examples
+from ibpo.modeling import load_policy
+from ibpo.rewards import REWARDS
+from ibpo.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD = "ckpt_test_parity"
+# deterministic in the text and about half right on the random tiny model: real advantages
+REWARD_SRC = "lambda text, answer: float(sum(map(ord, text)) % 2)"
+# The training process: the slow imports first, so that it can start while the previous run is
+# still training; it begins once the file named by CKPT_TEST_GO exists.
+DRIVER = f"""
+import os, sys, time
+import accelerate, peft, transformers.models.qwen3, ibpo.trainer
+from ibpo.cli import main
+from ibpo.rewards import REWARDS
+REWARDS[{REWARD!r}] = {REWARD_SRC}
+while not os.path.exists(os.environ["CKPT_TEST_GO"]):
+    time.sleep(0.01)
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def _args(model_dir, out, steps, *extra):
+    return [
+        f"model.name={model_dir}", "model.quantization=none", f"train.steps={steps}",
+        "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
+        "data.eval_size=0", f"objective.reward={REWARD}", "train.save_every=1",
+        "train.log_reference_kl=false", "repair.max_repairs_per_group=1",
+        "repair.template='{question}|{attempt}|{reference}'", f"train.output_dir={out}",
+        "train.progress=false", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def reward(monkeypatch):
+    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start training processes (each trains once tmp_path/<name>.go exists); none outlives
+    the test."""
+    procs = []
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        procs.append(_spawn(tmp_path, name, args))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _spawn(tmp_path: Path, name: str, args: list[str]) -> subprocess.Popen:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    # same intra-op threads as this process: CPU kernels then reduce in the same order
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1",
+           "CKPT_TEST_GO": str(tmp_path / f"{name}.go")}  # fmt: skip
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen([sys.executable, str(driver), *args], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    end = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"training exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        if time.time() > end:
+            proc.kill()
+            pytest.fail("timed out waiting for a checkpoint")
+        time.sleep(0.01)
+
+
+def _latest_step(root: Path) -> int:
+    found = ckpt.latest_checkpoint(root)
+    return ckpt.step_of(found) if found else 0
+
+
+def _lora(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(adapter_dir / "adapter_model.safetensors")
+
+
+def _rewards(run: Path) -> list[tuple[int, float]]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [(m["step"], m["reward"]) for m in map(json.loads, lines)]
+
+
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(
+    tiny_model_dir, tmp_path, reward, spawn
+):  # fmt: skip
+    steps, run = 7, tmp_path / "run"
+    root = run / "checkpoints"
+    resume = _args(tiny_model_dir, run, steps, "train.resume_from=latest")
+    a = spawn("a", _args(tiny_model_dir, run, steps))
+    b = spawn("b", resume)  # imports while `a` runs, trains after it
+    (tmp_path / "a.go").touch()
+    # 1. SIGKILL once step-2 is saved (perhaps in the middle of saving step 3)
+    _wait_for(lambda: _latest_step(root) >= 2, a, tmp_path / "a.log")
+    a.send_signal(signal.SIGKILL)
+    assert a.wait() == -signal.SIGKILL
+    killed_at = ckpt.step_of(ckpt.latest_checkpoint(root))
+    assert 2 <= killed_at <= steps - 3  # `b` has steps to run after its first save
+    with open(run / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint
+        f.write(json.dumps({"step": killed_at + 1, "reward": -1.0}) + "\n")
+    # 2. resume; SIGTERM once it has saved a step of its own: it saves and exits cleanly
+    (tmp_path / "b.go").touch()
+    _wait_for(lambda: _latest_step(root) > killed_at, b, tmp_path / "b.log")
+    b.send_signal(signal.SIGTERM)
+    assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["status"] == "interrupted" and killed_at < stopped < steps
+    assert summary["resumed_from"] == str(root / f"step-{killed_at}")
+    assert ckpt.latest_checkpoint(root) == root / f"step-{stopped}"
+    assert summary["checkpoint"] == str(root / f"step-{stopped}")
+    assert "SIGTERM" in (tmp_path / "b.log").read_text()
+    assert [s for s, _ in _rewards(run)] == list(range(1, stopped + 1))  # no duplicate lines
+    # 3. resume to the end (in this process), and an uninterrupted run with the same seed
+    resumed = train(load_config(None, resume))
+    assert resumed["status"] == "completed" and resumed["steps"] == steps
+    ref = train(load_config(None, _args(tiny_model_dir, tmp_path / "ref", steps)))
+    assert ref["status"] == "completed"
+    got, want = _lora(run / "adapter"), _lora(tmp_path / "ref" / "adapter")
+    assert got.keys() == want.keys() and any("lora_B" in k for k in got)
+    assert any(want[k].abs().sum() > 0 for k in want if "lora_B" in k)  # it did learn
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _rewards(run) == _rewards(tmp_path / "ref")
+    assert len({r for _, r in _rewards(run)}) > 1
+    assert len(ckpt.list_checkpoints(root)) == 2  # keep_checkpoints
+
+
+class _Crash(BaseException):
+    """Stands for the process dying in the middle of a save."""
+
+
+def _parts(model_dir: str):
+    from accelerate import Accelerator
+
+    cfg = load_config(None, [f"model.name={model_dir}", "model.quantization=none"])
+    acc = Accelerator(cpu=True)
+    model, _ = load_policy(cfg.model, torch.device("cpu"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sum((p**2).sum() for p in model.parameters() if p.requires_grad).backward()
+    opt.step()  # non-empty optimizer state
+    sched.step()
+    stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
+    stream.take(13)  # into the second epoch
+    return acc, ckpt.Resumable(model, opt, sched, stream, random.Random(7))
+
+
+def _draws(parts) -> tuple:
+    return (torch.rand(3), random.random(), np.random.rand(), parts.rng.random(),
+            parts.stream.take(2))  # fmt: skip
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    acc, parts = _parts(tiny_model_dir)
+    root = tmp_path / "checkpoints"
+    first = ckpt.save_checkpoint(acc, root, parts, ckpt.TrainerState(step=1), None, keep=2)
+    lora = {n: p for n, p in parts.model.named_parameters() if p.requires_grad}
+    saved = {n: p.detach().clone() for n, p in lora.items()}
+    adam = {k: v.clone() for k, v in parts.optimizer.state[next(iter(lora.values()))].items()}
+    expected = _draws(parts)  # what the run would draw next
+    with torch.no_grad():
+        for p in lora.values():
+            p.add_(1.0)
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt"):
+            raise _Crash
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(_Crash):
+        ckpt.save_checkpoint(acc, root, parts, ckpt.TrainerState(step=2), None, keep=2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (root / ".tmp-step-2").is_dir() and not (root / "step-2").exists()
+    assert ckpt.latest_checkpoint(root) == first
+    assert ckpt.resolve_resume("latest", tmp_path) == first
+    assert ckpt.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == first
+
+    state = ckpt.load_checkpoint(acc, first, parts)
+    assert state.step == 1
+    assert all(torch.equal(p, saved[n]) for n, p in lora.items())
+    restored = parts.optimizer.state[next(iter(lora.values()))]
+    assert all(torch.equal(restored[k], v) for k, v in adam.items())
+    again = _draws(parts)
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+    # the next save removes the leftover and moves `latest`; keep=1 drops step-1
+    second = ckpt.save_checkpoint(acc, root, parts, ckpt.TrainerState(step=2), None, keep=1)
+    assert not list(root.glob(".tmp-*")) and not first.exists()
+    assert (root / "latest").read_text().strip() == "step-2"
+    # a dangling pointer (crash between a rename and the pointer) falls back to the newest
+    (root / "latest").write_text("step-9\n")
+    assert ckpt.latest_checkpoint(root) == second
+    meta = json.loads((second / "trainer_state.json").read_text())
+    (second / "trainer_state.json").write_text(json.dumps({**meta, "world_size": 2}))
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        ckpt.load_checkpoint(acc, second, parts)
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        ckpt.resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    assert ckpt.resolve_resume("latest", tmp_path / "empty") is None
+
+
+def _counting_reward(nan_steps: set[int], per_step: int):
+    calls = itertools.count()
+    parity = eval(REWARD_SRC)
+
+    def reward(text, answer):
+        step = next(calls) // per_step + 1
+        return float("nan") if step in nan_steps else parity(text, answer)
+
+    return reward
+
+
+def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    # grpo: no repairs, so the reward runs exactly B * G = 8 times a step
+    monkeypatch.setitem(REWARDS, REWARD, _counting_reward({2, 4, 5}, per_step=8))
+    out = tmp_path / "run"
+    args = _args(tiny_model_dir, out, 8, "objective.name=grpo", "train.max_nonfinite_steps=2",
+                 "train.save_every=0")  # fmt: skip
+    summary = train(load_config(None, args))
+    assert summary["status"] == "nonfinite" and summary["steps"] == 5
+    assert summary["nonfinite_steps"] == 3
+    assert "2 consecutive steps (4-5)" in summary["message"]
+    assert "train.max_nonfinite_steps" in summary["message"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_nonfinite"] for m in lines] == [0, 1, 0, 1, 1]
+    last = out / "checkpoints" / "step-5"
+    assert (
+        summary["checkpoint"] == str(last) and ckpt.latest_checkpoint(out / "checkpoints") == last
+    )
+    state = torch.load(last / "optimizer.pt", weights_only=True)["state"]
+    assert {float(s["step"]) for s in state.values()} == {2.0}  # steps 1 and 3 only
+    weights = _lora(out / "adapter")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert torch.equal(weights[next(iter(weights))], _lora(last / "adapter")[next(iter(weights))])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     RuntimeError("CUDA error: out of memory")],
+)  # fmt: skip
+def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, reward, error):
+    real_step, calls = trainer_mod.rl_step, itertools.count()
+
+    def step(*args):
+        if next(calls) == 2:
+            raise error
+        return real_step(*args)
+
+    monkeypatch.setattr(trainer_mod, "rl_step", step)
+    out = tmp_path / "run"
+    summary = train(load_config(None, _args(tiny_model_dir, out, 4, "objective.name=grpo")))
+    assert summary["status"] == "out_of_memory" and summary["steps"] == 2
+    for knob in ("train.micro_batch_groups", "train.logprob_chunk_tokens",
+                 "rollout.generation_batch_size", "rollout.max_new_tokens", "ibpo plan",
+                 "step 3", "train.resume_from=latest"):  # fmt: skip
+        assert knob in summary["message"]
+    assert summary["adapter"] == str(out / "checkpoints" / "step-2" / "adapter")
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+def test_other_errors_propagate(tiny_model_dir, tmp_path, monkeypatch, reward):
+    def step(*args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(trainer_mod, "rl_step", step)
+    with pytest.raises(ValueError, match="a bug"):
+        train(load_config(None, _args(tiny_model_dir, tmp_path / "run", 2)))
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
+    tiny_model_dir, tmp_path, monkeypatch, reward, presses
+):  # fmt: skip
+    real_step, calls = trainer_mod.rl_step, itertools.count()
+
+    def step(*args):
+        metrics = real_step(*args)
+        if next(calls) == 1:  # during step 2
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return metrics
+
+    monkeypatch.setattr(trainer_mod, "rl_step", step)
+    out = tmp_path / "run"
+    summary = train(load_config(None, _args(tiny_model_dir, out, 5, "objective.name=grpo",
+                                            "train.save_every=0")))  # fmt: skip
+    assert summary["status"] == "interrupted"
+    root = out / "checkpoints"
+    if presses == 1:  # step 2 finishes and is saved
+        assert summary["steps"] == 2 and ckpt.latest_checkpoint(root) == root / "step-2"
+    else:  # the second press interrupts step 2: nothing saved (save_every=0)
+        assert summary["steps"] == 1 and ckpt.latest_checkpoint(root) is None
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
