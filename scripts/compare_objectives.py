@@ -32,15 +32,16 @@ OBJECTIVES = ["ibpo", "dfpo", "grpo", "dr_grpo", "dapo", "gspo"]
 # the objectives, not the quantisation, are what is compared here).
 BUDGET = [
     "model.quantization=none",
-    "train.steps=10",
-    "train.prompts_per_step=3",
+    "train.steps=6",
+    "train.prompts_per_step=2",
     "rollout.group_size=8",
     "rollout.max_new_tokens=16",
     "rollout.eval_max_new_tokens=16",
-    "data.eval_size=100",
-    "train.learning_rate=5e-4",
+    "data.eval_size=60",
+    "train.learning_rate=1e-3",
     "train.log_reference_kl=false",
 ]
+
 SMOKE = [
     "train.steps=2",
     "train.prompts_per_step=2",
