@@ -209,7 +209,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     return metrics
 
 
-def _lr_lambda(cfg: Config):
+def lr_lambda(cfg: Config):
     """Learning-rate factor per scheduler step. The scheduler steps once per update, and
     updates_per_rollout updates make one training step (the unit of warmup_steps and steps)."""
     warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_scheduler
@@ -238,7 +238,7 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     )  # fmt: skip
     model, tokenizer = load_policy(cfg.model, accelerator.device)
     optimizer = build_optimizer(model, cfg, accelerator.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
     return ckpt.Resumable(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples

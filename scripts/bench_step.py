@@ -85,7 +85,7 @@ def build(cfg, cpu: bool = False) -> Run:
     from ibpo.data import PromptStream, load_splits
     from ibpo.modeling import load_policy
     from ibpo.objectives import resolve_params
-    from ibpo.trainer import _lr_lambda, build_optimizer
+    from ibpo.trainer import build_optimizer, lr_lambda
 
     accelerator = Accelerator(cpu=cpu)
     set_seed(cfg.train.seed)
@@ -94,7 +94,7 @@ def build(cfg, cpu: bool = False) -> Run:
                           accelerator.process_index, accelerator.num_processes)  # fmt: skip
     model, tokenizer = load_policy(cfg.model, accelerator.device)
     optimizer = build_optimizer(model, cfg, accelerator.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return Run(cfg, accelerator, model, tokenizer, optimizer, scheduler, stream,
                resolve_params(cfg.objective), random.Random(cfg.train.seed))  # fmt: skip
