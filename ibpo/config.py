@@ -159,6 +159,14 @@ class TrainConfig:
     # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
     # skipped steps stop the run with a checkpoint (0 = never stop).
     max_nonfinite_steps: int = 3
+    # Held-out evaluation every `eval_every` steps during training (0 = only before and after).
+    eval_every: int = 0
+    plots: bool = True  # write <output_dir>/plots/*.png and the end-of-run report
+    # Hugging Face Hub: push the final adapter, tokenizer and a model card (`ibpo push` does the
+    # same for any output_dir). The token comes from HF_TOKEN or `hf auth login`, never a file.
+    push_to_hub: bool = False
+    hub_repo_id: str | None = None  # "user/name"; required when push_to_hub is true
+    hub_private: bool = True
 
 
 @dataclass
@@ -316,6 +324,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.steps, data.eval_size, rollout.max_resample_rounds must be >= 0")
     if cfg.train.save_every < 0 or cfg.train.max_nonfinite_steps < 0:
         raise ConfigError("train.save_every and train.max_nonfinite_steps must be >= 0 (0 = off)")
+    if cfg.train.eval_every < 0:
+        raise ConfigError("train.eval_every must be >= 0 (0 = evaluate only before and after)")
+    if cfg.train.push_to_hub and not cfg.train.hub_repo_id:
+        raise ConfigError("train.push_to_hub=true needs train.hub_repo_id=<user>/<name>")
     if cfg.train.keep_checkpoints < 1:
         raise ConfigError("train.keep_checkpoints must be >= 1 (resuming needs one)")
     if cfg.train.resume_from is not None and not cfg.train.resume_from.strip():
