@@ -134,6 +134,9 @@ class TrainConfig:
     steps: int = 14
     prompts_per_step: int = 4  # B prompts; each step trains on B * G sequences
     micro_batch_groups: int = 4  # whole groups per forward/backward (group transforms need them)
+    # Also cap a micro-batch at this many padded tokens (rows x (prompt + completion) width;
+    # 0 = no cap). Groups are sorted by length either way, so similar lengths share a micro-batch.
+    micro_batch_tokens: int = 0
     updates_per_rollout: int = 1  # > 1 reuses a rollout (off-policy; needs old log-probs)
     learning_rate: float = 5e-4
     weight_decay: float = 0.0
@@ -324,6 +327,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.steps, data.eval_size, rollout.max_resample_rounds must be >= 0")
     if cfg.train.save_every < 0 or cfg.train.max_nonfinite_steps < 0:
         raise ConfigError("train.save_every and train.max_nonfinite_steps must be >= 0 (0 = off)")
+    if cfg.train.micro_batch_tokens < 0:
+        raise ConfigError("train.micro_batch_tokens must be >= 0 (0 = no token cap)")
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 = evaluate only before and after)")
     if cfg.train.push_to_hub and not cfg.train.hub_repo_id:

@@ -8,9 +8,12 @@ One step (B prompts, G completions each, N = B * G sequences):
      (IBPO.md Part 2's counterfactual shaping plugs in here through advantages.py);
   5. old log-probs only when a rollout is reused (updates_per_rollout > 1), reference log-probs
      only when kl_coef > 0 (same model, adapter disabled);
-  6. micro-batches of whole groups: log-probs with grad -> objective -> backward, the loss divided
-     by a normaliser taken from the whole step, so accumulation does not change the gradient;
-  7. clip, optimizer step, scheduler; 8. log.
+  6. micro-batches of whole groups sorted by length (batching.py): log-probs with grad ->
+     objective -> backward, the loss divided by a normaliser taken from the whole step (and all
+     processes), so neither accumulation nor the number of processes changes the gradient;
+  7. clip, optimizer step, scheduler; 8. log (metrics gathered over processes).
+With several processes (Accelerate: DDP, FSDP) each one takes its own shard of prompts, generates,
+grades and normalises its own groups; DDP averages the gradients.
 Before the first and after the last step the held-out set is evaluated greedily; the adapter is
 saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
 Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM) resume a run exactly
@@ -35,6 +38,7 @@ import torch
 import yaml
 
 from ibpo import checkpoint as ckpt
+from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config
 from ibpo.data import PromptStream, load_splits
 from ibpo.diagnostics import cancellation_residual
@@ -50,8 +54,7 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.rewards import REWARDS
-from ibpo.rollout import Rollout
-from ibpo.scoring import collect_batch
+from ibpo.scoring import ScoredBatch, collect_batch
 
 
 def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -76,38 +79,18 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def micro_batches(rollout: Rollout, group_size: int, groups_per_micro: int) -> list[slice]:
-    step = group_size * groups_per_micro
-    return [slice(s, s + step) for s in range(0, rollout.num_sequences, step)]
-
-
-def trim(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t[:, :width]
-
-
-def sequence_logprobs(model, rollout: Rollout, sl: slice, chunk: int, temperature: float):
-    """Log-probs/entropies of one micro-batch, trimmed to its longest completion."""
-    mask = rollout.completion_mask[sl]
-    t_max = max(int(mask.sum(-1).max().item()), 1)
-    p = rollout.prompt_len
-    logp, ent = completion_logprobs(
-        model,
-        trim(rollout.input_ids[sl], p + t_max),
-        trim(rollout.attention_mask[sl], p + t_max),
-        p,
-        trim(mask, t_max),
-        chunk,
-        temperature,
-    )
-    return logp, ent, trim(mask, t_max)
+def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
+    """Log-probs/entropies [n, t] of one micro-batch (already cut to its widths)."""
+    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                               mb.completion_mask, chunk, temperature)  # fmt: skip
 
 
 @torch.no_grad()
-def frozen_logprobs(model, rollout, slices, chunk, temperature, reference: bool):
+def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference: bool):
     """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off)."""
     ctx = reference_mode(model) if reference else nullcontext()
     with ctx:
-        return [sequence_logprobs(model, rollout, sl, chunk, temperature)[0] for sl in slices]
+        return [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
 
 
 def update_is_finite(accelerator, losses: list[float], grad_norm) -> bool:
@@ -118,44 +101,45 @@ def update_is_finite(accelerator, losses: list[float], grad_norm) -> bool:
     return bad == 0
 
 
-def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
-    """One full RL step; returns a dict of metrics."""
-    ro, tr = cfg.rollout, cfg.train
-    G = ro.group_size
+def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tokens: int):
+    """The step's Z, such that the gradient averaged by DDP over processes equals one process's
+    gradient on all their rows: each process divides by the mean of the processes' Z."""
+    z = step_normaliser(objective.aggregation, [mb.completion_mask for mb in mbs], max_new_tokens)
+    if accelerator.num_processes > 1:
+        z = accelerator.reduce(torch.tensor([z], device=accelerator.device), "mean").item()
+    return z
+
+
+def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, cfg, objective):
+    """Steps 5-8 on a scored batch: frozen log-probs, micro-batched backward, optimizer steps.
+
+    Returns (per-micro-batch stats, cancellation sums, grad norm, updates made, skipped,
+    seconds spent on frozen log-probs)."""
     t0 = time.perf_counter()
-    # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]
-    batch = collect_batch(model, tokenizer, stream, cfg, objective, REWARDS[cfg.objective.reward],
-                          rng)  # fmt: skip
-    rollout, rewards, seq_adv, adv = batch.rollout, batch.rewards, batch.seq_adv, batch.adv
-    t_gen = time.perf_counter()
-    # 5. frozen log-probs (only when they matter)
-    slices = micro_batches(rollout, G, tr.micro_batch_groups)
+    ro, tr, G = cfg.rollout, cfg.train, cfg.rollout.group_size
+    mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups, tr.micro_batch_tokens)
     chunk, temp = tr.logprob_chunk_tokens, ro.temperature
-    old = None
+    old = None  # 5. frozen log-probs, only when they matter
     if tr.updates_per_rollout > 1:
-        old = frozen_logprobs(model, rollout, slices, chunk, temp, reference=False)
+        old = frozen_logprobs(model, mbs, chunk, temp, reference=False)
     ref = None
     if objective.kl_coef > 0 or tr.log_reference_kl:
-        ref = frozen_logprobs(model, rollout, slices, chunk, temp, reference=True)
-    t_frozen = time.perf_counter()
-    # 6-7. updates
-    masks = [rollout.completion_mask[sl] for sl in slices]
-    norm = step_normaliser(objective.aggregation, masks, ro.max_new_tokens)
+        ref = frozen_logprobs(model, mbs, chunk, temp, reference=True)
+    t_frozen = time.perf_counter() - t0
+    norm = global_normaliser(accelerator, objective, mbs, ro.max_new_tokens)
     stats: dict[str, list[float]] = {}
     cancel: dict[str, float] = {}
     model.train()
-    skipped, updates = False, 0
-    for _ in range(tr.updates_per_rollout):
+    skipped, updates, grad_norm = False, 0, 0.0
+    for _ in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
         losses, updates = [], updates + 1
-        for k, sl in enumerate(slices):
-            sync = k == len(slices) - 1
-            with nullcontext() if sync else accelerator.no_sync(model):
-                logp, ent, mask = sequence_logprobs(model, rollout, sl, chunk, temp)
-                width = mask.shape[1]
+        for k, mb in enumerate(mbs):
+            with nullcontext() if k == len(mbs) - 1 else accelerator.no_sync(model):
+                logp, ent = sequence_logprobs(model, mb, chunk, temp)
+                mask, a = mb.completion_mask, mb.take(batch.adv)
                 old_logp = logp.detach() if old is None else old[k]
-                a = trim(adv[sl], width)
                 per_token, coef, info = objective.surrogate(
-                    logp, old_logp, a, mask, seq_adv[sl], G, **objective.kwargs
+                    logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
                 )
                 if ref is not None:
                     kl = k3_kl(logp, ref[k])
@@ -165,8 +149,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
                 loss = aggregate(per_token, mask, objective.aggregation, norm)
                 accelerator.backward(loss)
             c = coef * token_weights(mask, objective.aggregation)
-            tokens = trim(rollout.completion_ids[sl], width)
-            for key, v in cancellation_residual(c, a, tokens, mask, G).items():
+            for key, v in cancellation_residual(c, a, mb.completion_ids, mask, G).items():
                 cancel[key] = cancel.get(key, 0.0) + v
             info["loss"] = loss.item()
             losses.append(info["loss"])
@@ -183,7 +166,43 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+    return stats, cancel, float(grad_norm), updates, skipped, t_frozen
+
+
+def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
+    """One step's metrics over all processes: times and peaks are the slowest/largest process,
+    tokens/s and counts add up, sums of the diagnostic add up, everything else is averaged
+    (every process holds the same number of groups)."""
+    if accelerator.num_processes == 1:
+        return m
+    from accelerate.utils import gather_object
+
+    every = gather_object([m])
+    out = {}
+    for key in m:
+        values = [d[key] for d in every if key in d]
+        if key.startswith("time_") or key in ("step_time", "peak_memory_gb"):
+            out[key] = max(values)
+        elif key in ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens"):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
+    """One full RL step; returns a dict of metrics (gathered over processes)."""
+    t0 = time.perf_counter()
+    # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
+    # normalises the groups it generated
+    batch = collect_batch(model, tokenizer, stream, cfg, objective, REWARDS[cfg.objective.reward],
+                          rng)  # fmt: skip
+    t_gen = time.perf_counter()
+    stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
+        model, optimizer, scheduler, accelerator, batch, cfg, objective
+    )
     t_end = time.perf_counter()
+    rollout, rewards = batch.rollout, batch.rewards
     n_tokens = rollout.completion_mask.sum().item()
     metrics = {k: sum(v) / len(v) for k, v in stats.items()}
     metrics["loss"] = sum(stats["loss"]) / updates  # the step's loss, not a mean
@@ -196,17 +215,17 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
         truncated=rollout.truncated.float().mean().item(),
-        grad_norm=float(grad_norm),
+        grad_norm=grad_norm,
         skipped_nonfinite=float(skipped),
         lr=scheduler.get_last_lr()[0],
         time_rollout=t_gen - t0,
-        time_frozen_logprobs=t_frozen - t_gen,
-        time_update=t_end - t_frozen,
+        time_frozen_logprobs=t_frozen,
+        time_update=t_end - t_gen - t_frozen,
         step_time=t_end - t0,
         tokens_per_second=n_tokens / (t_end - t0),
         peak_memory_gb=peak_memory_gb(rollout.input_ids.device),
     )
-    return metrics
+    return gather_metrics(accelerator, metrics)
 
 
 def lr_lambda(cfg: Config):

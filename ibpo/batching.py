@@ -1,0 +1,112 @@
+"""Micro-batches for the update: which rows of a step's rollout share one forward/backward.
+
+A micro-batch is made of whole groups: the group transforms of `ibpo`/`dfpo` (the group minimum of
+the sequence ratio) and the cancellation diagnostic need every member of a group in the same
+forward. Groups are sorted by their longest completion, longest first, so that groups of similar
+length share a micro-batch and little compute goes to padding. A micro-batch holds at most
+`train.micro_batch_groups` groups and, when `train.micro_batch_tokens` > 0, at most that many
+padded tokens (rows x (longest prompt + longest completion) of the micro-batch); a group that alone
+exceeds the budget is a micro-batch by itself (groups are never split).
+
+Each micro-batch is then cut to its own width: the left-padding columns that none of its prompts
+uses and the completion columns past its longest completion. Position ids come from the attention
+mask (logprobs.py), so dropping all-padding columns changes no log-prob.
+
+The gradient does not depend on the partition: the loss of every micro-batch is divided by a
+normaliser taken from the whole step (objectives.step_normaliser).
+
+Not here: the loss itself (objectives.py) or how rows were generated (rollout.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ibpo.rollout import Rollout
+
+
+def plan_micro_batches(
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    group_size: int,
+    max_groups: int,
+    max_tokens: int = 0,
+) -> list[list[int]]:
+    """Row indices of each micro-batch: whole groups (rows g*G .. g*G+G-1), sorted by length.
+
+    prompt_lengths/completion_lengths: real (unpadded) lengths of the N = B * G rows.
+    Every row appears exactly once; each micro-batch has <= max_groups groups and, if
+    max_tokens > 0, <= max_tokens padded tokens unless it is a single group.
+    """
+    n = len(completion_lengths)
+    if n % group_size or len(prompt_lengths) != n:
+        raise ValueError(f"{n} rows do not make whole groups of {group_size}")
+    if max_groups < 1:
+        raise ValueError("max_groups must be >= 1")
+    groups = []
+    for g in range(n // group_size):
+        rows = list(range(g * group_size, (g + 1) * group_size))
+        groups.append((max(completion_lengths[i] for i in rows),
+                       max(prompt_lengths[i] for i in rows), rows))  # fmt: skip
+    # longest first; ties by prompt length, then by position (a stable, deterministic order)
+    groups.sort(key=lambda x: (-x[0], -x[1]))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width_p = width_t = count = 0
+    for t, p, rows in groups:
+        wp, wt = max(width_p, p), max(width_t, t)
+        cost = (len(current) + len(rows)) * (wp + wt)
+        if current and (count == max_groups or (max_tokens > 0 and cost > max_tokens)):
+            batches.append(current)
+            current, wp, wt, count = [], p, t, 0
+        current = current + rows
+        width_p, width_t, count = wp, wt, count + 1
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class MicroBatch:
+    rows: Tensor  # [n] indices into the step's rollout
+    input_ids: Tensor  # [n, p + t] cut to this micro-batch's widths
+    attention_mask: Tensor  # [n, p + t]
+    completion_mask: Tensor  # [n, t]
+    prompt_len: int  # p <= the rollout's P
+
+    @property
+    def completion_ids(self) -> Tensor:  # [n, t]
+        return self.input_ids[:, self.prompt_len :]
+
+    @property
+    def width(self) -> int:  # t
+        return self.completion_mask.shape[1]
+
+    def take(self, t: Tensor) -> Tensor:
+        """This micro-batch's rows of a per-row tensor of the step ([N] or [N, T] -> cut to t)."""
+        t = t[self.rows]
+        return t[:, : self.width] if t.dim() == 2 else t
+
+
+def cut(rollout: Rollout, rows: list[int]) -> MicroBatch:
+    """The rows of a micro-batch, without the columns that are padding in all of them."""
+    idx = torch.tensor(rows, dtype=torch.long, device=rollout.input_ids.device)
+    P = rollout.prompt_len
+    att = rollout.attention_mask[idx]
+    cmask = rollout.completion_mask[idx]
+    p = max(int(att[:, :P].sum(-1).max().item()), 1)  # keep one column for an empty prompt
+    t = max(int(cmask.sum(-1).max().item()), 1)
+    cols = slice(P - p, P + t)
+    return MicroBatch(idx, rollout.input_ids[idx][:, cols], att[:, cols], cmask[:, :t], p)
+
+
+def micro_batches(
+    rollout: Rollout, group_size: int, max_groups: int, max_tokens: int = 0
+) -> list[MicroBatch]:
+    prompt = rollout.attention_mask[:, : rollout.prompt_len].sum(-1).tolist()
+    completion = rollout.completion_mask.sum(-1).long().tolist()
+    plan = plan_micro_batches(prompt, completion, group_size, max_groups, max_tokens)
+    return [cut(rollout, rows) for rows in plan]
