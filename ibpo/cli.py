@@ -1,11 +1,16 @@
-"""Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`.
+"""Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
+`ibpo report`, `ibpo push`.
 
 `ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
 names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus N]
-[--gpu-memory-gb M] [--model-config PATH_OR_HUB_ID]` prints the estimated peak GPU memory of the
-recipe per phase (ibpo/plan.py) and settings that fit when it does not. `ibpo eval BENCHMARK
-[options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]` (ibpo/evaluation.py).
+[--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config PATH_OR_HUB_ID]` prints the estimated
+peak GPU memory of the recipe per phase (ibpo/plan.py) and settings that fit when it does not.
+`ibpo eval BENCHMARK [options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]`
+(ibpo/evaluation.py).
+`ibpo report OUTPUT_DIR` prints a run's summary and writes its plots (ibpo/report.py).
+`ibpo push OUTPUT_DIR --repo-id USER/NAME [--public] [--eval-dir DIR ...] [--dry-run]` uploads a
+run's adapter, tokenizer, recipe, metrics and a model card to the Hugging Face Hub (ibpo/hub.py).
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
             return 2
         return eval_main(argv[2:], benchmark=argv[1])
+    if argv[:1] == ["report"]:  # `ibpo report OUTPUT_DIR`: summary table + plots of a run
+        from ibpo.report import main as report_main
+
+        return report_main(argv[1:])
+    if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
+        from ibpo.hub import main as push_main
+
+        return push_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
@@ -62,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
     p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
     sub.add_parser("eval", help="evaluate a model/adapter on a benchmark: ibpo eval NAME --help")
+    sub.add_parser("report", help="summary table and plots of a run: ibpo report OUTPUT_DIR")
+    sub.add_parser("push", help="upload an adapter + model card to the Hub: ibpo push --help")
     p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
     p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
-    p_plan.add_argument("--gpus", type=int, default=1, help="GPUs (DDP: each holds a replica)")
+    p_plan.add_argument("--gpus", type=int, default=1, help="GPUs sharing the run")
+    p_plan.add_argument("--sharding", choices=("ddp", "fsdp"), default="ddp",
+                        help="ddp: each GPU a full replica | fsdp: full shard")  # fmt: skip
     p_plan.add_argument("--gpu-memory-gb", type=float, default=24.0, help="GiB per GPU")
     p_plan.add_argument(
         "--model-config", help="config.json, model folder or Hub id (default: model.name)"
@@ -84,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "plan":
             from ibpo.plan import estimate, format_plan
 
-            print(format_plan(estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb)))
+            plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
+            print(format_plan(plan))
             return 0
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from ibpo.trainer import train

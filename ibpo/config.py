@@ -290,7 +290,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
 _CHOICES = {
     ("model", "quantization"): ("nf4", "none"),
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
-    ("data", "answer_format"): ("plain", "gsm8k", "boxed"),
+    ("data", "answer_format"): ("plain", "gsm8k", "boxed", "code_tests"),
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
     ("repair", "reference_selection"): ("correct_first", "correct_only", "random"),
@@ -333,6 +333,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.eval_every must be >= 0 (0 = evaluate only before and after)")
     if cfg.train.push_to_hub and not cfg.train.hub_repo_id:
         raise ConfigError("train.push_to_hub=true needs train.hub_repo_id=<user>/<name>")
+    if cfg.train.push_to_hub:
+        from ibpo.hub import check_repo_id
+
+        check_repo_id(cfg.train.hub_repo_id)  # a bad id fails now, not after hours of training
     if cfg.train.keep_checkpoints < 1:
         raise ConfigError("train.keep_checkpoints must be >= 1 (resuming needs one)")
     if cfg.train.resume_from is not None and not cfg.train.resume_from.strip():

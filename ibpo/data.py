@@ -11,18 +11,27 @@ training split (deterministically) and never trained on. A row without a questio
 error that names the row. Prompts go through the tokenizer's chat template (Qwen3 thinking on/off
 via `enable_thinking`).
 
+Columns as RL datasets store them: `question_column` / `answer_column` may be dotted paths into
+struct columns (`reward_model.ground_truth`), and a column holding a chat (a list of
+{"role", "content"} messages, as verl-format sets store their prompt) gives its last user
+message. `answer_format: code_tests` turns a test-case column of the PrimeIntellect /
+open-r1 verifiable-coding-problems kind ({"language", "test_cases": [{"input", "output", "type":
+stdin_stdout | function_call, "fn_name"}]}) into the code reward's JSON test spec.
+
 Not here: tokenisation for the model (rollout.py) and grading (rewards/).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ibpo.config import ConfigError, DataConfig
+from ibpo.rewards.code import livecodebench_spec
 from ibpo.rewards.math import last_boxed
 
 
@@ -92,6 +101,8 @@ def builtin_examples(name: str, split: str) -> list[Example]:
 def gold_answer(value: Any, answer_format: str) -> str | None:
     if value is None:
         return None
+    if answer_format == "code_tests":
+        return code_tests_spec(value)
     text = str(value).strip()
     if answer_format == "gsm8k":
         if "####" not in text:
@@ -100,6 +111,60 @@ def gold_answer(value: Any, answer_format: str) -> str | None:
     elif answer_format == "boxed":
         text = last_boxed(text) or ""
     return text or None
+
+
+def code_tests_spec(info: Any) -> str | None:
+    """A verifiable-coding-problems test column (a dict, or its JSON text) -> the code reward's
+    JSON spec; None when there is nothing to run (no tests, not Python, mixed test kinds).
+    function_call inputs hold the argument list as JSON, outputs the returned value as JSON."""
+    if isinstance(info, str):
+        try:
+            info = json.loads(info)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(info, dict) or str(info.get("language", "python")).lower() != "python":
+        return None
+    cases = info.get("test_cases") or []
+    if isinstance(cases, dict):  # a Sequence-of-struct feature reads as a dict of lists
+        cases = [dict(zip(cases, values)) for values in zip(*cases.values())]
+    kinds = {c.get("type") or "stdin_stdout" for c in cases}
+    if not cases or len(kinds) > 1 or not kinds <= {"stdin_stdout", "function_call"}:
+        return None
+    fn_name = cases[0].get("fn_name") if kinds == {"function_call"} else None
+    if kinds == {"function_call"} and not fn_name:
+        return None
+    return livecodebench_spec([_code_test(c, fn_name) for c in cases], fn_name=fn_name)
+
+
+def _code_test(case: dict, fn_name: str | None) -> dict:
+    """One {"input", "output"} test; a function call's JSON argument list becomes the list the
+    code reward calls fn_name(*args) with (other text stays one JSON value per line)."""
+    given = case["input"]
+    if fn_name and isinstance(given, str):
+        try:
+            parsed = json.loads(given)
+            given = parsed if isinstance(parsed, list) else given
+        except json.JSONDecodeError:
+            pass
+    return {"input": given, "output": case["output"]}
+
+
+def column_value(row: dict, path: str) -> Any:
+    """row[path], where 'a.b' reads field b of struct column a; a chat (list of role/content
+    messages) gives the content of its last user message. KeyError names a missing field."""
+    value: Any = row
+    for key in [path] if path in row else path.split("."):  # a column named "a.b" wins
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(key)
+        value = value[key]
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    ):
+        users = [m["content"] for m in value if m["role"] == "user"]
+        return users[-1] if users else None
+    return value
 
 
 def _is_file_source(source: str) -> bool:
@@ -132,24 +197,33 @@ def _load_rows(source: str, split: str, subset: str | None):
 def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
     cols = list(rows.column_names)
     for col in (cfg.question_column, cfg.answer_column):
-        if col not in cols:
+        if col not in cols and col.split(".")[0] not in cols:
             raise ConfigError(
-                f"dataset '{source}' has no column '{col}'; its columns are: {', '.join(cols)}. "
-                "Set data.question_column / data.answer_column."
+                f"dataset '{source}' has no column '{col.split('.')[0]}'; its columns are: "
+                f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
+                "path reads a field of a struct column)."
             )
     out = []
     for i, row in enumerate(rows):
-        q = row[cfg.question_column]
-        a = gold_answer(row[cfg.answer_column], cfg.answer_format)
+        q = _field(row, cfg.question_column, source, i)
+        raw = _field(row, cfg.answer_column, source, i)
+        a = gold_answer(raw, cfg.answer_format)
         if q is None or not str(q).strip():
             raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
         if a is None:
             raise ConfigError(
                 f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
-                f"(answer_format={cfg.answer_format}): {str(row[cfg.answer_column])[:80]!r}"
+                f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
             )
         out.append(Example(str(q).strip(), a))
     return out
+
+
+def _field(row: dict, path: str, source: str, i: int) -> Any:
+    try:
+        return column_value(row, path)
+    except KeyError as e:
+        raise ConfigError(f"dataset '{source}', row {i}: '{path}' has no field {e}") from None
 
 
 def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Example]]:

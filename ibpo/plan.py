@@ -15,8 +15,26 @@ the CUDA kernels and allocator are what scripts/bench_gpu.py measures. Sizes are
 bytes): a "24 GB" card has 24 GiB. Worst case throughout: every prompt at
 data.max_prompt_tokens, every completion at full length, paged optimizer state resident.
 
-Not modelled: FSDP sharding (with `gpus` > 1 each GPU holds a full DDP replica), mixture-of-
-experts layers, CPU offload.
+Several GPUs (`gpus` > 1), two ways (`sharding`):
+  * ddp: every GPU holds a full replica of all of the above, plus DDP's gradient buckets (a copy
+    of the LoRA grads); evaluation is split across GPUs.
+  * fsdp (full shard, as recipes/accelerate/fsdp_qlora_2gpu.yaml sets it up): the packed 4-bit
+    weights (stored in the compute dtype, see modeling._quantization_config, so FSDP shards them
+    like any parameter), the other base parameters, the LoRA weights, their grads and the
+    optimizer state are divided by `gpus`. Not divided: bitsandbytes' quantisation state (absmax
+    and codes hang off each weight and are not parameters, so every GPU keeps all of it), and what
+    FSDP all-gathers: the parameters outside the decoder layers (embeddings, lm_head, final norm:
+    the root unit, which FSDP keeps gathered after its forward) and two decoder layers (the one
+    computing and the one prefetched in backward), counted at every phase. Activations, KV cache
+    and logits are per GPU as under DDP. So FSDP pays off when the decoder layers dominate the
+    weights; for a small model with a large vocabulary it can cost more than DDP, and the
+    estimate shows it. With one GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
+
+Not modelled: mixture-of-experts layers, CPU offload (fsdp_offload_params), DDP/FSDP
+communication buffers beyond the gradient buckets.
+
+The published Qwen3 dense configs are tabulated here (KNOWN_ARCHITECTURES), so that their recipes
+plan without Hub access; any other model reads its config.json.
 """
 
 from __future__ import annotations
@@ -60,6 +78,27 @@ SMOLLM2_135M = dict(
     hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
     head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
 )  # fmt: skip
+# The Qwen3 dense models as their Hub config.json files give them (the fields the planner reads),
+# so `ibpo plan` works offline for them; scripts/bench_gpu.py builds its random models from these.
+_QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, vocab_size=151936)
+KNOWN_ARCHITECTURES: dict[str, dict] = {
+    "Qwen/Qwen3-0.6B": _QWEN3 | dict(hidden_size=1024, num_hidden_layers=28,
+                                     num_attention_heads=16, intermediate_size=3072,
+                                     tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": _QWEN3 | dict(hidden_size=2048, num_hidden_layers=28,
+                                     num_attention_heads=16, intermediate_size=6144,
+                                     tie_word_embeddings=True),
+    "Qwen/Qwen3-4B": _QWEN3 | dict(hidden_size=2560, num_hidden_layers=36,
+                                   num_attention_heads=32, intermediate_size=9728,
+                                   tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": _QWEN3 | dict(hidden_size=4096, num_hidden_layers=36,
+                                   num_attention_heads=32, intermediate_size=12288,
+                                   tie_word_embeddings=False),
+    "Qwen/Qwen3-14B": _QWEN3 | dict(hidden_size=5120, num_hidden_layers=40,
+                                    num_attention_heads=40, intermediate_size=17408,
+                                    tie_word_embeddings=False),
+}  # fmt: skip
+SHARDINGS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -120,7 +159,8 @@ class ModelShape:
 
 
 def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig) -> ModelShape:
-    """A config dict, a config.json or model folder, a Hub id (config only), or model.name."""
+    """A config dict, a config.json or model folder, a Hub id (config only), or model.name.
+    Local files come first, then KNOWN_ARCHITECTURES, then the Hub."""
     if isinstance(spec, ModelShape):
         return spec
     if isinstance(spec, Mapping):
@@ -137,6 +177,8 @@ def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig
             return ModelShape.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise ConfigError(f"model config '{path}' is not valid JSON: {e}") from None
+    if name in KNOWN_ARCHITECTURES:
+        return ModelShape.from_dict(KNOWN_ARCHITECTURES[name])
     if path.suffix == ".json" or name.startswith(("/", ".", "~")):  # a path, not a Hub id
         raise ConfigError(f"model config '{path}' not found: give a config.json, a model "
                           "folder or a Hub id")  # fmt: skip
@@ -157,11 +199,16 @@ def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig
 # --- exact byte counts ---------------------------------------------------------------------------
 
 
+def nf4_state_bytes(numel: int) -> int:
+    """The quantisation state of one NF4 tensor: 8-bit absmax per block, their fp32 scales, the
+    codes. It hangs off the weight (not a parameter): FSDP does not shard it."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    return blocks + math.ceil(blocks / NF4_NESTED_BLOCK) * F32 + NF4_TENSOR_BYTES
+
+
 def nf4_bytes(numel: int) -> int:
     """Bytes of one bitsandbytes NF4 tensor with double quantisation (packed data + state)."""
-    blocks = math.ceil(numel / NF4_BLOCK)
-    nested = math.ceil(blocks / NF4_NESTED_BLOCK) * F32
-    return math.ceil(numel / 2) + blocks + nested + NF4_TENSOR_BYTES
+    return math.ceil(numel / 2) + nf4_state_bytes(numel)
 
 
 def weight_bytes(shape: ModelShape, quantization: str, dtype_bytes: int) -> int:
@@ -249,15 +296,37 @@ def _dequant_bytes(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return max(a * o for a, o in shape.linears().values()) * b if model.quantization == "nf4" else 0
 
 
-def _persistent(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
-    """Held from load to exit: the frozen base, the LoRA weights and the optimizer state."""
-    n = lora_parameter_count(shape, cfg.model.lora_r, cfg.model.lora_target_modules)
+def _persistent(shape: ModelShape, cfg: Config, b: int, shards: int = 1) -> dict[str, int]:
+    """Held from load to exit: the frozen base, the LoRA weights and the optimizer state, each
+    divided over `shards` GPUs (FSDP) except the 4-bit quantisation state."""
+    mc = cfg.model
+    n = lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules)
     fp32 = cfg.train.optimizer == "adamw"  # auto = paged 8-bit AdamW on CUDA
-    return {
-        f"base weights ({cfg.model.quantization})": weight_bytes(shape, cfg.model.quantization, b),
-        "LoRA weights (fp32)": F32 * n,
-        "optimizer state": int((ADAMW32_BYTES if fp32 else ADAMW8_BYTES) * n),
+    base = weight_bytes(shape, mc.quantization, b)
+    state = shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
+    state = state if mc.quantization == "nf4" else 0
+    parts = {
+        f"base weights ({mc.quantization})": math.ceil((base - state) / shards) + state,
+        "LoRA weights (fp32)": math.ceil(F32 * n / shards),
+        "optimizer state": math.ceil((ADAMW32_BYTES if fp32 else ADAMW8_BYTES) * n / shards),
     }
+    if shards > 1:
+        parts["FSDP all-gathered parameters"] = _fsdp_gathered(shape, mc, b)
+    return parts
+
+
+def _fsdp_gathered(shape: ModelShape, model: ModelConfig, b: int) -> int:
+    """Full-size copies FSDP holds beside the shards: the root unit (embeddings, lm_head, final
+    norm), kept gathered after its forward, and two decoder layers (computing + prefetched)."""
+    root = shape.vocab * shape.hidden * (1 if shape.tied else 2) * b + shape.hidden * b
+    packed = sum(
+        math.ceil(a * o / 2) if model.quantization == "nf4" else a * o * b
+        for a, o in shape.linears().values()
+    )
+    norms = (2 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0)) * b
+    lora = F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
+    layer = packed + norms + shape.bias_params() * b + lora // shape.layers
+    return root + 2 * layer
 
 
 def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]:
@@ -326,9 +395,12 @@ def _repair_settings(cfg: Config) -> tuple[int, int, int] | None:
     return min(batch, jobs), prompt, getattr(rep, "max_new_tokens", None) or ro.max_new_tokens
 
 
-def phase_bytes(shape: ModelShape, cfg: Config, gpus: int = 1) -> dict[str, dict[str, int]]:
+def phase_bytes(
+    shape: ModelShape, cfg: Config, gpus: int = 1, sharding: str = "ddp"
+) -> dict[str, dict[str, int]]:
     """Bytes per component at the peak of each phase of a step (torch allocations only)."""
     b, ro, V = _dtype_bytes(cfg.model), cfg.rollout, shape.vocab
+    shards = gpus if sharding == "fsdp" else 1  # FSDP on one GPU does not shard (NO_SHARD)
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
@@ -338,16 +410,17 @@ def phase_bytes(shape: ModelShape, cfg: Config, gpus: int = 1) -> dict[str, dict
         n, p, t = repair
         sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
         phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling)
-    phases["training"] = _training(shape, cfg, b)
-    if gpus > 1:  # DDP copies the gradients into its reduction buckets
-        phases["training"]["DDP grad buckets"] = phases["training"]["LoRA grads (fp32)"]
+    train = phases["training"] = _training(shape, cfg, b)
+    train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
+    if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
+        train["DDP grad buckets"] = train["LoRA grads (fp32)"]
     if cfg.data.eval_size > 0:
         n = min(ro.eval_batch_size, math.ceil(cfg.data.eval_size / gpus))
         sampling = sampling_bytes(n, V, b, 1.0, sample=False)
         phases["evaluation"] = _generation(
             shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling
         )
-    base = _persistent(shape, cfg, b)
+    base = _persistent(shape, cfg, b, shards)
     return {name: {**base, **parts} for name, parts in phases.items()}
 
 
@@ -369,12 +442,15 @@ class Plan:
     fits: bool
     suggestions: list[str] = field(default_factory=list)  # section.key=value overrides that fit
     notes: list[str] = field(default_factory=list)
+    sharding: str = "ddp"  # ddp | fsdp (how `gpus` > 1 share the model)
 
 
-def _totals(shape: ModelShape, cfg: Config, gpus: int) -> tuple[dict, str, float, float]:
+def _totals(
+    shape: ModelShape, cfg: Config, gpus: int, sharding: str = "ddp"
+) -> tuple[dict, str, float, float]:
     """(GiB per phase and component, peak phase, its allocations, with overheads)."""
     phases = {name: {k: v / GIB for k, v in parts.items()}
-              for name, parts in phase_bytes(shape, cfg, gpus).items()}  # fmt: skip
+              for name, parts in phase_bytes(shape, cfg, gpus, sharding).items()}  # fmt: skip
     peak = max(phases, key=lambda p: sum(phases[p].values()))
     allocated = sum(phases[peak].values())
     return phases, peak, allocated, allocated * (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB
@@ -413,11 +489,13 @@ def _shrink(cfg: Config, phase: str, gpus: int) -> bool:
     return False
 
 
-def suggest(shape: ModelShape, cfg: Config, gpus: int, budget_gb: float) -> list[str] | None:
+def suggest(
+    shape: ModelShape, cfg: Config, gpus: int, budget_gb: float, sharding: str = "ddp"
+) -> list[str] | None:
     """Overrides (the largest batches that do) under which the step fits; None if none does."""
     trial = copy.deepcopy(cfg)
     for _ in range(1000):
-        _, phase, _, total = _totals(shape, trial, gpus)
+        _, phase, _, total = _totals(shape, trial, gpus, sharding)
         if total <= budget_gb:
             knobs = dict.fromkeys((s, k) for ks in _KNOBS.values() for s, k, _ in ks)
             return [f"{s}.{k}={getattr(getattr(trial, s), k)}" for s, k in knobs
@@ -433,28 +511,36 @@ def estimate(
     cfg: Config,
     gpus: int = 1,
     gpu_memory_gb: float = 24.0,
+    sharding: str = "ddp",
 ) -> Plan:
-    """Peak GPU memory per GPU of a training run of `cfg` on `gpus` DDP GPUs of this size.
-    `model_config`: a config dict, config.json / model folder, Hub id, or None (model.name)."""
+    """Peak GPU memory per GPU of a training run of `cfg` on `gpus` GPUs of this size, shared by
+    DDP (full replicas) or FSDP (full shard). `model_config`: a config dict, config.json / model
+    folder, Hub id, or None (model.name)."""
     if gpus < 1 or gpu_memory_gb <= 0:
         raise ConfigError("--gpus must be >= 1 and --gpu-memory-gb > 0")
+    if sharding not in SHARDINGS:
+        raise ConfigError(f"--sharding {sharding!r}; choose one of: {', '.join(SHARDINGS)}")
     shape = load_model_shape(model_config, cfg.model)
-    phases, peak, allocated, total = _totals(shape, cfg, gpus)
+    phases, peak, allocated, total = _totals(shape, cfg, gpus, sharding)
     notes, suggestions = [], []
     if total > gpu_memory_gb:
-        found = suggest(shape, cfg, gpus, gpu_memory_gb)
+        found = suggest(shape, cfg, gpus, gpu_memory_gb, sharding)
         suggestions = found or []
         if found is None:
             notes.append("no batch setting fits: shorten rollout.max_new_tokens or "
                          "data.max_prompt_tokens, or use a larger GPU")  # fmt: skip
-    if gpus > 1:
-        notes.append("DDP: every GPU holds all of this (FSDP sharding is not modelled)")
+    if gpus > 1 and sharding == "ddp":
+        notes.append("DDP: every GPU holds all of this (--sharding fsdp for FSDP full shard)")
+    if gpus > 1 and sharding == "fsdp":
+        notes.append(f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
+                     "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
+                     "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
     name = model_config.get("_name_or_path", "model config") if isinstance(
         model_config, Mapping) else str(model_config or cfg.model.name)  # fmt: skip
     trainable = lora_parameter_count(shape, cfg.model.lora_r, cfg.model.lora_target_modules)
     return Plan(name, shape.parameter_count(), trainable, gpus, gpu_memory_gb, phases, peak,
                 phases[peak], allocated, total, total <= gpu_memory_gb, suggestions,
-                notes)  # fmt: skip
+                notes, sharding)  # fmt: skip
 
 
 def format_plan(plan: Plan) -> str:
@@ -471,8 +557,9 @@ def format_plan(plan: Plan) -> str:
     over = [f"{s * (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB:.2f}" for s in sums]
     out.append(line(f"+ CUDA context, {FRAGMENTATION:.0%} fragmentation", over))
     verdict = "fits" if plan.fits else "does NOT fit"
+    how = f" ({plan.sharding.upper()})" if plan.gpus > 1 else ""
     out += ["", f"peak: {plan.peak_phase}, {plan.peak_gb:.1f} GiB per GPU: {verdict} on "
-                f"{plan.gpus} x {plan.gpu_memory_gb:g} GiB"]  # fmt: skip
+                f"{plan.gpus} x {plan.gpu_memory_gb:g} GiB{how}"]  # fmt: skip
     if plan.suggestions:
         out.append("fits with: " + " ".join(plan.suggestions))
     out += [f"note: {n}" for n in plan.notes]

@@ -367,6 +367,8 @@ def train(cfg: Config) -> dict:
                 if stop.requested(accelerator):
                     status = "interrupted"
                     break
+                if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
+                    _log_eval(held_out(), state.step, bar, metrics_file, accelerator, tr.log_with)
                 if tr.save_every and state.step % tr.save_every == 0:
                     last = checkpoint()
             if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
@@ -403,6 +405,45 @@ def train(cfg: Config) -> dict:
     }  # fmt: skip
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _finish(out, cfg, status)
     if tr.log_with:
         accelerator.end_training()
     return summary
+
+
+def _log_eval(e: dict | None, step: int, bar, metrics_file, accelerator, log_with) -> None:
+    """A periodic held-out evaluation: its own metrics line (report.py plots it)."""
+    if not e:
+        return
+    line = {"step": step, "eval_accuracy": e["accuracy"], "eval_n": e["n"]}
+    if accelerator.is_main_process:
+        bar.write(f"ibpo: step {step}: held-out accuracy {e['accuracy']:.3f} (n={e['n']})")
+    if metrics_file:
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+    if log_with:
+        accelerator.log({"eval_accuracy": e["accuracy"]}, step=step)
+
+
+def _finish(out: Path, cfg: Config, status: str) -> None:
+    """Main process, after summary.json: plots, the end-of-run table, the Hub upload.
+    None of them may cost a finished run: their failures are reported, not raised."""
+    tr = cfg.train
+    if tr.plots:
+        from ibpo import report
+
+        try:
+            report.plot_run(out)
+        except Exception as e:  # a figure is never worth a traceback after hours of training
+            print(f"ibpo: plots not written: {e}", file=sys.stderr)
+        if tr.progress:
+            print(report.summary_table(out), file=sys.stderr)
+    if tr.push_to_hub and status == "completed":
+        from ibpo.hub import HubError, push
+
+        try:
+            url = push(out, tr.hub_repo_id, private=tr.hub_private)
+            print(f"ibpo: pushed to {url}", file=sys.stderr)
+        except HubError as e:  # the run is saved: a failed upload must not fail it
+            print(f"ibpo: push to the Hub failed: {e}\n  Retry: ibpo push {out} "
+                  f"--repo-id {tr.hub_repo_id}", file=sys.stderr)  # fmt: skip

@@ -42,19 +42,12 @@ from ibpo.modeling import load_policy  # noqa: E402
 from ibpo.objectives import resolve_params  # noqa: E402
 from ibpo.rewards import REWARDS  # noqa: E402
 
-QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-             vocab_size=151936)  # fmt: skip
-ARCHS = {
-    "8b": QWEN3 | dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
-                       tie_word_embeddings=False),
-    "4b": QWEN3 | dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
-                       tie_word_embeddings=True),
-    "1.7b": QWEN3 | dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                         intermediate_size=6144, tie_word_embeddings=True),
-    "tiny": QWEN3 | dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         vocab_size=256, tie_word_embeddings=False),
-}  # fmt: skip
+# The published Qwen3 architectures by size (ibpo.plan's table), and a tiny one for --smoke.
+ARCHS = {name.split("-")[-1].lower(): arch for name, arch in plan.KNOWN_ARCHITECTURES.items()}
+ARCHS["tiny"] = ARCHS["8b"] | dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=128, vocab_size=256, tie_word_embeddings=False,
+)  # fmt: skip
 CHARS = "0123456789+-*=?:. abcdefghijklmnopqrstuvwxyz\n<>/"
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -70,3 +70,89 @@ def test_prompt_stream_is_seeded_and_sharded():
     r0 = PromptStream(exs, 0, False, rank=0, world=2).take(5)
     r1 = PromptStream(exs, 0, False, rank=1, world=2).take(5)
     assert not set(r0) & set(r1)
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+
+
+def test_dotted_answer_path_and_chat_question(tmp_path):
+    """BytedTsinghua-SIA/DAPO-Math-17k's schema (verl format): the prompt is a chat, the answer
+    a field of the reward_model struct."""
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"content": DAPO_INSTRUCTION + f"What is {i} squared?", "role": "user"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(i * i), "style": "rule-lean"},
+            "extra_info": {"index": f"id-{i}"},
+        }
+        for i in range(2, 8)
+    ]
+    path = _jsonl(tmp_path / "dapo.jsonl", rows)
+    cfg = DataConfig(dataset=path, question_column="prompt", prompt_template="{question}",
+                     answer_column="reward_model.ground_truth", eval_size=2)  # fmt: skip
+    train, held = load_splits(cfg)
+    got = {e.question: e.answer for e in train + held}
+    assert got == {DAPO_INSTRUCTION.strip() + f"\n\nWhat is {i} squared?": str(i * i)
+                   for i in range(2, 8)}  # fmt: skip
+    with pytest.raises(ConfigError, match="row 0: 'reward_model.answer' has no field 'answer'"):
+        load_splits(DataConfig(dataset=path, question_column="prompt", eval_size=0,
+                               answer_column="reward_model.answer"))  # fmt: skip
+    with pytest.raises(ConfigError, match="no column 'reward'"):
+        load_splits(DataConfig(dataset=path, question_column="prompt", eval_size=0,
+                               answer_column="reward.ground_truth"))  # fmt: skip
+
+
+def _code_row(problem: str, cases: list[dict]) -> dict:
+    """A row of open-r1/verifiable-coding-problems-python(-10k), PrimeIntellect's format."""
+    return {
+        "problem": problem,
+        "gold_standard_solution": "```python\n...\n```",
+        "source": "codeforces",
+        "in_source_id": "1000A",
+        "verification_info": {"language": "python", "test_cases": cases},
+    }
+
+
+def test_code_tests_answers_grade_end_to_end(tmp_path):
+    from ibpo.rewards import REWARDS
+
+    stdin = [{"fn_name": None, "input": f"{a} {b}\n", "output": f"{a + b}\n",
+              "type": "stdin_stdout"} for a, b in [(1, 2), (40, 2)]]  # fmt: skip
+    call = [{"fn_name": "add", "input": json.dumps([a, b]), "output": json.dumps(a + b),
+             "type": "function_call"} for a, b in [(1, 2), (-5, 5)]]  # fmt: skip
+    path = _jsonl(tmp_path / "code.jsonl", [_code_row("Read a and b; print a + b.", stdin),
+                                            _code_row("Write add(a, b).", call)])  # fmt: skip
+    cfg = DataConfig(dataset=path, question_column="problem", answer_column="verification_info",
+                     answer_format="code_tests", eval_size=0)  # fmt: skip
+    by_question = {e.question: e.answer for e in load_splits(cfg)[0]}
+    stdin_spec, call_spec = (
+        by_question["Read a and b; print a + b."],
+        by_question["Write add(a, b)."],
+    )
+    reward = REWARDS["code"]
+    right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    wrong = "```python\na, b = map(int, input().split())\nprint(a * b)\n```"
+    assert (reward(right, stdin_spec), reward(wrong, stdin_spec)) == (1.0, 0.0)
+    right = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+    assert (reward(right, call_spec), reward(wrong, call_spec)) == (1.0, 0.0)
+
+
+def test_code_tests_rows_without_runnable_tests_are_named(tmp_path):
+    mixed = [{"fn_name": None, "input": "1\n", "output": "1\n", "type": "stdin_stdout"},
+             {"fn_name": "f", "input": "[1]", "output": "1", "type": "function_call"}]  # fmt: skip
+    rows = [_code_row("ok", mixed[:1]), _code_row("mixed", mixed), _code_row("none", [])]
+    path = _jsonl(tmp_path / "code.jsonl", rows)
+    cfg = DataConfig(dataset=path, question_column="problem", answer_column="verification_info",
+                     answer_format="code_tests", eval_size=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="row 1: no answer in 'verification_info'"):
+        load_splits(cfg)

@@ -329,3 +329,107 @@ def test_bench_gpu_smoke_runs_on_cpu():
     (row,) = result["results"]
     assert row["status"] == "ok" and row["completion_length"] == row["new_tokens"]
     assert row["plan_allocated_gb"] > 0 and math.isfinite(row["step_time_s"])
+
+
+# --- the table of known architectures -----------------------------------------------------------
+
+# Totals published on the Qwen3 model cards (billions: all parameters, without embeddings); the
+# 0.6B total is exact (keras-hub's qwen3_0.6b_en preset lists 596,049,920).
+PUBLISHED = {"Qwen/Qwen3-0.6B": (0.6, 0.44), "Qwen/Qwen3-1.7B": (1.7, 1.4),
+             "Qwen/Qwen3-4B": (4.0, 3.6), "Qwen/Qwen3-8B": (8.2, 6.95),
+             "Qwen/Qwen3-14B": (14.8, 13.2)}  # fmt: skip
+
+
+def test_known_architectures_match_published_configs_and_totals():
+    table = plan.KNOWN_ARCHITECTURES
+    assert set(table) == set(PUBLISHED)
+    # the independent transcriptions above (and in scripts/bench_gpu.py before it imported this)
+    assert table["Qwen/Qwen3-8B"] == QWEN3_8B
+    assert table["Qwen/Qwen3-4B"] == QWEN3_4B
+    assert table["Qwen/Qwen3-1.7B"] == QWEN3_1_7B
+    assert _shape(table["Qwen/Qwen3-0.6B"]).parameter_count() == 596_049_920
+    for name, (total, non_embedding) in PUBLISHED.items():
+        shape = _shape(table[name])
+        embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+        assert shape.parameter_count() / 1e9 == pytest.approx(total, abs=0.05), name
+        assert (shape.parameter_count() - embeddings) / 1e9 == pytest.approx(
+            non_embedding, abs=0.01 if total < 1 else 0.05
+        ), name
+
+
+def test_known_models_plan_without_the_hub(monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked for a tabulated config")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    p = plan.estimate(None, load_config(None, ["model.name=Qwen/Qwen3-8B"]))
+    assert p.model == "Qwen/Qwen3-8B" and p.parameters == _shape(QWEN3_8B).parameter_count()
+
+
+# --- FSDP -----------------------------------------------------------------------------------------
+
+FSDP_CFG = ["rollout.max_new_tokens=1024", "train.prompts_per_step=8", "model.lora_r=32",
+            "data.eval_size=64", "train.optimizer=adamw"]  # fmt: skip
+
+
+def test_fsdp_on_one_gpu_equals_ddp():
+    cfg = _cfg(*FSDP_CFG)
+    ddp, fsdp = (plan.estimate(QWEN3_8B, cfg, 1, 24.0, s) for s in ("ddp", "fsdp"))
+    assert fsdp.phases == ddp.phases and fsdp.peak_gb == ddp.peak_gb
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
+    shape, cfg = _shape(QWEN3_8B), _cfg(*FSDP_CFG)
+    one = plan.phase_bytes(shape, cfg, 1)
+    ddp = plan.phase_bytes(shape, cfg, gpus, "ddp")
+    fsdp = plan.phase_bytes(shape, cfg, gpus, "fsdp")
+    state = 36 * sum(plan.nf4_state_bytes(a * b) for a, b in shape.linears().values())
+    for phase in fsdp:
+        f, d = fsdp[phase], ddp[phase]
+        assert f["LoRA weights (fp32)"] == math.ceil(d["LoRA weights (fp32)"] / gpus)
+        assert f["optimizer state"] == math.ceil(d["optimizer state"] / gpus)
+        assert (
+            f["base weights (nf4)"] == math.ceil((d["base weights (nf4)"] - state) / gpus) + state
+        )
+        # everything per micro-batch or per generate call is what a DDP replica holds
+        same = set(d) - {"base weights (nf4)", "LoRA weights (fp32)", "optimizer state",
+                         "LoRA grads (fp32)", "DDP grad buckets"}  # fmt: skip
+        assert {k: f[k] for k in same} == {k: d[k] for k in same}
+    assert fsdp["training"]["LoRA grads (fp32)"] == math.ceil(
+        one["training"]["LoRA grads (fp32)"] / gpus
+    )
+    assert "DDP grad buckets" not in fsdp["training"]
+    # all-gathered: embeddings + untied lm_head + final norm, two whole layers (packed 4-bit)
+    layer = sum(math.ceil(a * b / 2) for a, b in shape.linears().values()) + (2 * 4096 + 256) * 2
+    layer += 4 * 32 * sum(a + b for a, b in shape.linears().values())  # its LoRA, fp32
+    assert fsdp["training"]["FSDP all-gathered parameters"] == (
+        2 * 151936 * 4096 * 2 + 4096 * 2 + 2 * layer
+    )
+
+
+def test_fsdp_needs_less_than_ddp_where_layers_dominate():
+    cfg = _cfg(*FSDP_CFG)
+    for name in ("Qwen/Qwen3-8B", "Qwen/Qwen3-14B"):
+        ddp, fsdp = (plan.estimate(name, cfg, 2, 24.0, s) for s in ("ddp", "fsdp"))
+        for phase in ddp.phases:
+            assert sum(fsdp.phases[phase].values()) < sum(ddp.phases[phase].values()), name
+        assert fsdp.peak_gb < ddp.peak_gb
+    # ...and not always for a small model with a large vocabulary: its gathered embeddings
+    # outweigh half of its decoder layers (the module docstring says so)
+    cfg = _cfg("data.eval_size=0")  # LoRA r 16, 8-bit AdamW: little state to shard
+    ddp, fsdp = (plan.estimate("Qwen/Qwen3-0.6B", cfg, 2, 24.0, s) for s in ("ddp", "fsdp"))
+    assert sum(fsdp.phases["generation"].values()) > sum(ddp.phases["generation"].values())
+
+
+def test_cli_plan_fsdp(capsys):
+    args = ["plan", "model.name=Qwen/Qwen3-8B", *FSDP_CFG, "--gpus", "2", "--sharding", "fsdp"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "FSDP all-gathered parameters" in out and "on 2 x 24 GiB (FSDP)" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--sharding", "zero3"])
+    with pytest.raises(ConfigError, match="sharding"):
+        plan.estimate(QWEN3_8B, _cfg(), 2, 24.0, "zero3")

@@ -106,15 +106,21 @@ def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
 def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
+                             "train.prompts_per_step=2", "rollout.group_size=2",
                              "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4",
                              "data.eval_size=6", f"train.output_dir={out}",
-                             "train.progress=false"])  # fmt: skip
+                             "train.progress=false", "train.steps=3",
+                             "train.eval_every=2"])  # fmt: skip
     summary = train(cfg)
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
-    assert summary["steps"] == 2 and summary["status"] == "completed"
+    assert summary["steps"] == 3 and summary["status"] == "completed"
     assert summary["eval_before"]["n"] == 6 and summary["eval_after"]["n"] == 6
     assert (out / "adapter" / "adapter_config.json").is_file()
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # steps 1-3, and the periodic evaluation after step 2 (the last step has eval_after)
+    assert [x["step"] for x in lines] == [1, 2, 2, 3]
+    assert lines[2].keys() == {"step", "eval_accuracy", "eval_n"} and lines[2]["eval_n"] == 6
+    assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
+    png = out / "plots" / "training.png"
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
