@@ -39,6 +39,9 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str | list[str] = "all-linear"
     gradient_checkpointing: bool = True
+    # CPU only, 4-bit base: compute each step with a dequantised copy of the base weights (made
+    # once per phase, freed after) instead of dequantising on every call; null = on for CPU.
+    cpu_dequantize: bool | None = None
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
     trust_remote_code: bool = False
     revision: str | None = None

@@ -131,6 +131,76 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     return model, tokenizer
 
 
+def _dequantize(layer: nn.Module) -> torch.Tensor:
+    """The [out, in] weight of a bitsandbytes Linear4bit in its compute dtype."""
+    import bitsandbytes as bnb
+
+    w = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    return w.to(layer.compute_dtype or torch.float32)
+
+
+def _linear_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+    return forward
+
+
+def _merged_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+    merged = _linear_forward(weight, bias)
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if layer.disable_adapters:  # reference mode inside the context: the folded copy is wrong
+            return type(layer).forward(layer, x, *args, **kwargs)
+        return merged(x)
+
+    return forward
+
+
+@contextlib.contextmanager
+def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int]:
+    """CPU speed: every 4-bit linear layer computes with a weight dequantised once, on entry.
+
+    bitsandbytes on CPU dequantises a 4-bit weight on every call (each generated token, and three
+    times per training micro-batch under gradient checkpointing); inside this context each layer
+    uses one dequantised copy, freed on exit. The results are the same computation: the layer's
+    own dequantised weight times the input. With `merge_lora` (no-grad generation) the LoRA update
+    B A * scaling of the active adapter is also folded into that copy, so a layer is one matmul;
+    use it only where the adapter cannot change and no gradient is taken. Memory: a compute-dtype
+    copy of every quantised weight while inside (the planner's GPU paths never use this).
+    Yields the number of layers switched.
+    """
+    import bitsandbytes as bnb
+
+    patched, inside = [], set()  # inside: 4-bit layers already folded into their LoRA layer
+    try:
+        for mod in model.modules():  # parents come before their children
+            base = getattr(mod, "base_layer", None)
+            if merge_lora and isinstance(base, bnb.nn.Linear4bit) and hasattr(mod, "lora_A"):
+                inside.add(id(base))
+                w = _dequantize(base)
+                if not mod.disable_adapters and not mod.merged:
+                    for name in mod.active_adapters:
+                        if name in mod.lora_A and name not in getattr(mod, "lora_variant", {}):
+                            w = w + mod.get_delta_weight(name).to(w.dtype)
+                mod.forward = _merged_forward(mod, w, base.bias)
+                patched.append(mod)
+            elif isinstance(mod, bnb.nn.Linear4bit) and id(mod) not in inside:
+                mod.forward = _linear_forward(_dequantize(mod), mod.bias)
+                patched.append(mod)
+        yield len(patched)
+    finally:
+        for mod in patched:
+            del mod.forward  # the class's forward shows again; the copy is freed
+
+
+def use_dequantized_base(cfg: ModelConfig, device: torch.device) -> bool:
+    """model.cpu_dequantize: null = on for a 4-bit base on CPU, never on CUDA."""
+    if cfg.quantization != "nf4" or device.type != "cpu":
+        return False
+    return True if cfg.cpu_dequantize is None else cfg.cpu_dequantize
+
+
 @contextlib.contextmanager
 def reference_mode(model: nn.Module) -> Iterator[None]:
     """The frozen base: the same weights with the LoRA adapter disabled (no second copy)."""

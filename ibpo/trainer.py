@@ -44,7 +44,7 @@ from ibpo.data import PromptStream, load_splits
 from ibpo.diagnostics import cancellation_residual
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
-from ibpo.modeling import load_policy, reference_mode
+from ibpo.modeling import dequantized_base, load_policy, reference_mode, use_dequantized_base
 from ibpo.objectives import (
     ResolvedObjective,
     aggregate,
@@ -195,12 +195,15 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     t0 = time.perf_counter()
     # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
     # normalises the groups it generated
-    batch = collect_batch(model, tokenizer, stream, cfg, objective, REWARDS[cfg.objective.reward],
-                          rng)  # fmt: skip
+    fast = use_dequantized_base(cfg.model, accelerator.device)  # CPU: dequantise once per phase
+    with dequantized_base(model, merge_lora=True) if fast else nullcontext():
+        batch = collect_batch(model, tokenizer, stream, cfg, objective,
+                              REWARDS[cfg.objective.reward], rng)  # fmt: skip
     t_gen = time.perf_counter()
-    stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
-        model, optimizer, scheduler, accelerator, batch, cfg, objective
-    )
+    with dequantized_base(model) if fast else nullcontext():
+        stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
+            model, optimizer, scheduler, accelerator, batch, cfg, objective
+        )
     t_end = time.perf_counter()
     rollout, rewards = batch.rollout, batch.rewards
     n_tokens = rollout.completion_mask.sum().item()
@@ -335,10 +338,12 @@ def train(cfg: Config) -> dict:
     def held_out() -> dict | None:
         if not eval_examples:
             return None
-        return evaluate_accuracy(
-            parts.model, tokenizer, eval_examples, cfg.data, reward_fn,
-            cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
-        )  # fmt: skip
+        fast = use_dequantized_base(cfg.model, accelerator.device)
+        with dequantized_base(parts.model, merge_lora=True) if fast else nullcontext():
+            return evaluate_accuracy(
+                parts.model, tokenizer, eval_examples, cfg.data, reward_fn,
+                cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
+            )  # fmt: skip
 
     metrics_path = out / "metrics.jsonl"
     state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, tr.eval_before)

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -88,3 +90,75 @@ def test_bnb_cpu_repack_fix_gradients_unchanged_by_generate(tiny_model_dir):
     for k in a:
         torch.testing.assert_close(a[k], b[k], msg=k)
     assert any(g.abs().sum() > 0 for g in a.values())
+
+
+def _nf4_policy(tiny_model_dir):
+    torch.manual_seed(0)
+    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="nf4"),
+                             torch.device("cpu"))  # fmt: skip
+    for n, p in model.named_parameters():  # a non-zero adapter, so folding it in matters
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
+    return model, tok
+
+
+def test_dequantized_base_generates_and_trains_like_the_4bit_layers(tiny_model_dir):
+    from ibpo.modeling import dequantized_base
+
+    model, tok = _nf4_policy(tiny_model_dir)
+    ro = _rollout(model, tok, seed=3)
+    model.eval()
+    with torch.no_grad():
+        plain, plain_ref = _logp(model, ro), None
+        with reference_mode(model):
+            plain_ref = _logp(model, ro)
+        with dequantized_base(model, merge_lora=True) as n:
+            assert n == 7 * 2  # every LoRA-wrapped 4-bit linear of the 2 layers, folded
+            torch.testing.assert_close(_logp(model, ro), plain, atol=1e-5, rtol=1e-5)
+            again = _rollout(model, tok, seed=3)  # same sampling, same tokens
+            with reference_mode(model):  # the folded copy must not serve the bare base
+                torch.testing.assert_close(_logp(model, ro), plain_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(again.input_ids, ro.input_ids)
+    assert not (plain - plain_ref).abs().max() < 1e-4  # the adapter does change the log-probs
+
+    def grads(fast: bool):
+        model.train()
+        model.zero_grad()
+        with dequantized_base(model) if fast else contextlib.nullcontext():
+            _logp(model, ro).sum().backward()  # under gradient checkpointing
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    a, b = grads(False), grads(True)
+    assert a.keys() == b.keys() and any(g.abs().sum() > 0 for g in a.values())
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    # nothing is left behind: the classes' forwards are back, with no per-layer copies
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_dequantized_base_follows_the_adapter_between_entries(tiny_model_dir):
+    from ibpo.modeling import dequantized_base
+
+    model, tok = _nf4_policy(tiny_model_dir)
+    ro = _rollout(model, tok)
+    model.eval()
+    with torch.no_grad():
+        with dequantized_base(model, merge_lora=True):
+            before = _logp(model, ro)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.05)
+        with dequantized_base(model, merge_lora=True):
+            after = _logp(model, ro)
+        torch.testing.assert_close(after, _logp(model, ro), atol=1e-5, rtol=1e-5)
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_dequantized_base_is_only_for_4bit_on_cpu():
+    from ibpo.modeling import use_dequantized_base
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert use_dequantized_base(ModelConfig(quantization="nf4"), cpu)
+    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=False), cpu)
+    assert not use_dequantized_base(ModelConfig(quantization="none"), cpu)
+    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cuda)
