@@ -1,23 +1,40 @@
 """Memory-bounded completion-token log-probs (and entropy) from hidden states.
 
 A causal LM's forward returns logits for every position: [N, L, V] in fp32 is 2.5 GB for 4,096
-tokens at Qwen3's vocabulary of 151,936. Here the decoder runs once, the hidden states of the
-positions that predict completion tokens are gathered (prompt and padding positions never reach
-the head), and lm_head + logsumexp run over chunks of at most `chunk_tokens` rows. Each chunk is
-wrapped in activation checkpointing, so the backward pass recomputes one chunk's logits at a time
-instead of keeping them all: peak memory is one chunk of [chunk_tokens, V] regardless of length.
+tokens at Qwen3's vocabulary of 151,936, and autograd keeps several such copies. Here the decoder
+runs once, the hidden states of the positions that predict completion tokens are gathered (prompt
+and padding positions never reach the head), and lm_head runs over chunks of at most
+`chunk_tokens` rows, so the largest buffer is one fp32 [chunk, V] block whatever the length:
+
+* fused (the default, `fused_head_logprobs`): one autograd Function per chunk computes the fp32
+  logits in place into log-prob, entropy and, when a gradient is wanted, the gradient direction
+  d logp / d hidden = (W[target] - sum_v p_v W_v) / T, an [M, H] tensor. Only that is kept for
+  backward, which is then a multiplication: no [chunk, V] tensor is recomputed or stored, and the
+  head costs two matmuls per chunk instead of three.
+* checkpointed (`checkpointed_head_logprobs`): each chunk under activation checkpointing, which
+  recomputes the chunk's logits in backward. Used when the fused path does not apply: the head is
+  trained (its gradient needs the probabilities again), it is not a plain nn.Linear (a PEFT LoRA
+  wrapper, a bitsandbytes 4-bit layer), it has hooks (FSDP, offloading), or autocast is on.
 
 Position ids follow `generate` (cumulative sum of the attention mask), so log-probs of a left-padded
 rollout match the distribution it was sampled from. The log-probs are those of softmax(logits / T)
-for the sampling temperature T. This module does not decide *which* model (policy or reference):
-callers wrap it in `disable_adapter()` for the reference.
+for the sampling temperature T; logits are rounded as head(hidden).float() rounds them. Entropy is
+always detached. This module does not decide *which* model (policy or reference): callers wrap it
+in `disable_adapter()` for the reference.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
+
+# Temporaries beside the fp32 [chunk, V] buffer cover 1/ROW_BLOCKS of its rows at a time: exp()
+# of a block, and for bf16/fp16 heads the head's output before the upcast and the probabilities
+# cast back for the matmul. One chunk then needs (4 + 4 / ROW_BLOCKS) bytes per [chunk, V] entry.
+ROW_BLOCKS = 16
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -35,6 +52,135 @@ def _check_supported(base: nn.Module) -> None:
             )
 
 
+# --- fused: one autograd Function per chunk ----------------------------------------------------
+
+
+def fused_head_supported(head: nn.Module) -> bool:
+    """Whether head(x) is exactly F.linear(x, head.weight, head.bias) on plain tensors."""
+    weight = getattr(head, "weight", None)
+    return (
+        type(head).forward is nn.Linear.forward  # not bnb Linear4bit/8bitLt, not a LoRA wrapper
+        and type(weight) in (nn.Parameter, Tensor)  # not Params4bit, not a DTensor shard
+        and weight.dtype.is_floating_point
+        and not (head._forward_hooks or head._forward_pre_hooks)  # FSDP2, accelerate offload
+    )
+
+
+def _row_blocks(rows: int) -> list[slice]:
+    step = max(1, -(-rows // ROW_BLOCKS))
+    return [slice(s, s + step) for s in range(0, rows, step)]
+
+
+def _fp32_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """[M, H] -> [M, V] fp32, the one [M, V] buffer; values as F.linear(...).float()."""
+    if hidden.dtype == torch.float32:
+        return F.linear(hidden, weight, bias)
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+    for rows in _row_blocks(hidden.shape[0]):
+        logits[rows] = F.linear(hidden[rows], weight, bias)
+    return logits
+
+
+def _times_weight(probs: Tensor, weight: Tensor) -> Tensor:
+    """[M, V] fp32 @ [V, H] in the head's dtype (as autograd would), result in fp32."""
+    if weight.dtype == torch.float32:
+        return probs @ weight
+    out = probs.new_empty(probs.shape[0], weight.shape[1])
+    for rows in _row_blocks(probs.shape[0]):
+        out[rows] = probs[rows].to(weight.dtype) @ weight
+    return out
+
+
+def _exp_(shifted: Tensor) -> Tensor:
+    """shifted = l - top [M, V] becomes exp(shifted) in place; returns sum_v e_v shifted_v [M, 1].
+
+    Block by block of rows: exp(shifted) and shifted coexist only in a small buffer, and the sum
+    is a batched dot product (no [M, V] product, no log, the block stays in cache).
+    """
+    dot = shifted.new_empty(shifted.shape[0], 1)
+    blocks = _row_blocks(shifted.shape[0])
+    buf = shifted.new_empty(blocks[0].stop - blocks[0].start, shifted.shape[1])
+    for rows in blocks:
+        s = shifted[rows]
+        e = torch.exp(s, out=buf[: s.shape[0]])
+        dot[rows] = torch.bmm(e.unsqueeze(1), s.unsqueeze(2)).squeeze(-1)
+        s.copy_(e)
+    return dot
+
+
+class _HeadLogProb(torch.autograd.Function):
+    """hidden [M, H] -> (log softmax(head(hidden) / T)[target] [M], entropy [M], detached).
+
+    With l = logits / T, top = max_v l, e = exp(l - top), z = sum_v e:
+      logp = l_t - top - log z,  entropy = log z - sum_v e_v (l_v - top) / z,
+      d logp / d hidden = ((z - e_t) W_t - sum_{v != t} e_v W_v) / (z T).
+    The gradient keeps the target's own term out of the matmul: when p_t is near 1 both parts are
+    small and neither is the difference of two nearly equal numbers (in bf16 the rounding error of
+    sum_v p_v W_v alone can exceed W_t - E_p[W]). All of it is computed in place in the one logits
+    buffer; backward only scales the saved [M, H] direction by the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, need_grad):
+        logits = _fp32_logits(hidden, weight, bias)
+        if temperature != 1.0:
+            logits.div_(temperature)
+        t = targets.unsqueeze(-1)
+        top = logits.amax(-1, keepdim=True)
+        target_l = logits.gather(-1, t) - top  # [M, 1]
+        e_dot_l = _exp_(logits.sub_(top))  # the logits are gone from here on
+        e = logits
+        e_t = target_l.exp()
+        e.scatter_(-1, t, 0.0)  # the target's own term is added back exactly below
+        rest = e.sum(-1, keepdim=True)  # z - e_t, without cancellation
+        z = rest + e_t
+        if need_grad:
+            w_t = weight[targets].float()
+            ctx.save_for_backward((rest * w_t - _times_weight(e, weight)) / (z * temperature))
+            ctx.hidden_dtype = hidden.dtype
+        entropy = (z.log() - e_dot_l / z).squeeze(-1)
+        ctx.mark_non_differentiable(entropy)
+        return (target_l - z.log()).squeeze(-1), entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        (direction,) = ctx.saved_tensors
+        grad_hidden = (grad_logp.unsqueeze(-1) * direction).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None
+
+
+def fused_head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """hidden [M, H], targets [M] -> (logp [M], entropy [M]); gradients reach `hidden` only."""
+    if not fused_head_supported(head):
+        raise TypeError(f"the fused log-prob path needs a plain nn.Linear head, not {type(head)}")
+    if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
+        raise ValueError("the fused log-prob path does not train lm_head: use the checkpointed one")
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(s, s + chunk_tokens)
+        lp, ent = _HeadLogProb.apply(
+            hidden[rows], head.weight, head.bias, targets[rows], temperature, need_grad
+        )
+        logps.append(lp)
+        ents.append(ent)
+    return _cat(logps, hidden), _cat(ents, hidden)
+
+
+def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+
+
+# --- checkpointed: the general fallback ----------------------------------------------------------
+
+
 def _chunk_logp(
     head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float
 ) -> tuple[Tensor, Tensor]:
@@ -49,6 +195,46 @@ def _chunk_logp(
     return logp, entropy
 
 
+def checkpointed_head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """As `fused_head_logprobs` for any head module (its own parameters get gradients too)."""
+    use_ckpt = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        args = (head, hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens], temperature)
+        lp, ent = (
+            checkpoint(_chunk_logp, *args, use_reentrant=False) if use_ckpt else _chunk_logp(*args)
+        )
+        logps.append(lp)
+        ents.append(ent.detach())
+    return _cat(logps, hidden), _cat(ents, hidden)
+
+
+def head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """The fused path where it applies, else the checkpointed one (see the module docstring)."""
+    trains_head = torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters())
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    if trains_head or autocast or not fused_head_supported(head):
+        return checkpointed_head_logprobs(head, hidden, targets, chunk_tokens, temperature)
+    return fused_head_logprobs(head, hidden, targets, chunk_tokens, temperature)
+
+
+# --- from token ids -------------------------------------------------------------------------------
+
+
 def completion_hidden(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int
 ) -> Tensor:
@@ -56,12 +242,16 @@ def completion_hidden(
     base = unwrap(model)
     _check_supported(base)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    out = base.get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    )
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False)  # fmt: skip
+    if hasattr(model, "module") and torch.is_grad_enabled():
+        # A distributed wrapper (DDP) arms its gradient all-reduce in its own forward: calling the
+        # decoder underneath would leave every process with its own gradient. Go through it, and
+        # take the final hidden states (logits of one position only; the layer inputs it also
+        # returns are kept by gradient checkpointing anyway).
+        out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
+        return out.hidden_states[-1][:, prompt_len - 1 : -1]
+    out = base.get_decoder()(**kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[:, prompt_len - 1 : -1]
 
@@ -83,24 +273,11 @@ def completion_logprobs(
     hidden = completion_hidden(model, input_ids, attention_mask, prompt_len)
     head = unwrap(model).get_output_embeddings()
     sel = completion_mask.bool()
-    h_sel = hidden[sel]  # [M, H]: completion positions only
-    t_sel = input_ids[:, prompt_len:][sel]  # [M]
-    use_ckpt = torch.is_grad_enabled() and h_sel.requires_grad
-    logps, ents = [], []
-    for s in range(0, h_sel.shape[0], chunk_tokens):
-        args = (head, h_sel[s : s + chunk_tokens], t_sel[s : s + chunk_tokens], temperature)
-        lp, ent = (
-            checkpoint(_chunk_logp, *args, use_reentrant=False) if use_ckpt else _chunk_logp(*args)
-        )
-        logps.append(lp)
-        ents.append(ent)
-    n, t = completion_mask.shape
-    logp = hidden.new_zeros(n, t, dtype=torch.float32)
-    entropy = hidden.new_zeros(n, t, dtype=torch.float32)
-    if logps:
-        logp = logp.masked_scatter(sel, torch.cat(logps))
-        entropy = entropy.masked_scatter(sel, torch.cat(ents).detach())
-    return logp, entropy
+    # [M, H] and [M]: completion positions only
+    logps, ents = head_logprobs(head, hidden[sel], input_ids[:, prompt_len:][sel], chunk_tokens,
+                                temperature)  # fmt: skip
+    zeros = hidden.new_zeros(sel.shape, dtype=torch.float32)
+    return zeros.masked_scatter(sel, logps), zeros.masked_scatter(sel, ents.detach())
 
 
 def naive_completion_logprobs(

@@ -58,10 +58,13 @@ NF4_BLOCK, NF4_NESTED_BLOCK, NF4_TENSOR_BYTES = 64, 256, (256 + 16 + 1) * F32
 # PagedAdamW8bit: two uint8 states per parameter + one fp32 absmax per 256 values of each.
 ADAMW8_BYTES = 2 + 2 * F32 / 256
 ADAMW32_BYTES = 2 * F32  # torch AdamW on fp32 LoRA weights: exp_avg + exp_avg_sq
-# One lm_head chunk in logprobs.py, bytes per [chunk, V] element. Its backward recomputes the
-# chunk and holds five fp32 copies (the saved logits, gather's zero-filled gradient, logsumexp's
-# x - lse, its exp and their product); measured 20.5 on CPU (tests/test_plan.py).
-HEAD_CHUNK_BYTES = 5 * F32 + 1
+# One lm_head chunk in logprobs.py, bytes per [chunk, V] element. The fused head turns one fp32
+# [chunk, V] buffer in place into log-prob, entropy and gradient direction (plus per-row-block
+# partial sums, F32 / 16) and keeps nothing of that size for backward: 4.25 measured on CPU
+# (tests/test_logprobs.py). The saved directions add [completion tokens, hidden] fp32. A trained or
+# wrapped head (LoRA on lm_head) falls back to checkpointed chunks: five fp32 copies in backward.
+HEAD_CHUNK_BYTES = F32 + F32 / 16
+HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
 # The repair prompt wraps question, failed attempt and a reference completion in the repair
 # template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
 REPAIR_TEMPLATE_TOKENS = 96
@@ -364,7 +367,12 @@ def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
         layer = transient
     # final norm (fp32 input saved, b output), the completion hidden states, one head chunk
     head = S * (F32 + b) * shape.hidden + M * shape.hidden * b
-    head += HEAD_CHUNK_BYTES * min(tr.logprob_chunk_tokens, M) * shape.vocab
+    targets = mc.lora_target_modules
+    fused = not (isinstance(targets, list) and "lm_head" in targets)
+    if fused:  # the saved gradient directions, [M, hidden] fp32
+        head += M * shape.hidden * F32
+    per = HEAD_CHUNK_BYTES if fused else HEAD_CHUNK_BYTES_CHECKPOINTED
+    head += int(per * min(tr.logprob_chunk_tokens, M) * shape.vocab)
     top = ("log-prob head chunk", head) if head >= layer else ("one layer in backward", layer)
     return {
         "LoRA grads (fp32)": F32 * lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules),

@@ -229,7 +229,7 @@ def test_more_tokens_and_bigger_batches_need_more_memory():
         ("rollout.max_new_tokens", 512, 2048, "generation"),
         ("data.max_prompt_tokens", 128, 1024, "training"),
         ("train.micro_batch_groups", 1, 4, "training"),
-        ("train.logprob_chunk_tokens", 256, 16384, "training"),
+        ("train.logprob_chunk_tokens", 256, 32768, "training"),  # head chunk > one layer
         ("rollout.generation_batch_size", 8, 64, "generation"),
         ("model.lora_r", 8, 64, "training"),
     ]:
