@@ -5,7 +5,8 @@
 
 `update` builds the same fixed scored batch on every process (BATCH_GROUPS groups), gives each
 process its own half of the groups (as the prompt stream's shards do) and runs the real
-update_policy through Accelerate's DDP; each rank saves its LoRA weights to OUT/<objective>-rank<r>.pt.
+update_policy through Accelerate's DDP; each rank saves its LoRA weights to
+OUT/<objective>-rank<r>.pt.
 The test runs the same update in one process on all the groups and compares.
 """
 
@@ -118,7 +119,8 @@ def main(argv: list[str]) -> None:
     trainer.rl_step = spy
     summary = trainer.train(load_config(None, [f"model.name={model_dir}", *argv[3:]]))
     rank = int(os.environ.get("RANK", "0"))
-    torch.save({"lora": lora_state(seen["model"]), "summary": summary}, out / f"train-rank{rank}.pt")
+    state = {"lora": lora_state(seen["model"]), "summary": summary}
+    torch.save(state, out / f"train-rank{rank}.pt")
 
 
 if __name__ == "__main__":
