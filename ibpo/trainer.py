@@ -39,7 +39,7 @@ import yaml
 
 from ibpo import checkpoint as ckpt
 from ibpo.batching import MicroBatch, micro_batches
-from ibpo.config import Config
+from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, load_splits
 from ibpo.diagnostics import cancellation_residual
 from ibpo.evaluation import evaluate_accuracy
@@ -251,6 +251,19 @@ def lr_lambda(cfg: Config):
     return f
 
 
+def _check_distributed(accelerator) -> None:
+    """The loop is verified under one process and DDP (tests/test_distributed.py). FSDP and
+    DeepSpeed shard the parameters that generation and the fused log-prob head read directly:
+    refuse them with the way forward rather than fail deep inside a step."""
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise ConfigError(
+            f"the training loop runs on one process or with DDP, not under {kind} yet. Fix: launch "
+            "with recipes/accelerate/ddp_2gpu.yaml (each GPU holds the 4-bit model; check the fit "
+            "with `ibpo plan RECIPE --gpus 2`)."
+        )
+
+
 def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
@@ -324,6 +337,7 @@ def train(cfg: Config) -> dict:
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(log_with=tr.log_with, project_dir=tr.output_dir,
                               step_scheduler_with_optimizer=False)  # fmt: skip
+    _check_distributed(accelerator)
     set_seed(tr.seed)
     out, main = Path(tr.output_dir), accelerator.is_main_process
     resume = ckpt.resolve_resume(tr.resume_from, out)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -66,3 +67,19 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     assert (out / "adapter" / "adapter_config.json").is_file()
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert cfg["train"]["prompts_per_step"] == 2
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_unverified_sharding_is_refused_with_the_way_forward(kind):
+    from accelerate.utils import DistributedType
+
+    from ibpo.config import ConfigError
+    from ibpo.trainer import _check_distributed
+
+    class Fake:
+        distributed_type = getattr(DistributedType, kind)
+
+    with pytest.raises(ConfigError, match="ddp_2gpu.yaml"):
+        _check_distributed(Fake())
+    Fake.distributed_type = DistributedType.MULTI_GPU
+    _check_distributed(Fake())  # DDP is fine
