@@ -64,7 +64,7 @@ class DataConfig:
     prompt_template: str = "{question}\nAnswer with just the number."
     system_prompt: str | None = None
     enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = 512  # longer prompts (chat template included) are left out
     shuffle: bool = True
 
 

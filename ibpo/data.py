@@ -256,6 +256,24 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
 # --- prompts and the training stream ---------------------------------------------------------
 
 
+def drop_long_prompts(examples: list[Example], tokenizer, cfg: DataConfig, what: str):
+    """Keep the examples whose rendered prompt has at most data.max_prompt_tokens tokens.
+
+    Memory (and `ibpo plan`) assume that bound; cutting a problem statement would change the
+    problem, so a longer prompt is left out, and the count is reported. -> (kept, dropped)."""
+    if not examples:
+        return examples, 0
+    texts = [render_prompt(tokenizer, e.question, cfg) for e in examples]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    kept = [e for e, n in zip(examples, lengths) if n <= cfg.max_prompt_tokens]
+    if not kept:
+        raise ConfigError(
+            f"every {what} prompt is longer than data.max_prompt_tokens={cfg.max_prompt_tokens} "
+            f"(shortest: {min(lengths)} tokens). Fix: raise data.max_prompt_tokens."
+        )
+    return kept, len(examples) - len(kept)
+
+
 def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
     """The text the model continues: the chat template applied to the templated question."""
     return render_user_message(tokenizer, user_message(question, cfg), cfg)

@@ -40,7 +40,7 @@ import yaml
 from ibpo import checkpoint as ckpt
 from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
-from ibpo.data import PromptStream, load_splits
+from ibpo.data import PromptStream, drop_long_prompts, load_splits
 from ibpo.diagnostics import cancellation_residual
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
@@ -267,11 +267,17 @@ def _check_distributed(accelerator) -> None:
 def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
+    model, tokenizer = load_policy(cfg.model, accelerator.device)
+    train_examples, n_train = drop_long_prompts(train_examples, tokenizer, cfg.data, "training")
+    eval_examples, n_eval = drop_long_prompts(eval_examples, tokenizer, cfg.data, "held-out")
+    if n_train or n_eval:
+        limit = cfg.data.max_prompt_tokens
+        accelerator.print(f"ibpo: left out {n_train} training and {n_eval} held-out problems "
+                          f"whose prompt exceeds data.max_prompt_tokens={limit}")  # fmt: skip
     stream = PromptStream(
         train_examples, cfg.train.seed, cfg.data.shuffle,
         accelerator.process_index, accelerator.num_processes,
     )  # fmt: skip
-    model, tokenizer = load_policy(cfg.model, accelerator.device)
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from ibpo.config import ConfigError, DataConfig
-from ibpo.data import PromptStream, builtin_examples, load_splits, render_prompt
+from ibpo.data import Example, PromptStream, builtin_examples, load_splits, render_prompt
 from tests.conftest import make_tokenizer
 
 
@@ -156,3 +156,22 @@ def test_code_tests_rows_without_runnable_tests_are_named(tmp_path):
                      answer_format="code_tests", eval_size=0)  # fmt: skip
     with pytest.raises(ConfigError, match="row 1: no answer in 'verification_info'"):
         load_splits(cfg)
+
+
+def test_long_prompts_are_left_out_and_counted():
+    from ibpo.data import drop_long_prompts, render_prompt
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    cfg = DataConfig(prompt_template="{question}")
+    examples = [Example("1+1?", "2"), Example("what is " + "1+" * 40 + "1?", "41"),
+                Example("2+2?", "4")]  # fmt: skip
+    short = len(tok(render_prompt(tok, "1+1?", cfg), add_special_tokens=False)["input_ids"])
+    cfg.max_prompt_tokens = short + 2
+    kept, dropped = drop_long_prompts(examples, tok, cfg, "training")
+    assert kept == [examples[0], examples[2]] and dropped == 1
+    cfg.max_prompt_tokens = 10_000
+    assert drop_long_prompts(examples, tok, cfg, "training") == (examples, 0)
+    cfg.max_prompt_tokens = 3
+    with pytest.raises(ConfigError, match="raise data.max_prompt_tokens"):
+        drop_long_prompts(examples, tok, cfg, "training")
