@@ -42,7 +42,8 @@ class ModelConfig:
     # CPU only, 4-bit base: compute each step with a dequantised copy of the base weights (made
     # once per phase, freed after) instead of dequantising on every call; null = on for CPU.
     cpu_dequantize: bool | None = None
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    # auto: flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa
+    attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -293,6 +294,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
 _CHOICES = {
     ("model", "quantization"): ("nf4", "none"),
     ("model", "dtype"): ("auto", "bfloat16", "float16", "float32"),
+    ("model", "attn_implementation"): ("auto", "sdpa", "eager", "flash_attention_2"),
     ("data", "answer_format"): ("plain", "gsm8k", "boxed", "code_tests"),
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),

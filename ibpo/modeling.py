@@ -39,6 +39,17 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def attention(name: str, device: torch.device) -> str:
+    """`auto`: flash_attention_2 on CUDA when flash-attn is installed (extra `gpu`), else sdpa."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def resolve_model_path(name: str) -> str:
     return str(embedded_model_path()) if name == EMBEDDED_NAME else name
 
@@ -97,7 +108,7 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     dtype = compute_dtype(cfg.dtype, device)
     kwargs = dict(
         dtype=dtype,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attention(cfg.attn_implementation, device),
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision,
     )
@@ -219,7 +230,7 @@ def load_for_inference(
     device: torch.device | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ):
     """-> (model in eval mode, tokenizer) for generation: the base in `dtype` or 4-bit NF4, with an
     optional LoRA adapter (local folder or Hub id) on top.
@@ -237,7 +248,7 @@ def load_for_inference(
     dt = compute_dtype(dtype, device)
     kwargs = dict(
         dtype=dt,
-        attn_implementation=attn_implementation,
+        attn_implementation=attention(attn_implementation, device),
         trust_remote_code=trust_remote_code,
         revision=revision,
     )

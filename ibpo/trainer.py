@@ -54,6 +54,7 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.rewards import REWARDS
+from ibpo.runlog import finish_run, gather_metrics, log_eval, log_step
 from ibpo.scoring import ScoredBatch, collect_batch
 
 
@@ -169,27 +170,6 @@ def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, 
     return stats, cancel, float(grad_norm), updates, skipped, t_frozen
 
 
-def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
-    """One step's metrics over all processes: times and peaks are the slowest/largest process,
-    tokens/s and counts add up, sums of the diagnostic add up, everything else is averaged
-    (every process holds the same number of groups)."""
-    if accelerator.num_processes == 1:
-        return m
-    from accelerate.utils import gather_object
-
-    every = gather_object([m])
-    out = {}
-    for key in m:
-        values = [d[key] for d in every if key in d]
-        if key.startswith("time_") or key in ("step_time", "peak_memory_gb"):
-            out[key] = max(values)
-        elif key in ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens"):
-            out[key] = sum(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
 def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
     """One full RL step; returns a dict of metrics (gathered over processes)."""
     t0 = time.perf_counter()
@@ -293,24 +273,6 @@ def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
               "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
 
 
-def _log_step(m: dict, step: int, bar, metrics_file, accelerator, log_with) -> None:
-    m["step"] = step
-    if m["skipped_nonfinite"] and accelerator.is_main_process:
-        bar.write(f"ibpo: step {step}: non-finite loss or gradient, update skipped")
-    bar.update(1)
-    bar.set_postfix(
-        reward=f"{m['reward']:.3f}",
-        acc=f"{m['accuracy']:.3f}",
-        len=f"{m['completion_length']:.0f}",
-        s=f"{m['step_time']:.1f}",
-    )
-    if metrics_file:
-        metrics_file.write(json.dumps(m) + "\n")
-        metrics_file.flush()
-    if log_with:
-        accelerator.log(m, step=step)
-
-
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, eval_before: bool):
     """The checkpoint's state (RNG, data position, optimizer...: the run goes on as if it had
     never stopped), or a fresh one with the held-out accuracy before training."""
@@ -385,7 +347,7 @@ def train(cfg: Config) -> dict:
                             parts.stream, cfg, objective, parts.rng)  # fmt: skip
                 state.step += 1
                 state.count_step(m["skipped_nonfinite"] > 0)
-                _log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
+                log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
                 if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
                     status = "nonfinite"
                     break
@@ -393,7 +355,7 @@ def train(cfg: Config) -> dict:
                     status = "interrupted"
                     break
                 if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
-                    _log_eval(held_out(), state.step, bar, metrics_file, accelerator, tr.log_with)
+                    log_eval(held_out(), state.step, bar, metrics_file, accelerator, tr.log_with)
                 if tr.save_every and state.step % tr.save_every == 0:
                     last = checkpoint()
             if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
@@ -430,45 +392,7 @@ def train(cfg: Config) -> dict:
     }  # fmt: skip
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _finish(out, cfg, status)
+        finish_run(out, cfg, status)
     if tr.log_with:
         accelerator.end_training()
     return summary
-
-
-def _log_eval(e: dict | None, step: int, bar, metrics_file, accelerator, log_with) -> None:
-    """A periodic held-out evaluation: its own metrics line (report.py plots it)."""
-    if not e:
-        return
-    line = {"step": step, "eval_accuracy": e["accuracy"], "eval_n": e["n"]}
-    if accelerator.is_main_process:
-        bar.write(f"ibpo: step {step}: held-out accuracy {e['accuracy']:.3f} (n={e['n']})")
-    if metrics_file:
-        metrics_file.write(json.dumps(line) + "\n")
-        metrics_file.flush()
-    if log_with:
-        accelerator.log({"eval_accuracy": e["accuracy"]}, step=step)
-
-
-def _finish(out: Path, cfg: Config, status: str) -> None:
-    """Main process, after summary.json: plots, the end-of-run table, the Hub upload.
-    None of them may cost a finished run: their failures are reported, not raised."""
-    tr = cfg.train
-    if tr.plots:
-        from ibpo import report
-
-        try:
-            report.plot_run(out)
-        except Exception as e:  # a figure is never worth a traceback after hours of training
-            print(f"ibpo: plots not written: {e}", file=sys.stderr)
-        if tr.progress:
-            print(report.summary_table(out), file=sys.stderr)
-    if tr.push_to_hub and status == "completed":
-        from ibpo.hub import HubError, push
-
-        try:
-            url = push(out, tr.hub_repo_id, private=tr.hub_private)
-            print(f"ibpo: pushed to {url}", file=sys.stderr)
-        except HubError as e:  # the run is saved: a failed upload must not fail it
-            print(f"ibpo: push to the Hub failed: {e}\n  Retry: ibpo push {out} "
-                  f"--repo-id {tr.hub_repo_id}", file=sys.stderr)  # fmt: skip

@@ -162,3 +162,23 @@ def test_dequantized_base_is_only_for_4bit_on_cpu():
     assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=False), cpu)
     assert not use_dequantized_base(ModelConfig(quantization="none"), cpu)
     assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cuda)
+
+
+def test_attention_auto_picks_flash_attention_only_on_cuda_with_the_package(monkeypatch):
+    import importlib.util
+
+    from ibpo.modeling import attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention("eager", cuda) == "eager" and attention("sdpa", cuda) == "sdpa"
+    real = importlib.util.find_spec
+
+    def installed(present):
+        fake = object() if present else None
+        return lambda name, *a: fake if name == "flash_attn" else real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", installed(True))
+    assert attention("auto", cuda) == "flash_attention_2"
+    assert attention("auto", cpu) == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", installed(False))
+    assert attention("auto", cuda) == "sdpa"
