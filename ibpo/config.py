@@ -56,6 +56,12 @@ class DataConfig:
     split: str = "train"
     eval_dataset: str | None = None  # default: the same source as `dataset`
     eval_split: str = "test"
+    # Another eval_dataset has its own layout: its configuration (null = its default) and, when
+    # they differ from training's, its columns and answer format (null = the training ones).
+    eval_subset: str | None = None
+    eval_question_column: str | None = None
+    eval_answer_column: str | None = None
+    eval_answer_format: str | None = None
     eval_size: int = 100  # held-out problems used for the before/after evaluation (0 = skip)
     question_column: str = "question"
     answer_column: str = "answer"
@@ -325,6 +331,11 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
             raise ConfigError(f"{section}.{key}={value!r}; choose one of: {', '.join(choices)}")
+    if cfg.data.eval_answer_format not in (None, *_CHOICES[("data", "answer_format")]):
+        choices = ", ".join(_CHOICES[("data", "answer_format")])
+        value = cfg.data.eval_answer_format
+        raise ConfigError(f"data.eval_answer_format={value!r}; choose one of: {choices} "
+                          "(or null: data.answer_format)")  # fmt: skip
     for section, key in _POSITIVE:
         if getattr(getattr(cfg, section), key) <= 0:
             raise ConfigError(f"{section}.{key} must be > 0")

@@ -23,6 +23,7 @@ Not here: tokenisation for the model (rollout.py) and grading (rewards/).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -226,6 +227,16 @@ def _field(row: dict, path: str, source: str, i: int) -> Any:
         raise ConfigError(f"dataset '{source}', row {i}: '{path}' has no field {e}") from None
 
 
+def eval_layout(cfg: DataConfig) -> DataConfig:
+    """The data settings that read the held-out rows: the eval_* overrides, else training's."""
+    return dataclasses.replace(
+        cfg,
+        question_column=cfg.eval_question_column or cfg.question_column,
+        answer_column=cfg.eval_answer_column or cfg.answer_column,
+        answer_format=cfg.eval_answer_format or cfg.answer_format,
+    )
+
+
 def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Example]]:
     """(train examples, held-out eval examples, at most cfg.eval_size of them)."""
     if cfg.dataset.startswith("builtin:"):
@@ -238,9 +249,10 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
     if cfg.eval_size and (cfg.eval_dataset or not _is_file_source(cfg.dataset)):
-        eval_rows = _load_rows(eval_source, cfg.eval_split, cfg.subset)
+        subset = cfg.eval_subset if cfg.eval_dataset else cfg.subset
+        eval_rows = _load_rows(eval_source, cfg.eval_split, subset)
     if eval_rows is not None:
-        held = rows_to_examples(eval_rows, cfg, eval_source)
+        held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source)
         return train, held[: cfg.eval_size]
     if cfg.eval_size >= len(train):
         raise ConfigError(

@@ -175,3 +175,24 @@ def test_long_prompts_are_left_out_and_counted():
     cfg.max_prompt_tokens = 3
     with pytest.raises(ConfigError, match="raise data.max_prompt_tokens"):
         drop_long_prompts(examples, tok, cfg, "training")
+
+
+def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i} + 1?", "solution": str(i + 1)}
+                                              for i in range(5)])  # fmt: skip
+    rows = [{"problem": "Half of 8?", "answer": "4", "solution": "so \\boxed{4}"},
+            {"problem": "3 squared?", "answer": "9", "solution": "it is \\boxed{9}"}]  # fmt: skip
+    held = _jsonl(tmp_path / "math500.jsonl", rows)
+    base = dict(dataset=str(train), question_column="prompt", answer_column="solution",
+                eval_dataset=str(held), eval_size=5)  # fmt: skip
+    own = dict(eval_question_column="problem", eval_answer_column="solution",
+               eval_answer_format="boxed")  # fmt: skip
+    tr, ev = load_splits(DataConfig(**base, **own))
+    assert [e.question for e in tr] == [f"{i} + 1?" for i in range(5)]  # nothing carved out
+    assert [(e.question, e.answer) for e in ev] == [("Half of 8?", "4"), ("3 squared?", "9")]
+    with pytest.raises(ConfigError, match="no column 'prompt'"):  # training's columns by default
+        load_splits(DataConfig(**base))
+    from ibpo.config import load_config
+
+    with pytest.raises(ConfigError, match="eval_answer_format"):
+        load_config(None, ["data.eval_answer_format=latex"])
