@@ -124,3 +124,18 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
     png = out / "plots" / "training.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp_path):
+    pytest.importorskip("tensorboardX")  # the test extra installs it
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
+                             "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
+                             "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4",
+                             "data.eval_size=4", f"train.output_dir={out}", "train.progress=false",
+                             "train.log_with=tensorboard", "train.eval_every=1",
+                             "train.plots=false"])  # fmt: skip
+    assert train(cfg)["status"] == "completed"
+    events = b"".join(p.read_bytes() for p in out.rglob("events.out.tfevents*"))
+    for tag in (b"reward", b"residual", b"entropy", b"eval_accuracy"):
+        assert tag in events, tag  # scalars are stored under their metric names
