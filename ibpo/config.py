@@ -39,8 +39,9 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str | list[str] = "all-linear"
     gradient_checkpointing: bool = True
-    # CPU only, 4-bit base: compute each step with a dequantised copy of the base weights (made
-    # once per phase, freed after) instead of dequantising on every call; null = on for CPU.
+    # CPU only, 4-bit base: compute each phase with a dequantised copy of the base weights (made
+    # on entry, freed after) instead of dequantising on every call; null = on while that copy
+    # stays under 4 GiB.
     cpu_dequantize: bool | None = None
     # auto: flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa
     attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2

@@ -205,11 +205,30 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
             del mod.forward  # the class's forward shows again; the copy is freed
 
 
-def use_dequantized_base(cfg: ModelConfig, device: torch.device) -> bool:
-    """model.cpu_dequantize: null = on for a 4-bit base on CPU, never on CUDA."""
+# `cpu_dequantize: null` turns the copy on only while it stays this small (fp32: ~1B weights).
+AUTO_DEQUANTIZE_MAX_BYTES = 4 * 2**30
+
+
+def dequantized_bytes(model: nn.Module) -> int:
+    """Bytes of a compute-dtype copy of every 4-bit weight of `model`."""
+    import bitsandbytes as bnb
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, bnb.nn.Linear4bit):
+            size = (mod.compute_dtype or torch.float32).itemsize
+            total += mod.in_features * mod.out_features * size
+    return total
+
+
+def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Module) -> bool:
+    """model.cpu_dequantize: true/false, or null = on for a 4-bit base on CPU whose dequantised
+    copy stays under AUTO_DEQUANTIZE_MAX_BYTES; never on CUDA."""
     if cfg.quantization != "nf4" or device.type != "cpu":
         return False
-    return True if cfg.cpu_dequantize is None else cfg.cpu_dequantize
+    if cfg.cpu_dequantize is not None:
+        return cfg.cpu_dequantize
+    return dequantized_bytes(model) <= AUTO_DEQUANTIZE_MAX_BYTES
 
 
 @contextlib.contextmanager

@@ -175,7 +175,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     t0 = time.perf_counter()
     # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
     # normalises the groups it generated
-    fast = use_dequantized_base(cfg.model, accelerator.device)  # CPU: dequantise once per phase
+    fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
     with dequantized_base(model, merge_lora=True) if fast else nullcontext():
         batch = collect_batch(model, tokenizer, stream, cfg, objective,
                               REWARDS[cfg.objective.reward], rng)  # fmt: skip
@@ -320,7 +320,7 @@ def train(cfg: Config) -> dict:
     def held_out() -> dict | None:
         if not eval_examples:
             return None
-        fast = use_dequantized_base(cfg.model, accelerator.device)
+        fast = use_dequantized_base(cfg.model, accelerator.device, parts.model)
         with dequantized_base(parts.model, merge_lora=True) if fast else nullcontext():
             return evaluate_accuracy(
                 parts.model, tokenizer, eval_examples, cfg.data, reward_fn,

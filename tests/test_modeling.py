@@ -154,14 +154,28 @@ def test_dequantized_base_follows_the_adapter_between_entries(tiny_model_dir):
     assert (after - before).abs().max() > 1e-3
 
 
-def test_dequantized_base_is_only_for_4bit_on_cpu():
-    from ibpo.modeling import use_dequantized_base
+def test_dequantized_base_is_only_for_small_4bit_models_on_cpu(tiny_model_dir, monkeypatch):
+    import ibpo.modeling as modeling
+    from ibpo.modeling import dequantized_bytes, use_dequantized_base
 
+    model, _ = _nf4_policy(tiny_model_dir)
+    size = dequantized_bytes(model)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert use_dequantized_base(ModelConfig(quantization="nf4"), cpu)
-    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=False), cpu)
-    assert not use_dequantized_base(ModelConfig(quantization="none"), cpu)
-    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cuda)
+    nf4 = ModelConfig(quantization="nf4")
+    assert use_dequantized_base(nf4, cpu, model)
+    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=False), cpu,
+                                    model)  # fmt: skip
+    assert not use_dequantized_base(ModelConfig(quantization="none"), cpu, model)
+    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cuda,
+                                    model)  # fmt: skip
+    monkeypatch.setattr(modeling, "AUTO_DEQUANTIZE_MAX_BYTES", size - 1)  # a model too big for it
+    assert not use_dequantized_base(nf4, cpu, model)
+    assert use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cpu, model)
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 14  # 7 linears x 2 layers; fp32 on CPU
+    assert size == sum(m.in_features * m.out_features * 4 for m in layers)
 
 
 def test_attention_auto_picks_flash_attention_only_on_cuda_with_the_package(monkeypatch):
