@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ibpo: error: {e}", file=sys.stderr)
         return 2
-    print(summary_line(summary))
-    print(json.dumps(summary))
+    if int(os.environ.get("RANK", "0")) == 0:  # several processes: the summary once
+        print(summary_line(summary))
+        print(json.dumps(summary))
     # a run stopped by non-finite steps or out of memory is a failure for schedulers and scripts;
     # an interrupted one saved its checkpoint and can be resumed
     return 1 if summary["status"] in ("nonfinite", "out_of_memory") else 0
