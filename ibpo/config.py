@@ -348,6 +348,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.micro_batch_tokens must be >= 0 (0 = no token cap)")
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 = evaluate only before and after)")
+    if cfg.train.eval_every and cfg.data.eval_size == 0:
+        raise ConfigError("train.eval_every needs held-out problems: set data.eval_size > 0")
     if cfg.train.push_to_hub and not cfg.train.hub_repo_id:
         raise ConfigError("train.push_to_hub=true needs train.hub_repo_id=<user>/<name>")
     if cfg.train.push_to_hub:

@@ -249,8 +249,14 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
     if cfg.eval_size and (cfg.eval_dataset or not _is_file_source(cfg.dataset)):
-        subset = cfg.eval_subset if cfg.eval_dataset else cfg.subset
+        same = cfg.eval_dataset in (None, cfg.dataset)  # the training source: its configuration
+        subset = cfg.eval_subset or (cfg.subset if same else None)
         eval_rows = _load_rows(eval_source, cfg.eval_split, subset)
+        if eval_rows is None and cfg.eval_dataset:  # never carve a named eval set out of training
+            raise ConfigError(
+                f"data.eval_dataset '{cfg.eval_dataset}' has no split '{cfg.eval_split}'. "
+                "Fix: set data.eval_split to one it has."
+            )
     if eval_rows is not None:
         held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source)
         return train, held[: cfg.eval_size]

@@ -374,6 +374,12 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
 
 def _known_tokens(token: str | None) -> list[bytes]:
     values = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    try:  # the cached login's token too (huggingface_hub reads it from its token file)
+        from huggingface_hub import get_token
+
+        values.append(get_token())
+    except Exception:  # no login, or an older huggingface_hub: the checks above still apply
+        pass
     return [v.encode() for v in values if v and len(v) >= 8]
 
 

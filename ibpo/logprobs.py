@@ -62,7 +62,10 @@ def fused_head_supported(head: nn.Module) -> bool:
         type(head).forward is nn.Linear.forward  # not bnb Linear4bit/8bitLt, not a LoRA wrapper
         and type(weight) in (nn.Parameter, Tensor)  # not Params4bit, not a DTensor shard
         and weight.dtype.is_floating_point
-        and not (head._forward_hooks or head._forward_pre_hooks)  # FSDP2, accelerate offload
+        and not (head._forward_hooks or head._forward_pre_hooks)  # FSDP2 hooks
+        # accelerate's offload/dispatch hooks replace the instance's forward instead
+        and "forward" not in vars(head)
+        and not hasattr(head, "_hf_hook")
     )
 
 

@@ -179,7 +179,9 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
     B A * scaling of the active adapter is also folded into that copy, so a layer is one matmul;
     use it only where the adapter cannot change and no gradient is taken. Memory: a compute-dtype
     copy of every quantised weight while inside (the planner's GPU paths never use this).
-    Yields the number of layers switched.
+    Under gradient checkpointing the backward pass recomputes layers, so it must run inside the
+    context too. In bf16 the folded LoRA update is rounded to bf16 (CPU computes in fp32 by
+    default). Yields the number of layers switched.
     """
     import bitsandbytes as bnb
 
@@ -190,9 +192,14 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
             if merge_lora and isinstance(base, bnb.nn.Linear4bit) and hasattr(mod, "lora_A"):
                 inside.add(id(base))
                 w = _dequantize(base)
+                if getattr(mod, "lora_variant", None):  # DoRA & co. are not a plain B A update
+                    raise NotImplementedError(
+                        "dequantized_base(merge_lora=True) folds plain LoRA only; "
+                        "set model.cpu_dequantize=false"
+                    )
                 if not mod.disable_adapters and not mod.merged:
                     for name in mod.active_adapters:
-                        if name in mod.lora_A and name not in getattr(mod, "lora_variant", {}):
+                        if name in mod.lora_A:
                             w = w + mod.get_delta_weight(name).to(w.dtype)
                 mod.forward = _merged_forward(mod, w, base.bias)
                 patched.append(mod)

@@ -79,16 +79,18 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
 
         try:
             report.plot_run(out)
+            if tr.progress:
+                print(report.summary_table(out), file=sys.stderr)
         except Exception as e:  # a figure is never worth a traceback after hours of training
-            print(f"ibpo: plots not written: {e}", file=sys.stderr)
-        if tr.progress:
-            print(report.summary_table(out), file=sys.stderr)
+            print(f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
+                  file=sys.stderr)  # fmt: skip
     if tr.push_to_hub and status == "completed":
         from ibpo.hub import HubError, push
 
         try:
             url = push(out, tr.hub_repo_id, private=tr.hub_private)
             print(f"ibpo: pushed to {url}", file=sys.stderr)
-        except HubError as e:  # the run is saved: a failed upload must not fail it
-            print(f"ibpo: push to the Hub failed: {e}\n  Retry: ibpo push {out} "
+        except Exception as e:  # the run is saved: a failed upload must not fail it
+            detail = str(e) if isinstance(e, HubError) else repr(e)
+            print(f"ibpo: push to the Hub failed: {detail}\n  Retry: ibpo push {out} "
                   f"--repo-id {tr.hub_repo_id}", file=sys.stderr)  # fmt: skip

@@ -12,8 +12,8 @@ One step (B prompts, G completions each, N = B * G sequences):
      objective -> backward, the loss divided by a normaliser taken from the whole step (and all
      processes), so neither accumulation nor the number of processes changes the gradient;
   7. clip, optimizer step, scheduler; 8. log (metrics gathered over processes).
-With several processes (Accelerate: DDP, FSDP) each one takes its own shard of prompts, generates,
-grades and normalises its own groups; DDP averages the gradients.
+With several processes (Accelerate DDP; FSDP and DeepSpeed are refused for now) each one takes its
+own shard of prompts, generates, grades and normalises its own groups; DDP averages the gradients.
 Before the first and after the last step the held-out set is evaluated greedily; the adapter is
 saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
 Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM) resume a run exactly
@@ -244,6 +244,20 @@ def _check_distributed(accelerator) -> None:
         )
 
 
+def _check_shared_output(accelerator, out: Path) -> None:
+    """Checkpoints hold every process's state in one folder: with several machines, output_dir
+    must be a filesystem they all mount (the main process has just written config.yaml there)."""
+    if accelerator.num_processes == 1:
+        return
+    accelerator.wait_for_everyone()
+    missing = torch.tensor([float(not (out / "config.yaml").is_file())], device=accelerator.device)
+    if accelerator.reduce(missing, "sum").item():
+        raise ConfigError(
+            f"train.output_dir={out} is not shared by all processes (a machine does not see the "
+            "main process's files). Fix: put output_dir on a filesystem every machine mounts."
+        )
+
+
 def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
@@ -311,6 +325,7 @@ def train(cfg: Config) -> dict:
     resume = ckpt.resolve_resume(tr.resume_from, out)
     if main:
         _prepare_output_dir(out, cfg, resume)
+    _check_shared_output(accelerator, out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     parts, tokenizer, eval_examples = _build(cfg, accelerator)
     if tr.log_with:

@@ -196,3 +196,17 @@ def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
 
     with pytest.raises(ConfigError, match="eval_answer_format"):
         load_config(None, ["data.eval_answer_format=latex"])
+
+
+def test_a_named_eval_dataset_without_the_split_is_an_error(tmp_path, monkeypatch):
+    import ibpo.data as data
+
+    train = _jsonl(tmp_path / "train.jsonl", [{"question": "1+1?", "answer": "2"}] * 3)
+    real = data._load_rows
+    # a Hub dataset without the requested split (what _load_rows reports as None)
+    monkeypatch.setattr(data, "_load_rows", lambda src, split, subset: None
+                        if src == "org/evalset" else real(src, split, subset))  # fmt: skip
+    cfg = DataConfig(dataset=train, eval_dataset="org/evalset", eval_split="validation",
+                     eval_size=2)  # fmt: skip
+    with pytest.raises(ConfigError, match="has no split 'validation'"):
+        load_splits(cfg)  # never a silent carve-out of the training rows

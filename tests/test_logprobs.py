@@ -291,3 +291,15 @@ def test_logprobs_match_generate_scores(policy):
         ours, ent = completion_logprobs(model, out.sequences, am, P, mask)
     torch.testing.assert_close(ours, scores, atol=1e-4, rtol=1e-4)
     assert (ent > 0).all()
+
+
+def test_heads_with_accelerate_hooks_are_not_fused():
+    from ibpo.logprobs import fused_head_supported
+
+    head = torch.nn.Linear(4, 6, bias=False)
+    assert fused_head_supported(head)
+    head._hf_hook = object()  # accelerate's dispatch/offload hook (weights may live elsewhere)
+    assert not fused_head_supported(head)
+    other = torch.nn.Linear(4, 6, bias=False)
+    other.forward = lambda x: x  # an instance forward replaced by a wrapper
+    assert not fused_head_supported(other)

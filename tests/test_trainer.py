@@ -139,3 +139,27 @@ def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp
     events = b"".join(p.read_bytes() for p in out.rglob("events.out.tfevents*"))
     for tag in (b"reward", b"residual", b"entropy", b"eval_accuracy"):
         assert tag in events, tag  # scalars are stored under their metric names
+
+
+def test_end_of_run_extras_never_fail_a_finished_run(tmp_path, monkeypatch, capsys):
+    import ibpo.hub
+    import ibpo.report
+    from ibpo.runlog import finish_run
+
+    cfg = load_config(None, ["train.push_to_hub=true", "train.hub_repo_id=alice/run"])
+
+    def boom(*a, **k):
+        raise KeyError("config")
+
+    monkeypatch.setattr(ibpo.report, "plot_run", boom)
+    monkeypatch.setattr(ibpo.hub, "push", boom)
+    finish_run(tmp_path, cfg, "completed")  # no exception
+    err = capsys.readouterr().err
+    assert "plots or summary not written" in err and f"Retry: ibpo push {tmp_path}" in err
+
+
+def test_eval_every_needs_a_held_out_set():
+    from ibpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval_size"):
+        load_config(None, ["train.eval_every=5", "data.eval_size=0"])
