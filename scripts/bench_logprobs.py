@@ -46,14 +46,11 @@ import re
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ibpo.logprobs import (
     checkpointed_head_logprobs,
@@ -64,6 +61,7 @@ from ibpo.logprobs import (
     naive_completion_logprobs,
     unwrap,
 )
+from ibpo.memtrack import LiveTensorBytes
 
 MEMORY = dict(vocab=151_936, hidden=128, sequences=4, tokens=1024, prompt=16, chunk=1024)
 SPEED = dict(vocab=49_152, hidden=576, tokens=1024, chunk=1024)
@@ -131,38 +129,6 @@ def make_batch(vocab, sequences, tokens, prompt, device, seed=0) -> dict:
 
 
 # --- peak memory --------------------------------------------------------------------------------
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storage created inside the block and alive at once: on the CPU, the
-    counterpart of torch.cuda.max_memory_allocated. It sees every storage an op returns (in
-    forward, checkpoint recomputation and backward alike), not a buffer that a kernel allocates
-    and frees inside itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._alive: set[int] = set()
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._alive.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}  # fmt: skip
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes and key not in inputs and key not in self._alive:  # not a view, not out=
-                self._alive.add(key)
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, key, nbytes)
-        return out
 
 
 def _proc_kib(field: str) -> int:

@@ -5,17 +5,15 @@ import json
 import math
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ibpo import plan
 from ibpo.cli import main
 from ibpo.config import ConfigError, load_config
+from ibpo.memtrack import LiveTensorBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -108,36 +106,6 @@ def test_kv_cache_is_exactly_the_transformers_cache():
     assert plan.kv_cache_bytes(shape, N, P + T - 1, 4) == measured  # the last token is not fed
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storage allocated inside the block and still alive (CPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}  # fmt: skip
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, n = storage.data_ptr(), storage.nbytes()
-            if n == 0 or key in self.seen or key in inputs:  # views of existing tensors
-                continue
-            self.seen.add(key)
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, n)
-        return out
-
-
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """(hidden, intermediate, vocab, overrides) -> (4-bit LoRA policy, config, shape); models
@@ -191,7 +159,7 @@ def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
     ids = torch.randint(3, 54, (N, P + T))
     att = torch.ones_like(ids)
     att[0, :3] = 0  # left padding: the attention mask is materialised as on a real batch
-    with LiveBytes() as mem:
+    with LiveTensorBytes() as mem:
         logp, _ = completion_logprobs(model, ids, att, P, torch.ones(N, T), chunk)
         logp.sum().backward()
     predicted = _transient(plan.phase_bytes(shape, cfg)["training"])
@@ -213,7 +181,7 @@ def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
     ids = torch.randint(3, 54, (N, P))
     att = torch.ones_like(ids)
     att[0, :2] = 0
-    with torch.no_grad(), LiveBytes() as mem:
+    with torch.no_grad(), LiveTensorBytes() as mem:
         model.generate(input_ids=ids, attention_mask=att, max_new_tokens=T, min_new_tokens=T,
                        do_sample=True, top_k=None, eos_token_id=1, pad_token_id=0)  # fmt: skip
     parts = plan.phase_bytes(dims, cfg)["generation"]
