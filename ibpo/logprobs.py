@@ -166,19 +166,23 @@ def fused_head_logprobs(
     if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
         raise ValueError("the fused log-prob path does not train lm_head: use the checkpointed one")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _by_chunks(
+        lambda h, t: _HeadLogProb.apply(h, head.weight, head.bias, t, temperature, need_grad),
+        hidden, targets, chunk_tokens,
+    )  # fmt: skip
+
+
+def _by_chunks(fn, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """fn(hidden rows, target rows) -> (logp, entropy) over chunks of rows, concatenated."""
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        rows = slice(s, s + chunk_tokens)
-        lp, ent = _HeadLogProb.apply(
-            hidden[rows], head.weight, head.bias, targets[rows], temperature, need_grad
-        )
+        lp, ent = fn(hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens])
         logps.append(lp)
-        ents.append(ent)
-    return _cat(logps, hidden), _cat(ents, hidden)
-
-
-def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
-    return torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+        ents.append(ent.detach())
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logps), torch.cat(ents)
 
 
 # --- checkpointed: the general fallback ----------------------------------------------------------
@@ -209,15 +213,13 @@ def checkpointed_head_logprobs(
     use_ckpt = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
     )
-    logps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk_tokens):
-        args = (head, hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens], temperature)
-        lp, ent = (
-            checkpoint(_chunk_logp, *args, use_reentrant=False) if use_ckpt else _chunk_logp(*args)
-        )
-        logps.append(lp)
-        ents.append(ent.detach())
-    return _cat(logps, hidden), _cat(ents, hidden)
+
+    def chunk(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        if use_ckpt:  # backward recomputes this chunk's logits instead of keeping them
+            return checkpoint(_chunk_logp, head, h, t, temperature, use_reentrant=False)
+        return _chunk_logp(head, h, t, temperature)
+
+    return _by_chunks(chunk, hidden, targets, chunk_tokens)
 
 
 def head_logprobs(

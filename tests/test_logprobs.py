@@ -59,16 +59,9 @@ def test_chunked_equals_naive_values_and_grads(policy, chunk, temperature):
     args = (ro.input_ids, ro.attention_mask, ro.prompt_len, mask)
     model.train()
     assert fused_head_supported(unwrap(model).get_output_embeddings())
-    params = [p for p in model.parameters() if p.requires_grad]
-    fast, ent = completion_logprobs(model, *args, chunk_tokens=chunk, temperature=temperature)
+    fast, ent = _assert_matches_naive(model, args, temperature, chunk)
     assert not ent.requires_grad
     assert (fast[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
-    g_fast = torch.autograd.grad(fast.sum(), params)
-    slow = naive_completion_logprobs(model, *args, temperature=temperature)
-    g_slow = torch.autograd.grad(slow.sum(), params)
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_fast, g_slow):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
         _, direct_ent = _direct(model, *args[:3], temperature)
     torch.testing.assert_close(ent, (direct_ent * mask).float(), atol=1e-5, rtol=1e-5)
@@ -156,14 +149,16 @@ def _lora(model, targets):
 
 
 def _assert_matches_naive(model, args, temperature=0.7, chunk=4):
+    """Log-probs and LoRA gradients equal the full-logits computation; -> (logp, entropy)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    fast, _ = completion_logprobs(model, *args, chunk_tokens=chunk, temperature=temperature)
+    fast, ent = completion_logprobs(model, *args, chunk_tokens=chunk, temperature=temperature)
     g_fast = torch.autograd.grad(fast.sum(), params)
     slow = naive_completion_logprobs(model, *args, temperature=temperature)
     g_slow = torch.autograd.grad(slow.sum(), params)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_fast, g_slow):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    return fast, ent
 
 
 def test_tied_embeddings_take_the_fused_path():
