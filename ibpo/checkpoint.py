@@ -19,18 +19,20 @@ A crash while saving leaves a stale temporary folder, which loading ignores and 
 removes, and the previous checkpoint intact; a missing or dangling `latest` falls back to the
 newest complete step-<N>. Only the newest `keep` checkpoints are kept.
 
-Several processes (DDP): each writes its own process-<rank>.pt into the temporary folder (one file
-system shared by all processes is assumed, as Accelerate does); the main process writes the rest
-and renames. Every process loads. A checkpoint resumes only with the number of processes that
-wrote it, since data shards and RNG streams are per process. Accelerate's save_state is not used:
-it would store the whole model (the frozen base too) and is not atomic.
+Several processes (DDP, FSDP): each writes its own process-<rank>.pt into the temporary folder (one
+file system shared by all processes is assumed, as Accelerate does); the main process writes the
+rest and renames. Under FSDP the adapter and the optimizer state are gathered whole first
+(distributed.py). Every process loads. A checkpoint resumes only with the number of processes that
+wrote it, since data shards and RNG streams are per process, and with FSDP only if it was written
+with FSDP (the optimizer state is keyed by parameter name there). Accelerate's save_state is not
+used: it would store the whole model (the frozen base too) and is not atomic.
 
 The guards: `GracefulStop` turns SIGINT/SIGTERM into a request the loop reads between steps (so a
 checkpoint is saved and the run ends as 'interrupted'; a second Ctrl-C stops at once); `is_oom`
 and `oom_message` turn an out-of-memory error into advice naming the settings that lower memory.
 
-Not here: the training loop (trainer.py); optimizer state sharded by FSDP (each rank would need
-its own shard file); uploading to the Hub.
+Not here: the training loop (trainer.py); gathering sharded state (distributed.py); uploading to the
+Hub.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ import torch
 
 from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream
+from ibpo.distributed import (
+    is_fsdp,
+    load_adapter,
+    load_optimizer_state,
+    optimizer_state,
+    save_adapter,
+)
 
 CHECKPOINTS = "checkpoints"  # sub-folder of output_dir
 LATEST = "latest"  # pointer file: the folder name of the newest checkpoint
@@ -217,13 +226,15 @@ def save_checkpoint(
         tmp.mkdir()
     accelerator.wait_for_everyone()
     torch.save(_process_state(parts), tmp / f"process-{accelerator.process_index}.pt")
+    save_adapter(accelerator, parts.model, tmp / "adapter")  # under FSDP, these two gather
+    optimizer = optimizer_state(parts.model, parts.optimizer)
     if main:
-        accelerator.unwrap_model(parts.model).save_pretrained(tmp / "adapter")
-        torch.save(parts.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
         if metrics is not None and Path(metrics).is_file():
             shutil.copyfile(metrics, tmp / "metrics.jsonl")
-        meta = {**dataclasses.asdict(state), "world_size": accelerator.num_processes}
+        meta = {**dataclasses.asdict(state), "world_size": accelerator.num_processes,
+                "fsdp": is_fsdp(parts.model)}  # fmt: skip
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
     accelerator.wait_for_everyone()  # every process-<rank>.pt is written
     if main:
@@ -236,25 +247,6 @@ def save_checkpoint(
 
 
 # --- loading -------------------------------------------------------------------------------------
-
-
-def _load_adapter(model, path: Path) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(path / "adapter_model.safetensors")
-    try:
-        result = set_peft_model_state_dict(model, weights)
-    except RuntimeError as e:  # shape mismatch: another lora_r / target modules / base model
-        raise ConfigError(
-            f"the adapter in '{path}' does not fit this model ({str(e).splitlines()[0]}); "
-            "resume with the model.* settings the run started with"
-        ) from None
-    if result.unexpected_keys:
-        raise ConfigError(
-            f"the adapter in '{path}' has weights this model lacks "
-            f"({', '.join(result.unexpected_keys[:3])} ...); resume with the same model.* settings"
-        )
 
 
 def _restore_process(state: dict, parts: Resumable) -> None:
@@ -282,10 +274,17 @@ def load_checkpoint(accelerator, path: Path, parts: Resumable) -> TrainerState:
             f"{accelerator.num_processes}: data shards and RNG streams are per process, so resume "
             "with the same number (its adapter/ folder can still start a new run or be evaluated)"
         )
-    _load_adapter(accelerator.unwrap_model(parts.model), path / "adapter")
-    parts.optimizer.load_state_dict(
-        torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    )
+    written_fsdp = meta.pop("fsdp", False)
+    if written_fsdp != is_fsdp(parts.model):
+        raise ConfigError(
+            f"checkpoint '{path}' was written {'with' if written_fsdp else 'without'} FSDP and "
+            "this run is the other way round: its optimizer state is laid out differently, so "
+            "resume with the Accelerate config the run started with (its adapter/ folder can "
+            "still start a new run or be evaluated)"
+        )
+    load_adapter(accelerator.unwrap_model(parts.model), path / "adapter")
+    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    load_optimizer_state(parts.model, parts.optimizer, optimizer)
     parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     process = torch.load(path / f"process-{accelerator.process_index}.pt", weights_only=True)
     _restore_process(process, parts)

@@ -90,6 +90,9 @@ class RolloutConfig:
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
+    # Under FSDP: gather the whole model once per rollout (a full replica per GPU while generating)
+    # or false: each layer is gathered for each new token (generation at sharded memory, slower)
+    fsdp_gather: bool = True
 
 
 @dataclass
@@ -154,7 +157,8 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_scheduler: str = "constant"  # constant | linear | cosine
     max_grad_norm: float = 1.0
-    optimizer: str = "auto"  # auto (paged 8-bit AdamW on CUDA, AdamW on CPU) | adamw | adamw_8bit
+    # auto (paged 8-bit AdamW on CUDA without FSDP, else AdamW) | adamw | adamw_8bit
+    optimizer: str = "auto"
     logprob_chunk_tokens: int = 1024  # completion tokens per lm_head chunk
     seed: int = 0
     output_dir: str = "outputs/ibpo-demo"

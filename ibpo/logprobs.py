@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from ibpo.distributed import is_fsdp
+
 # Temporaries beside the fp32 [chunk, V] buffer cover 1/ROW_BLOCKS of its rows at a time: exp()
 # of a block, and for bf16/fp16 heads the head's output before the upcast and the probabilities
 # cast back for the matmul. One chunk then needs (4 + 4 / ROW_BLOCKS) bytes per [chunk, V] entry.
@@ -249,11 +251,12 @@ def completion_hidden(
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False)  # fmt: skip
-    if hasattr(model, "module") and torch.is_grad_enabled():
+    if (hasattr(model, "module") and torch.is_grad_enabled()) or is_fsdp(model):
         # A distributed wrapper (DDP) arms its gradient all-reduce in its own forward: calling the
-        # decoder underneath would leave every process with its own gradient. Go through it, and
-        # take the final hidden states (logits of one position only; the layer inputs it also
-        # returns are kept by gradient checkpointing anyway).
+        # decoder underneath would leave every process with its own gradient; FSDP's root forward
+        # also gathers the parameters no decoder layer owns. Go through it, and take the final
+        # hidden states (logits of one position only; the layer inputs it also returns are kept
+        # by gradient checkpointing anyway).
         out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
         return out.hidden_states[-1][:, prompt_len - 1 : -1]
     out = base.get_decoder()(**kwargs)

@@ -23,12 +23,16 @@ Several GPUs (`gpus` > 1), two ways (`sharding`):
     like any parameter), the other base parameters, the LoRA weights, their grads and the
     optimizer state are divided by `gpus`. Not divided: bitsandbytes' quantisation state (absmax
     and codes hang off each weight and are not parameters, so every GPU keeps all of it), and what
-    FSDP all-gathers: the parameters outside the decoder layers (embeddings, lm_head, final norm:
-    the root unit, which FSDP keeps gathered after its forward) and two decoder layers (the one
-    computing and the one prefetched in backward), counted at every phase. Activations, KV cache
-    and logits are per GPU as under DDP. So FSDP pays off when the decoder layers dominate the
-    weights; for a small model with a large vocabulary it can cost more than DDP, and the
-    estimate shows it. With one GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
+    FSDP all-gathers. In training that is the parameters outside the decoder layers (embeddings,
+    lm_head, final norm, kept gathered after their forward) and two decoder layers (the one
+    computing and the one prefetched in backward). Generation, repairs and evaluation run on a
+    whole gathered copy (distributed.gathered: one all-gather per rollout instead of one per token),
+    so there a GPU holds its shards plus a full replica; with rollout.fsdp_gather=false generation
+    gathers layer by layer as training does, at the cost of an all-gather per layer per token.
+    Activations, KV cache and logits are per GPU as under DDP. So by default FSDP lowers the
+    training peak, not the generation one; for a small
+    model with a large vocabulary it can cost more than DDP, and the estimate shows it. With one
+    GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
 
 Not modelled: mixture-of-experts layers, CPU offload (fsdp_offload_params), DDP/FSDP
 communication buffers beyond the gradient buckets.
@@ -332,6 +336,15 @@ def _fsdp_gathered(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return root + 2 * layer
 
 
+def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
+    """Every parameter gathered whole beside its shard (the 4-bit codes and the LoRA weights);
+    the quantisation state is not a parameter: never sharded, never gathered."""
+    base = weight_bytes(shape, model.quantization, b)
+    if model.quantization == "nf4":
+        base -= shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
+    return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
+
+
 def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]:
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
     last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist)."""
@@ -429,7 +442,14 @@ def phase_bytes(
             shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling
         )
     base = _persistent(shape, cfg, b, shards)
-    return {name: {**base, **parts} for name, parts in phases.items()}
+    out = {name: {**base, **parts} for name, parts in phases.items()}
+    if shards > 1 and cfg.rollout.fsdp_gather:  # generation on a gathered copy of everything
+        whole = _fsdp_whole(shape, cfg.model, b)
+        for name, parts in out.items():
+            if name != "training":
+                del parts["FSDP all-gathered parameters"]
+                parts["FSDP gathered weights (generation)"] = whole
+    return out
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -543,6 +563,10 @@ def estimate(
         notes.append(f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
                      "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
                      "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
+        if cfg.rollout.fsdp_gather:
+            notes.append("FSDP: generation runs on a whole gathered copy of the weights; "
+                         "rollout.fsdp_gather=false gathers layer by layer instead (less memory, "
+                         "an all-gather per layer per token)")  # fmt: skip
     name = model_config.get("_name_or_path", "model config") if isinstance(
         model_config, Mapping) else str(model_config or cfg.model.name)  # fmt: skip
     trainable = lora_parameter_count(shape, cfg.model.lora_r, cfg.model.lora_target_modules)

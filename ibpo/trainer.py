@@ -12,8 +12,9 @@ One step (B prompts, G completions each, N = B * G sequences):
      objective -> backward, the loss divided by a normaliser taken from the whole step (and all
      processes), so neither accumulation nor the number of processes changes the gradient;
   7. clip, optimizer step, scheduler; 8. log (metrics gathered over processes).
-With several processes (Accelerate DDP; FSDP and DeepSpeed are refused for now) each one takes its
-own shard of prompts, generates, grades and normalises its own groups; DDP averages the gradients.
+With several processes (Accelerate DDP or FSDP2; DeepSpeed is refused) each one takes its own
+shard of prompts, generates, grades and normalises its own groups; DDP averages the gradients (FSDP
+reduce-scatters them). Under FSDP generation runs on gathered weights (distributed.gathered).
 Before the first and after the last step the held-out set is evaluated greedily; the adapter is
 saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
 Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM) resume a run exactly
@@ -31,7 +32,7 @@ import random
 import resource
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -39,9 +40,10 @@ import yaml
 
 from ibpo import checkpoint as ckpt
 from ibpo.batching import MicroBatch, micro_batches
-from ibpo.config import Config, ConfigError
+from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits
 from ibpo.diagnostics import cancellation_residual
+from ibpo.distributed import check_launch, check_shared_output, gathered, save_adapter
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import dequantized_base, load_policy, reference_mode, use_dequantized_base
@@ -58,11 +60,13 @@ from ibpo.runlog import finish_run, gather_metrics, log_eval, log_step
 from ibpo.scoring import ScoredBatch, collect_batch
 
 
-def build_optimizer(model, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False):
+    """AdamW; `auto` = bitsandbytes' paged 8-bit AdamW on CUDA, except under FSDP (it does not
+    take sharded parameters) and on CPU."""
     params = [p for p in model.parameters() if p.requires_grad]
     kind = cfg.train.optimizer
     if kind == "auto":
-        kind = "adamw_8bit" if device.type == "cuda" else "adamw"
+        kind = "adamw_8bit" if device.type == "cuda" and not fsdp else "adamw"
     if kind == "adamw_8bit":
         import bitsandbytes as bnb
 
@@ -170,16 +174,26 @@ def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, 
     return stats, cancel, float(grad_norm), updates, skipped, t_frozen
 
 
+@contextmanager
+def generating(model, cfg: Config, device: torch.device):
+    """For generation: under FSDP the gathered weights; on CPU a 4-bit base dequantised once, with
+    the adapter folded in (modeling.dequantized_base)."""
+    fast = use_dequantized_base(cfg.model, device, model)
+    with gathered(model, cfg.rollout.fsdp_gather):
+        with dequantized_base(model, merge_lora=True) if fast else nullcontext():
+            yield
+
+
 def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
     """One full RL step; returns a dict of metrics (gathered over processes)."""
     t0 = time.perf_counter()
     # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
     # normalises the groups it generated
-    fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
-    with dequantized_base(model, merge_lora=True) if fast else nullcontext():
+    with generating(model, cfg, accelerator.device):
         batch = collect_batch(model, tokenizer, stream, cfg, objective,
                               REWARDS[cfg.objective.reward], rng)  # fmt: skip
     t_gen = time.perf_counter()
+    fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
     with dequantized_base(model) if fast else nullcontext():
         stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
             model, optimizer, scheduler, accelerator, batch, cfg, objective
@@ -231,33 +245,6 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def _check_distributed(accelerator) -> None:
-    """The loop is verified under one process and DDP (tests/test_distributed.py). FSDP and
-    DeepSpeed shard the parameters that generation and the fused log-prob head read directly:
-    refuse them with the way forward rather than fail deep inside a step."""
-    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        raise ConfigError(
-            f"the training loop runs on one process or with DDP, not under {kind} yet. Fix: launch "
-            "with recipes/accelerate/ddp_2gpu.yaml (each GPU holds the 4-bit model; check the fit "
-            "with `ibpo plan RECIPE --gpus 2`)."
-        )
-
-
-def _check_shared_output(accelerator, out: Path) -> None:
-    """Checkpoints hold every process's state in one folder: with several machines, output_dir
-    must be a filesystem they all mount (the main process has just written config.yaml there)."""
-    if accelerator.num_processes == 1:
-        return
-    accelerator.wait_for_everyone()
-    missing = torch.tensor([float(not (out / "config.yaml").is_file())], device=accelerator.device)
-    if accelerator.reduce(missing, "sum").item():
-        raise ConfigError(
-            f"train.output_dir={out} is not shared by all processes (a machine does not see the "
-            "main process's files). Fix: put output_dir on a filesystem every machine mounts."
-        )
-
-
 def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
@@ -272,7 +259,8 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
         train_examples, cfg.train.seed, cfg.data.shuffle,
         accelerator.process_index, accelerator.num_processes,
     )  # fmt: skip
-    optimizer = build_optimizer(model, cfg, accelerator.device)
+    fsdp = str(accelerator.distributed_type).endswith("FSDP")
+    optimizer = build_optimizer(model, cfg, accelerator.device, fsdp)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
@@ -319,13 +307,13 @@ def train(cfg: Config) -> dict:
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(log_with=tr.log_with, project_dir=tr.output_dir,
                               step_scheduler_with_optimizer=False)  # fmt: skip
-    _check_distributed(accelerator)
+    check_launch(accelerator, cfg)
     set_seed(tr.seed)
     out, main = Path(tr.output_dir), accelerator.is_main_process
     resume = ckpt.resolve_resume(tr.resume_from, out)
     if main:
         _prepare_output_dir(out, cfg, resume)
-    _check_shared_output(accelerator, out)
+    check_shared_output(accelerator, out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     parts, tokenizer, eval_examples = _build(cfg, accelerator)
     if tr.log_with:
@@ -335,8 +323,7 @@ def train(cfg: Config) -> dict:
     def held_out() -> dict | None:
         if not eval_examples:
             return None
-        fast = use_dequantized_base(cfg.model, accelerator.device, parts.model)
-        with dequantized_base(parts.model, merge_lora=True) if fast else nullcontext():
+        with generating(parts.model, cfg, accelerator.device):
             return evaluate_accuracy(
                 parts.model, tokenizer, eval_examples, cfg.data, reward_fn,
                 cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
@@ -392,9 +379,10 @@ def train(cfg: Config) -> dict:
     adapter = out / "adapter"
     if status == "out_of_memory":  # the live adapter may be mid-update: the checkpoint's is not
         adapter = last / "adapter" if last else None
-    elif main:
-        accelerator.unwrap_model(parts.model).save_pretrained(adapter)
-        tokenizer.save_pretrained(adapter)
+    else:
+        save_adapter(accelerator, parts.model, adapter)
+        if main:
+            tokenizer.save_pretrained(adapter)
     eval_after = held_out() if status == "completed" else None
     accelerator.wait_for_everyone()
     summary = {

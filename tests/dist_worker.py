@@ -2,6 +2,10 @@
 
     python tests/dist_worker.py update MODEL_DIR OUT   # update_policy on fixed rollouts
     python tests/dist_worker.py train MODEL_DIR OUT [k=v ...]   # a whole `train()` run
+    python tests/dist_worker.py resume MODEL_DIR OUT [k=v ...]  # 3 steps vs 2 + resumed 1
+
+With the FSDP_* variables `accelerate launch` derives from an FSDP config in the environment, the
+processes run FSDP2 instead of DDP (see `cpu_fsdp`).
 
 `update` builds the same fixed scored batch on every process (BATCH_GROUPS groups), gives each
 process its own half of the groups (as the prompt stream's shards do) and runs the real
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 GROUP_SIZE, BATCH_GROUPS = 4, 4
+FSDP = os.environ.get("ACCELERATE_USE_FSDP") == "true"  # set by the test from an FSDP config
 OBJECTIVES = ("ibpo", "dapo", "grpo")  # group transform, token_mean, seq_mean
 
 
@@ -58,8 +63,34 @@ def fixed_batch(tok, rows_of_groups: list[int]):
 
 
 def lora_state(model) -> dict[str, torch.Tensor]:
+    """Full LoRA tensors (gathered from FSDP shards: a collective under FSDP)."""
+    from torch.distributed.tensor import DTensor
+
     model = getattr(model, "module", model)
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters() if "lora_" in n}  # fmt: skip
+
+
+def cpu_fsdp() -> None:
+    """Accelerate turns FSDP on only for accelerator devices: on CPU its state falls back to
+    MULTI_CPU (gloo) and ignores the FSDP_* variables. FSDP2 itself (fully_shard, DTensor
+    collectives) runs on CPU over gloo, so switch the state to FSDP after construction, with the
+    plugin built from those variables as on a GPU machine; everything after that (prepare,
+    no_sync, clipping, the loop) is the unmodified GPU code path."""
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    class CpuFsdpAccelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.distributed_type == DistributedType.MULTI_CPU:
+                # both shared states: a later AcceleratorState() copies the partial one over
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                self.state.distributed_type = DistributedType.FSDP
+                self.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+    accelerate.Accelerator = CpuFsdpAccelerator
 
 
 def make_policy(model_dir: str, objective: str, device):
@@ -82,6 +113,7 @@ def make_policy(model_dir: str, objective: str, device):
 
 def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     """Two updates (off-policy on the second) of update_policy on the fixed batch's groups."""
+    from ibpo.distributed import is_fsdp
     from ibpo.objectives import resolve_params
     from ibpo.trainer import build_optimizer, update_policy
 
@@ -89,38 +121,90 @@ def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     opt = build_optimizer(model, cfg, accelerator.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     model, opt, sched = accelerator.prepare(model, opt, sched)
+    assert is_fsdp(model) == FSDP, type(model)  # the wrapping the test asked for
     batch = fixed_batch(tok, groups)
     update_policy(model, opt, sched, accelerator, batch, cfg, resolve_params(cfg.objective))
     return lora_state(model)
 
 
+def check_gathering(model_dir: str, accelerator) -> dict:
+    """Under FSDP: where a decoder weight is sharded around and inside `gathered`, and the greedy
+    tokens generated in both of its modes (the test compares them with one unsharded process)."""
+    from torch.distributed.tensor import DTensor
+
+    from ibpo.distributed import gathered
+    from ibpo.rollout import generate
+    from ibpo.trainer import build_optimizer
+
+    cfg, model, tok = make_policy(model_dir, "ibpo", accelerator.device)
+    model, _ = accelerator.prepare(model, build_optimizer(model, cfg, accelerator.device))
+    weight = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    found = {"before": isinstance(weight, DTensor)}
+    tokens = {}
+    for whole in (True, False):
+        with gathered(model, whole):
+            w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+            found[f"inside whole={whole}"] = isinstance(w, DTensor)
+            tokens[whole] = generate(model, tok, ["what is 2 + 3?", "hello"], 2, 6, 8,
+                                     do_sample=False).input_ids  # fmt: skip
+        w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+        found[f"after whole={whole}"] = isinstance(w, DTensor)
+    return {"sharded": found, "tokens": tokens}
+
+
 def main(argv: list[str]) -> None:
+    if FSDP:
+        cpu_fsdp()
     from accelerate import Accelerator
 
     mode, model_dir, out = argv[0], argv[1], Path(argv[2])
     if mode == "update":
-        acc = Accelerator()
-        half = BATCH_GROUPS // acc.num_processes
-        mine = list(range(acc.process_index * half, (acc.process_index + 1) * half))
         for objective in OBJECTIVES:
+            acc = Accelerator()  # one per model, as in training (FSDP clipping looks models up)
+            half = BATCH_GROUPS // acc.num_processes
+            mine = list(range(acc.process_index * half, (acc.process_index + 1) * half))
             state = run_update(model_dir, objective, mine, acc)
             torch.save(state, out / f"{objective}-rank{acc.process_index}.pt")
+        if str(acc.distributed_type).endswith("FSDP"):
+            acc = Accelerator()
+            torch.save(check_gathering(model_dir, acc), out / f"gather-rank{acc.process_index}.pt")
         return
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "train":
+        torch.save(run_train(model_dir, argv[3:]), out / f"train-rank{rank}.pt")
+        return
+    # mode == "resume": a 3-step run, and a 2-step run resumed from its checkpoint for step 3
+    full = run_train(model_dir, [*argv[3:], "train.steps=3", f"train.output_dir={out / 'full'}"])
+    # under FSDP the resumed run also generates layer by layer: the same tokens either way
+    part = [*argv[3:], f"train.output_dir={out / 'part'}", "rollout.fsdp_gather=false"]
+    run_train(model_dir, [*part, "train.steps=2"])
+    resumed = run_train(model_dir, [*part, "train.steps=3", "train.resume_from=latest"])
+    torch.save({"full": full, "resumed": resumed}, out / f"resume-rank{rank}.pt")
+
+
+def run_train(model_dir: str, overrides: list[str]) -> dict:
+    """A whole `train()`; its summary and the live policy's full LoRA tensors after it."""
     import ibpo.trainer as trainer
     from ibpo.config import load_config
+    from ibpo.distributed import is_fsdp
+    from ibpo.rewards import REWARDS
 
+    # deterministic in the text and about half right on the random tiny model: real advantages
+    REWARDS["parity"] = lambda text, answer: float(sum(map(ord, text)) % 2)
     seen = {}
     step = trainer.rl_step
 
-    def spy(model, *args, **kwargs):  # keep a handle on the live (DDP-wrapped) policy
+    def spy(model, *args, **kwargs):  # keep a handle on the live (wrapped) policy
         seen["model"] = model
+        assert is_fsdp(model) == FSDP, type(model)  # the wrapping the test asked for
         return step(model, *args, **kwargs)
 
     trainer.rl_step = spy
-    summary = trainer.train(load_config(None, [f"model.name={model_dir}", *argv[3:]]))
-    rank = int(os.environ.get("RANK", "0"))
-    state = {"lora": lora_state(seen["model"]), "summary": summary}
-    torch.save(state, out / f"train-rank{rank}.pt")
+    try:
+        summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))
+    finally:
+        trainer.rl_step = step
+    return {"lora": lora_state(seen["model"]), "summary": summary}
 
 
 if __name__ == "__main__":

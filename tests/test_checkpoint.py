@@ -232,6 +232,10 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     (second / "trainer_state.json").write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(ConfigError, match="written by 2 process"):
         ckpt.load_checkpoint(acc, second, parts)
+    assert meta["fsdp"] is False  # FSDP's optimizer state is keyed by name: never mixed
+    (second / "trainer_state.json").write_text(json.dumps({**meta, "fsdp": True}))
+    with pytest.raises(ConfigError, match="written with FSDP"):
+        ckpt.load_checkpoint(acc, second, parts)
     with pytest.raises(ConfigError, match="no checkpoint"):
         ckpt.resolve_resume(str(tmp_path / "nowhere"), tmp_path)
     assert ckpt.resolve_resume("latest", tmp_path / "empty") is None

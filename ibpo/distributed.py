@@ -1,0 +1,208 @@
+"""FSDP2 support: the places where the loop touches parameters outside one training forward.
+
+Accelerate's FSDP2 (`fully_shard`, plugin `fsdp_version: 2`) leaves each process a shard of every
+parameter (a DTensor); a sharded module's forward hooks gather its full parameters for the length
+of that forward and free them after. That covers the update. Four things need more:
+
+* generation calls the model once per new token: `gathered(model)` gathers every shard once (one
+  root forward of one token, with resharding off) and keeps the full weights until the rollout is
+  done. During generation a process holds its shards plus what a DDP replica holds (the planner
+  counts it so); the update runs sharded. rollout.fsdp_gather=false instead lets each layer be
+  gathered for every new token: generation at sharded memory, one all-gather per layer per token;
+* the log-prob path goes through the root forward even without grad (logprobs.completion_hidden):
+  the root's hooks gather the parameters no decoder layer owns;
+* the adapter is saved from full LoRA tensors, gathered on every process (LoRA is small; the
+  4-bit base is never gathered for saving) and loaded back into the shards;
+* optimizer state is saved whole (torch.distributed.checkpoint's full state dict, gathered on the
+  main process) and scattered back into the shards on resume.
+Without FSDP every function here is the single-process/DDP operation. Also here: the start-up
+checks of the launch (which distributed types the loop runs under; a shared output folder).
+
+Not here: wrapping the model (Accelerate's `prepare`, from the plugin in the Accelerate config);
+FSDP1 and DeepSpeed, which the trainer refuses at start-up.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ibpo.config import Config, ConfigError
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether the model is sharded by FSDP2: its parameters are DTensor shards, gathered only
+    inside its modules' forwards, so nothing may read them directly."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _reshards_after_forward(module: nn.Module) -> bool:
+    """The module's current setting (FSDP2 exposes a setter only)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.8: one group per module
+        groups = [getattr(state, "_fsdp_param_group", None)]
+    return any(g is not None and g.post_forward_mesh_info is not None for g in groups)
+
+
+@contextmanager
+def gathered(model: nn.Module, whole: bool = True):
+    """Generation under FSDP. whole=True: full parameters on every process for the block, sharded
+    again after. whole=False: each unit stays sharded and its own forward hooks gather it, at every
+    call (every new token) - the memory of the shards, the time of a gather per layer per token."""
+    if not is_fsdp(model):
+        yield
+        return
+    modules = _fsdp_modules(model)
+    # the root never reshards after its forward (FSDP's default for it, which Accelerate keeps)
+    settings = [(m, m is not model and _reshards_after_forward(m)) for m in modules]
+    if whole:
+        model.set_reshard_after_forward(False)
+    try:
+        # One token through the root: the root is initialised as the root (generation calls the
+        # model under it, whose hooks would otherwise claim that role) and, with whole=True,
+        # every unit gathers its parameters and keeps them.
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
+                  logits_to_keep=1)  # fmt: skip
+        yield
+    finally:
+        if whole:
+            for m, reshard in settings:
+                m.set_reshard_after_forward(reshard, recurse=False)
+            for m in modules:
+                m.reshard()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def save_adapter(accelerator, model: nn.Module, path: Path) -> None:
+    """The PEFT adapter (adapter_config.json + weights) in `path`; every process must call it."""
+    peft_model = accelerator.unwrap_model(model)
+    state = None
+    if is_fsdp(model):  # a collective: every process gathers, the main one writes
+        state = {n: _full(p).detach().cpu() for n, p in peft_model.named_parameters()
+                 if p.requires_grad}  # fmt: skip
+    if accelerator.is_main_process:
+        peft_model.save_pretrained(path, state_dict=state)
+
+
+def load_adapter(peft_model: nn.Module, path: Path) -> None:
+    """The weights of a saved adapter into the model's LoRA parameters (sharded or not)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(Path(path) / "adapter_model.safetensors")
+    if is_fsdp(peft_model):
+        _load_sharded(peft_model, weights, path)
+        return
+    try:
+        result = set_peft_model_state_dict(peft_model, weights)
+    except RuntimeError as e:  # shape mismatch: another lora_r / target modules / base model
+        raise _mismatch(path, str(e).splitlines()[0]) from None
+    if result.unexpected_keys:
+        raise _mismatch(path, f"weights this model lacks: {', '.join(result.unexpected_keys[:3])}")
+
+
+def _mismatch(path, detail: str) -> ConfigError:
+    return ConfigError(f"the adapter in '{path}' does not fit this model ({detail}); resume with "
+                       "the model.* settings the run started with")  # fmt: skip
+
+
+def _load_sharded(peft_model: nn.Module, weights: dict, path) -> None:
+    """PEFT stores LoRA weights without the adapter name ('lora_A.weight' for the parameter
+    'lora_A.default.weight'); match them to the trainable parameters and scatter into shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    tag = f".{peft_model.active_adapter}"
+    trained = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    names = {n.replace(tag, ""): (n, p) for n, p in trained}
+    if set(names) != set(weights):
+        odd = sorted(set(names) ^ set(weights))
+        raise _mismatch(path, f"weights differ: {', '.join(odd[:3])}")
+    for key, (_, p) in names.items():
+        if tuple(weights[key].shape) != tuple(p.shape):
+            raise _mismatch(path, f"{key}: {tuple(weights[key].shape)} vs {tuple(p.shape)}")
+    full = {n: weights[key].to(p.dtype) for key, (n, p) in names.items()}
+    set_model_state_dict(peft_model, full,
+                         options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+
+
+def _plain(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer
+
+
+def optimizer_state(model: nn.Module, optimizer) -> dict:
+    """What to save on the main process; under FSDP a collective (the full state, gathered)."""
+    if not is_fsdp(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, _plain(optimizer), options=options)
+
+
+def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    """The inverse of optimizer_state; every process calls it with the same full state."""
+    if not is_fsdp(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, _plain(optimizer), optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))  # fmt: skip
+
+
+def check_launch(accelerator, cfg: Config) -> None:
+    """The loop is verified under one process, DDP and FSDP2 (tests/test_distributed.py). FSDP1
+    and DeepSpeed wrap parameters in ways generation and checkpointing here do not handle: refuse
+    them with the way forward rather than fail deep inside a step."""
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
+    if kind == "FSDP" and not accelerator.is_fsdp2:
+        raise ConfigError(
+            "the training loop runs under FSDP2 only. Fix: set fsdp_version: 2 in the Accelerate "
+            "config (recipes/accelerate/fsdp_qlora_2gpu.yaml does)."
+        )
+    if kind == "FSDP" and cfg.train.optimizer == "adamw_8bit":
+        raise ConfigError(
+            "bitsandbytes' paged 8-bit AdamW does not take FSDP's sharded parameters. Fix: "
+            "train.optimizer=adamw (or auto)."
+        )
+    if kind in ("DEEPSPEED", "MEGATRON_LM"):
+        raise ConfigError(
+            f"the training loop runs on one process, with DDP or FSDP2, not under {kind}. Fix: "
+            "launch with recipes/accelerate/ddp_2gpu.yaml or fsdp_qlora_2gpu.yaml (check the fit "
+            "with `ibpo plan RECIPE --gpus 2 [--sharding fsdp]`)."
+        )
+
+
+def check_shared_output(accelerator, out: Path) -> None:
+    """Checkpoints hold every process's state in one folder: with several machines, output_dir
+    must be a filesystem they all mount (the main process has just written config.yaml there)."""
+    if accelerator.num_processes == 1:
+        return
+    accelerator.wait_for_everyone()
+    missing = torch.tensor([float(not (out / "config.yaml").is_file())], device=accelerator.device)
+    if accelerator.reduce(missing, "sum").item():
+        raise ConfigError(
+            f"train.output_dir={out} is not shared by all processes (a machine does not see the "
+            "main process's files). Fix: put output_dir on a filesystem every machine mounts."
+        )
