@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ibpo.config import ConfigError, ModelConfig
+from ibpo.distributed import is_fsdp
 from ibpo.embedded import EMBEDDED_NAME, embedded_model_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -230,8 +231,8 @@ def dequantized_bytes(model: nn.Module) -> int:
 
 def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Module) -> bool:
     """model.cpu_dequantize: true/false, or null = on for a 4-bit base on CPU whose dequantised
-    copy stays under AUTO_DEQUANTIZE_MAX_BYTES; never on CUDA."""
-    if cfg.quantization != "nf4" or device.type != "cpu":
+    copy stays under AUTO_DEQUANTIZE_MAX_BYTES; never on CUDA, never on FSDP shards."""
+    if cfg.quantization != "nf4" or device.type != "cpu" or is_fsdp(model):
         return False
     if cfg.cpu_dequantize is not None:
         return cfg.cpu_dequantize

@@ -204,7 +204,11 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))
     finally:
         trainer.rl_step = step
-    return {"lora": lora_state(seen["model"]), "summary": summary}
+    base = getattr(seen["model"], "module", seen["model"]).get_base_model()
+    w = base.model.layers[0].self_attn.q_proj.base_layer.weight  # 4-bit codes under nf4
+    local = w.to_local() if hasattr(w, "to_local") else w
+    shard = {"type": type(local).__name__, "local": local.numel(), "full": w.numel()}
+    return {"lora": lora_state(seen["model"]), "summary": summary, "q_proj_weight": shard}
 
 
 if __name__ == "__main__":
