@@ -39,6 +39,10 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str | list[str] = "all-linear"
     gradient_checkpointing: bool = True
+    # Keep the layer inputs that gradient checkpointing saves in pinned CPU memory during the
+    # update (one copy to the host and one back per layer and micro-batch): frees the planner's
+    # "activations: layer inputs" on the GPU. Needs gradient_checkpointing.
+    offload_activations: bool = False
     # CPU only, 4-bit base: compute each phase with a dequantised copy of the base weights (made
     # on entry, freed after) instead of dequantising on every call; null = on while that copy
     # stays under 4 GiB.
@@ -93,6 +97,10 @@ class RolloutConfig:
     # Under FSDP: gather the whole model once per rollout (a full replica per GPU while generating)
     # or false: each layer is gathered for each new token (generation at sharded memory, slower)
     fsdp_gather: bool = True
+    # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
+    # for prompt + max_new_tokens: fixed shapes, no regrowth copies) | static_compiled (static,
+    # and transformers torch.compiles the decoding step: CUDA only, the first calls compile)
+    kv_cache: str = "dynamic"
 
 
 @dataclass
@@ -309,6 +317,7 @@ _CHOICES = {
     ("data", "answer_format"): ("plain", "gsm8k", "boxed", "code_tests"),
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
+    ("rollout", "kv_cache"): ("dynamic", "static", "static_compiled"),
     ("repair", "reference_selection"): ("correct_first", "correct_only", "random"),
 }
 
@@ -352,6 +361,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.micro_batch_tokens must be >= 0 (0 = no token cap)")
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 = evaluate only before and after)")
+    if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
+        raise ConfigError("model.offload_activations offloads what gradient checkpointing saves: "
+                          "set model.gradient_checkpointing=true")  # fmt: skip
     if cfg.train.eval_every and cfg.data.eval_size == 0:
         raise ConfigError("train.eval_every needs held-out problems: set data.eval_size > 0")
     if cfg.train.push_to_hub and not cfg.train.hub_repo_id:

@@ -128,6 +128,8 @@ def load_policy(cfg: ModelConfig, device: torch.device):
         model.to(device)
     model.requires_grad_(False)
     if cfg.gradient_checkpointing:
+        # non-reentrant: it saves each layer's inputs as saved tensors, which is also what lets
+        # offloaded_activations move them to the host
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     lora = LoraConfig(
@@ -237,6 +239,34 @@ def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Modul
     if cfg.cpu_dequantize is not None:
         return cfg.cpu_dequantize
     return dequantized_bytes(model) <= AUTO_DEQUANTIZE_MAX_BYTES
+
+
+@contextlib.contextmanager
+def offloaded_activations(enabled: bool) -> Iterator[None]:
+    """Within the block (a forward with grad), tensors autograd saves for backward go to pinned
+    CPU memory and come back to their device when backward needs them. Under gradient
+    checkpointing those are essentially each layer's input (torch's non-reentrant checkpoint saves
+    them this way; what a layer saves inside is recomputed, never stored); parameters stay where
+    they are, and so do CPU tensors."""
+    if not enabled:
+        yield
+        return
+
+    def pack(t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.device.type == "cpu":
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return t.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 @contextlib.contextmanager

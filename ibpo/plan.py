@@ -345,20 +345,31 @@ def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
 
 
-def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]:
+def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> dict[str, int]:
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
-    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist)."""
+    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
+    A static cache (rollout.kv_cache) is allocated at full length before the prefill and never
+    regrown."""
     deq = _dequant_bytes(shape, model, b)
     full = kv_cache_bytes(shape, batch, prompt + new, b)
     decode = {"KV cache": full, "KV regrowth (one layer)": full // shape.layers,
               "sampling logits": sampling, "4-bit dequant buffer": deq}  # fmt: skip
+    if static:
+        del decode["KV regrowth (one layer)"]
     prefill = {
-        "KV cache": kv_cache_bytes(shape, batch, prompt, b),
+        "KV cache": full if static else kv_cache_bytes(shape, batch, prompt, b),
         "prefill working set": int(batch * prompt * prefill_per_token(shape, b))
         + sum(mask_bytes(batch, prompt, b)),
         "4-bit dequant buffer": deq,
     }
     return decode if sum(decode.values()) >= sum(prefill.values()) else prefill
+
+
+def _offloaded_bytes(shape: ModelShape, cfg: Config, b: int) -> int:
+    """The layer inputs of one micro-batch, all full length: what offloading moves to the host."""
+    seqs = min(cfg.train.micro_batch_groups, cfg.train.prompts_per_step) * cfg.rollout.group_size
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    return shape.layers * seqs * length * shape.hidden * b
 
 
 def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
@@ -375,6 +386,8 @@ def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
     if mc.gradient_checkpointing:  # keep each layer's input, recompute one layer at a time
         kept = shape.layers * S * shape.hidden * b + shared
         layer = S * saved + float_mask + transient
+        if mc.offload_activations:  # inputs in host memory; one comes back per layer in backward
+            kept, layer = shared, layer + S * shape.hidden * b
     else:
         kept = shape.layers * (S * saved + float_mask) + shared
         layer = transient
@@ -425,12 +438,15 @@ def phase_bytes(
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-    phases = {"generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling)}
+    static = ro.kv_cache != "dynamic"
+    phases = {
+        "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, static)
+    }
     repair = _repair_settings(cfg)
     if repair:
         n, p, t = repair
         sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling)
+        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling, static)
     train = phases["training"] = _training(shape, cfg, b)
     train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
     if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
@@ -439,7 +455,7 @@ def phase_bytes(
         n = min(ro.eval_batch_size, math.ceil(cfg.data.eval_size / gpus))
         sampling = sampling_bytes(n, V, b, 1.0, sample=False)
         phases["evaluation"] = _generation(
-            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling
+            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling, static
         )
     base = _persistent(shape, cfg, b, shards)
     out = {name: {**base, **parts} for name, parts in phases.items()}
@@ -567,6 +583,10 @@ def estimate(
             notes.append("FSDP: generation runs on a whole gathered copy of the weights; "
                          "rollout.fsdp_gather=false gathers layer by layer instead (less memory, "
                          "an all-gather per layer per token)")  # fmt: skip
+    if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
+        host = _offloaded_bytes(shape, cfg, _dtype_bytes(cfg.model)) / GIB
+        notes.append(f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "
+                     "pinned host memory during the update")  # fmt: skip
     name = model_config.get("_name_or_path", "model config") if isinstance(
         model_config, Mapping) else str(model_config or cfg.model.name)  # fmt: skip
     trainable = lora_parameter_count(shape, cfg.model.lora_r, cfg.model.lora_target_modules)

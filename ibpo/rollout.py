@@ -59,6 +59,18 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     )  # fmt: skip
 
 
+def set_kv_cache(model: nn.Module, kind: str) -> None:
+    """rollout.kv_cache for every later generate() call (rollouts, repairs, evaluation), set on
+    the model's generation config. `static` pre-allocates the cache once per call at its final
+    length (no torch.cat regrowth, fixed shapes); `static_compiled` also leaves transformers free
+    to torch.compile the decoding forward, which it does on CUDA only."""
+    inner = getattr(model, "module", model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config = base.generation_config
+    config.cache_implementation = None if kind == "dynamic" else "static"
+    config.disable_compile = kind != "static_compiled"
+
+
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
     ids = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -46,7 +46,13 @@ from ibpo.diagnostics import cancellation_residual
 from ibpo.distributed import check_launch, check_shared_output, gathered, save_adapter
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
-from ibpo.modeling import dequantized_base, load_policy, reference_mode, use_dequantized_base
+from ibpo.modeling import (
+    dequantized_base,
+    load_policy,
+    offloaded_activations,
+    reference_mode,
+    use_dequantized_base,
+)
 from ibpo.objectives import (
     ResolvedObjective,
     aggregate,
@@ -56,6 +62,7 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.rewards import REWARDS
+from ibpo.rollout import set_kv_cache
 from ibpo.runlog import finish_run, gather_metrics, log_eval, log_step
 from ibpo.scoring import ScoredBatch, collect_batch
 
@@ -140,7 +147,8 @@ def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, 
         losses, updates = [], updates + 1
         for k, mb in enumerate(mbs):
             with nullcontext() if k == len(mbs) - 1 else accelerator.no_sync(model):
-                logp, ent = sequence_logprobs(model, mb, chunk, temp)
+                with offloaded_activations(cfg.model.offload_activations):
+                    logp, ent = sequence_logprobs(model, mb, chunk, temp)
                 mask, a = mb.completion_mask, mb.take(batch.adv)
                 old_logp = logp.detach() if old is None else old[k]
                 per_token, coef, info = objective.surrogate(
@@ -249,6 +257,7 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
     model, tokenizer = load_policy(cfg.model, accelerator.device)
+    set_kv_cache(model, cfg.rollout.kv_cache)
     train_examples, n_train = drop_long_prompts(train_examples, tokenizer, cfg.data, "training")
     eval_examples, n_eval = drop_long_prompts(eval_examples, tokenizer, cfg.data, "held-out")
     if n_train or n_eval:

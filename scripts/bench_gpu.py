@@ -13,6 +13,8 @@ its configuration and the next one runs. Repairs are off (they would double the 
 On a GPU machine with torch, transformers, peft and accelerate (bitsandbytes as a wheel in .whl/):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py --out $OUT/bench_gpu.json
+Variants: --set K=V ... applies recipe overrides to every configuration (and to the planner), e.g.
+--set model.offload_activations=true, or rollout.kv_cache=static_compiled.
 CPU smoke test (tiny Qwen3, a few seconds): python scripts/bench_gpu.py --smoke
 """
 
@@ -41,6 +43,7 @@ from ibpo.logprobs import unwrap  # noqa: E402
 from ibpo.modeling import load_policy  # noqa: E402
 from ibpo.objectives import resolve_params  # noqa: E402
 from ibpo.rewards import REWARDS  # noqa: E402
+from ibpo.rollout import set_kv_cache  # noqa: E402
 
 # The published Qwen3 architectures by size (ibpo.plan's table), and a tiny one for --smoke.
 ARCHS = {name.split("-")[-1].lower(): arch for name, arch in plan.KNOWN_ARCHITECTURES.items()}
@@ -131,7 +134,8 @@ def _track_rollout(device: torch.device, record: dict):
 
 def bench_config(arch_name, new_tokens, args, root, device) -> dict:
     arch = ARCHS[arch_name]
-    row = {"model": f"qwen3-{arch_name}", "new_tokens": new_tokens, "group_size": args.group_size}
+    row = {"model": f"qwen3-{arch_name}", "new_tokens": new_tokens, "group_size": args.group_size,
+           "overrides": args.set}  # fmt: skip
     t0 = time.perf_counter()
     path = build_model_dir(arch, root, device)
     row["build_s"] = round(time.perf_counter() - t0, 1)
@@ -142,7 +146,7 @@ def bench_config(arch_name, new_tokens, args, root, device) -> dict:
         f"model.lora_alpha={2 * args.lora_r}", f"rollout.group_size={args.group_size}",
         f"rollout.max_new_tokens={new_tokens}", f"rollout.generation_batch_size={args.group_size}",
         "train.prompts_per_step=1", "train.micro_batch_groups=1", "data.eval_size=0",
-        "objective.reward=bench_alternating", "repair.enabled=false",
+        "objective.reward=bench_alternating", "repair.enabled=false", *args.set,
     ]  # fmt: skip
     cfg = load_config(None, overrides)
     cfg.data.max_prompt_tokens = len(tok(render_prompt(tok, question, cfg.data))["input_ids"])
@@ -172,6 +176,7 @@ def _run_steps(cfg, question, args, device, record) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model, tok = load_policy(cfg.model, device)
+    set_kv_cache(model, cfg.rollout.kv_cache)
     unwrap(model).generation_config.min_new_tokens = cfg.rollout.max_new_tokens  # full length
     optimizer = trainer.build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -219,6 +224,9 @@ def main() -> None:
     ap.add_argument("--model-root", default=None, help="where random checkpoints are written")
     ap.add_argument("--out", default=None, help="also write the results JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny Qwen3 on CPU, a few seconds")
+    ap.add_argument("--set", nargs="*", default=[], metavar="K=V",
+                    help="recipe overrides for every configuration, e.g. "
+                         "model.offload_activations=true rollout.kv_cache=static")  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         args.configs, args.group_size, args.prompt_chars = "tiny:8", 4, 24

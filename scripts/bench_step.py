@@ -85,6 +85,7 @@ def build(cfg, cpu: bool = False) -> Run:
     from ibpo.data import PromptStream, load_splits
     from ibpo.modeling import load_policy
     from ibpo.objectives import resolve_params
+    from ibpo.rollout import set_kv_cache
     from ibpo.trainer import build_optimizer, lr_lambda
 
     accelerator = Accelerator(cpu=cpu)
@@ -93,6 +94,7 @@ def build(cfg, cpu: bool = False) -> Run:
     stream = PromptStream(train_examples, cfg.train.seed, cfg.data.shuffle,
                           accelerator.process_index, accelerator.num_processes)  # fmt: skip
     model, tokenizer = load_policy(cfg.model, accelerator.device)
+    set_kv_cache(model, cfg.rollout.kv_cache)
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -289,7 +289,8 @@ def test_cli_plan_bad_model_config(tmp_path, capsys):
 
 def test_bench_gpu_smoke_runs_on_cpu():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/bench_gpu.py"), "--smoke"],
+        [sys.executable, str(ROOT / "scripts/bench_gpu.py"), "--smoke", "--set",
+         "model.offload_activations=true", "rollout.kv_cache=static"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -297,6 +298,7 @@ def test_bench_gpu_smoke_runs_on_cpu():
     (row,) = result["results"]
     assert row["status"] == "ok" and row["completion_length"] == row["new_tokens"]
     assert row["plan_allocated_gb"] > 0 and math.isfinite(row["step_time_s"])
+    assert row["overrides"] == ["model.offload_activations=true", "rollout.kv_cache=static"]
 
 
 # --- the table of known architectures -----------------------------------------------------------
@@ -411,3 +413,36 @@ def test_cli_plan_fsdp(capsys):
         main(["plan", "--sharding", "zero3"])
     with pytest.raises(ConfigError, match="sharding"):
         plan.estimate(QWEN3_8B, _cfg(), 2, 24.0, "zero3")
+
+
+def test_static_kv_cache_has_no_regrowth_and_is_full_length_from_the_prefill():
+    def phases(*overrides):
+        return plan.estimate("Qwen/Qwen3-8B", _cfg(*overrides), 1, 24.0).phases
+
+    # short completions: the prefill dominates, and a static cache is already full length there
+    dyn, sta = phases(), phases("rollout.kv_cache=static")
+    for phase in ("generation", "repair", "evaluation"):
+        assert "prefill working set" in dyn[phase] and "prefill working set" in sta[phase]
+        assert sta[phase]["KV cache"] > dyn[phase]["KV cache"]
+    assert sta["training"] == dyn["training"]
+    # long completions: the last decoding step dominates the dynamic cache; the static one has the
+    # same full-length cache and no regrowth copy (but holds it from the prefill on)
+    long = ["rollout.max_new_tokens=4096", "rollout.generation_batch_size=16"]
+    dyn, sta = phases(*long), phases(*long, "rollout.kv_cache=static")
+    assert "KV regrowth (one layer)" in dyn["generation"]
+    assert "KV regrowth (one layer)" not in sta["generation"]
+    assert sta["generation"]["KV cache"] == dyn["generation"]["KV cache"]
+
+
+def test_offloaded_activations_leave_one_layer_input_on_the_gpu():
+    base = plan.estimate("Qwen/Qwen3-8B", _cfg(), 1, 24.0)
+    off = plan.estimate("Qwen/Qwen3-8B", _cfg("model.offload_activations=true"), 1, 24.0)
+    a, b = base.phases["training"], off.phases["training"]
+    shape = plan.KNOWN_ARCHITECTURES["Qwen/Qwen3-8B"]
+    inputs_gib = a["activations: layer inputs"] - b["activations: layer inputs"]
+    one_gib = inputs_gib / shape["num_hidden_layers"]  # one layer's input comes back in backward
+    assert b["activations: layer inputs"] < 0.05 * a["activations: layer inputs"]
+    drop = sum(a.values()) - sum(b.values())
+    assert abs(drop - (inputs_gib - one_gib)) < 1e-6
+    assert any("pinned host memory" in n for n in off.notes)
+    assert off.phases["generation"] == base.phases["generation"]

@@ -2,7 +2,7 @@ import torch
 
 from ibpo.config import ModelConfig
 from ibpo.modeling import load_policy
-from ibpo.rollout import completion_mask_from, generate
+from ibpo.rollout import completion_mask_from, generate, set_kv_cache
 
 
 def test_completion_mask_up_to_first_eos():
@@ -27,3 +27,24 @@ def test_generate_groups_left_padding_and_restores_mode(tiny_model_dir):
     lengths = ro.completion_mask.sum(-1).long().tolist()
     for text, row, n in zip(ro.texts, ro.input_ids[:, ro.prompt_len :], lengths):
         assert text == tok.decode(row[:n], skip_special_tokens=True)
+
+
+def test_static_kv_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
+    """rollout.kv_cache=static: the same greedy tokens and, with the same seed, the same samples
+    (left padding, a batch split in slices, early stop at EOS); set once on the model."""
+    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
+                             torch.device("cpu"))  # fmt: skip
+    prompts = ["a", "What is 12+30?", "hello there"]
+    found = {}
+    for kind in ("dynamic", "static", "static_compiled"):  # compiled: CUDA only, static on CPU
+        set_kv_cache(model, kind)
+        assert model.generation_config.cache_implementation == (None if kind == "dynamic"
+                                                                else "static")  # fmt: skip
+        greedy = generate(model, tok, prompts, 1, 12, batch_size=2, do_sample=False)
+        torch.manual_seed(3)
+        sampled = generate(model, tok, prompts, 4, 12, batch_size=8)
+        found[kind] = (greedy.input_ids, sampled.input_ids, sampled.completion_mask)
+    for kind in ("static", "static_compiled"):
+        for a, b in zip(found["dynamic"], found[kind]):
+            assert torch.equal(a, b), kind
+    assert found["dynamic"][2].sum() < found["dynamic"][2].numel()  # some stopped at EOS

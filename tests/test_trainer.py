@@ -1,7 +1,9 @@
 import json
+import os
 import random
 import sqlite3
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,36 +130,35 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp_path, monkeypatch):
+def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp_path):
     """tensorboard, wandb (offline mode) and trackio (its local database) in one run; the test
-    extra installs their packages."""
-    monkeypatch.setenv("WANDB_MODE", "offline")  # files under WANDB_DIR, no account, no network
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is imported
+    extra installs their packages. A fresh process: trackio reads TRACKIO_DIR when first
+    imported, and other tests (TRL's) import it."""
     for name in ("tensorboardX", "wandb", "trackio"):
         pytest.importorskip(name)
-    import trackio.utils
-
-    assert Path(trackio.utils.TRACKIO_DIR) == tmp_path / "trackio"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"),
+           "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
     (tmp_path / "wandb").mkdir()
     out = tmp_path / "run"
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
-                             "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4",
-                             "data.eval_size=4", f"train.output_dir={out}", "train.progress=false",
-                             "train.log_with=[tensorboard,wandb,trackio]", "train.eval_every=1",
-                             "train.plots=false"])  # fmt: skip
-    assert train(cfg)["status"] == "completed"
+    args = [f"model.name={tiny_model_dir}", "model.quantization=none", "train.steps=2",
+            "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+            "rollout.eval_max_new_tokens=4", "data.eval_size=4", f"train.output_dir={out}",
+            "train.progress=false", "train.log_with=[tensorboard,wandb,trackio]",
+            "train.eval_every=1", "train.plots=false"]  # fmt: skip
+    code = f"from ibpo.cli import main; raise SystemExit(main(['train', *{args!r}]))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
     tags = (b"reward", b"residual", b"entropy", b"eval_accuracy")
     events = b"".join(p.read_bytes() for p in out.rglob("events.out.tfevents*"))
     wandb_run = b"".join(p.read_bytes() for p in (tmp_path / "wandb").rglob("run-*.wandb"))
     for tag in tags:  # scalars are stored under their metric names
         assert tag in events and tag in wandb_run, tag
     with sqlite3.connect(tmp_path / "trackio" / "ibpo.db") as db:
-        logged = [
-            (step, json.loads(m)) for step, m in db.execute("select step, metrics from metrics")
-        ]
+        rows = db.execute("select step, metrics from metrics").fetchall()
+    logged = [(step, json.loads(m)) for step, m in rows]
     assert sorted({step for step, _ in logged}) == [1, 2]
     keys = set().union(*(m.keys() for _, m in logged))
     assert {t.decode() for t in tags} <= keys
