@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from ibpo import plan, trainer  # noqa: E402
+from ibpo import plan, sizes, trainer  # noqa: E402
 from ibpo.config import load_config  # noqa: E402
 from ibpo.data import Example, PromptStream, render_prompt  # noqa: E402
 from ibpo.logprobs import unwrap  # noqa: E402
@@ -46,7 +46,7 @@ from ibpo.rewards import REWARDS  # noqa: E402
 from ibpo.rollout import set_kv_cache  # noqa: E402
 
 # The published Qwen3 architectures by size (ibpo.plan's table), and a tiny one for --smoke.
-ARCHS = {name.split("-")[-1].lower(): arch for name, arch in plan.KNOWN_ARCHITECTURES.items()}
+ARCHS = {name.split("-")[-1].lower(): arch for name, arch in sizes.KNOWN_ARCHITECTURES.items()}
 ARCHS["tiny"] = ARCHS["8b"] | dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, intermediate_size=128, vocab_size=256, tie_word_embeddings=False,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ibpo import plan
+from ibpo import plan, sizes
 from ibpo.cli import main
 from ibpo.config import ConfigError, load_config
 from ibpo.memtrack import LiveTensorBytes
@@ -40,7 +40,7 @@ def _cfg(*overrides):
 
 
 def _shape(d):
-    return plan.ModelShape.from_dict(d)
+    return sizes.ModelShape.from_dict(d)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_lora_count_is_exactly_peft(targets):
     shape = _shape(model.config.to_dict())
     peft = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
-    assert plan.lora_parameter_count(shape, 8, targets) == trainable > 0
+    assert sizes.lora_parameter_count(shape, 8, targets) == trainable > 0
 
 
 def test_nf4_weight_bytes_are_exactly_bitsandbytes(tiny_model_dir):
@@ -78,14 +78,14 @@ def test_nf4_weight_bytes_are_exactly_bitsandbytes(tiny_model_dir):
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             qs = module.weight.quant_state
-            assert qs.blocksize == plan.NF4_BLOCK and qs.nested
-            assert qs.state2.blocksize == plan.NF4_NESTED_BLOCK
+            assert qs.blocksize == sizes.NF4_BLOCK and qs.nested
+            assert qs.state2.blocksize == sizes.NF4_NESTED_BLOCK
             state = [qs.absmax, qs.code, qs.state2.absmax, qs.state2.code, qs.offset]
             total += sum(t.numel() * t.element_size() for t in [module.weight, *state])
     total += sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                  if "lora_" not in n and not isinstance(p, bnb.nn.Params4bit))  # fmt: skip
-    shape = plan.load_model_shape(tiny_model_dir, cfg.model)
-    assert plan.weight_bytes(shape, "nf4", 2) == total
+    shape = sizes.load_model_shape(tiny_model_dir, cfg.model)
+    assert sizes.weight_bytes(shape, "nf4", 2) == total
     lora = [p for p in model.parameters() if p.requires_grad]
     assert {p.dtype for p in lora} == {torch.float32}  # PEFT upcasts adapters: F32 is right
 
@@ -103,7 +103,7 @@ def test_kv_cache_is_exactly_the_transformers_cache():
     cache = out.past_key_values
     measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     shape = _shape(model.config.to_dict())
-    assert plan.kv_cache_bytes(shape, N, P + T - 1, 4) == measured  # the last token is not fed
+    assert sizes.kv_cache_bytes(shape, N, P + T - 1, 4) == measured  # the last token is not fed
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def policy(tmp_path_factory):
         model, path = built[(hidden, inter, vocab)]
         base = [f"model.name={path}", "model.dtype=bfloat16", "data.eval_size=0"]
         cfg = load_config(None, [*base, "train.prompts_per_step=1", *overrides])
-        return model, cfg, plan.load_model_shape(str(path), cfg.model)
+        return model, cfg, sizes.load_model_shape(str(path), cfg.model)
 
     return get
 
@@ -311,7 +311,7 @@ PUBLISHED = {"Qwen/Qwen3-0.6B": (0.6, 0.44), "Qwen/Qwen3-1.7B": (1.7, 1.4),
 
 
 def test_known_architectures_match_published_configs_and_totals():
-    table = plan.KNOWN_ARCHITECTURES
+    table = sizes.KNOWN_ARCHITECTURES
     assert set(table) == set(PUBLISHED)
     # the independent transcriptions above (and in scripts/bench_gpu.py before it imported this)
     assert table["Qwen/Qwen3-8B"] == QWEN3_8B
@@ -356,7 +356,7 @@ def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
     one = plan.phase_bytes(shape, cfg, 1)
     ddp = plan.phase_bytes(shape, cfg, gpus, "ddp")
     fsdp = plan.phase_bytes(shape, cfg, gpus, "fsdp")
-    state = 36 * sum(plan.nf4_state_bytes(a * b) for a, b in shape.linears().values())
+    state = 36 * sum(sizes.nf4_state_bytes(a * b) for a, b in shape.linears().values())
     for phase in fsdp:
         f, d = fsdp[phase], ddp[phase]
         assert f["LoRA weights (fp32)"] == math.ceil(d["LoRA weights (fp32)"] / gpus)
@@ -438,7 +438,7 @@ def test_offloaded_activations_leave_one_layer_input_on_the_gpu():
     base = plan.estimate("Qwen/Qwen3-8B", _cfg(), 1, 24.0)
     off = plan.estimate("Qwen/Qwen3-8B", _cfg("model.offload_activations=true"), 1, 24.0)
     a, b = base.phases["training"], off.phases["training"]
-    shape = plan.KNOWN_ARCHITECTURES["Qwen/Qwen3-8B"]
+    shape = sizes.KNOWN_ARCHITECTURES["Qwen/Qwen3-8B"]
     inputs_gib = a["activations: layer inputs"] - b["activations: layer inputs"]
     one_gib = inputs_gib / shape["num_hidden_layers"]  # one layer's input comes back in backward
     assert b["activations: layer inputs"] < 0.05 * a["activations: layer inputs"]
