@@ -94,12 +94,8 @@ class RolloutConfig:
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
-    # Under FSDP: gather the whole model once per rollout (a full replica per GPU while generating)
-    # or false: each layer is gathered for each new token (generation at sharded memory, slower)
-    fsdp_gather: bool = True
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
-    # for prompt + max_new_tokens: fixed shapes, no regrowth copies) | static_compiled (static,
-    # and transformers torch.compiles the decoding step: CUDA only, the first calls compile)
+    # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
     kv_cache: str = "dynamic"
 
 
@@ -317,7 +313,7 @@ _CHOICES = {
     ("data", "answer_format"): ("plain", "gsm8k", "boxed", "code_tests"),
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
-    ("rollout", "kv_cache"): ("dynamic", "static", "static_compiled"),
+    ("rollout", "kv_cache"): ("dynamic", "static"),
     ("repair", "reference_selection"): ("correct_first", "correct_only", "random"),
 }
 

@@ -7,8 +7,9 @@ of that forward and free them after. That covers the update. Four things need mo
 * generation calls the model once per new token: `gathered(model)` gathers every shard once (one
   root forward of one token, with resharding off) and keeps the full weights until the rollout is
   done. During generation a process holds its shards plus what a DDP replica holds (the planner
-  counts it so); the update runs sharded. rollout.fsdp_gather=false instead lets each layer be
-  gathered for every new token: generation at sharded memory, one all-gather per layer per token;
+  counts it so); the update runs sharded. Gathering layer by layer per token instead would need
+  every process to run the same number of forwards (they stop at their own EOS, repair different
+  numbers of attempts): not offered;
 * the log-prob path goes through the root forward even without grad (logprobs.completion_hidden):
   the root's hooks gather the parameters no decoder layer owns;
 * the adapter is saved from full LoRA tensors, gathered on every process (LoRA is small; the
@@ -59,21 +60,20 @@ def _reshards_after_forward(module: nn.Module) -> bool:
 
 
 @contextmanager
-def gathered(model: nn.Module, whole: bool = True):
-    """Generation under FSDP. whole=True: full parameters on every process for the block, sharded
-    again after. whole=False: each unit stays sharded and its own forward hooks gather it, at every
-    call (every new token) - the memory of the shards, the time of a gather per layer per token."""
+def gathered(model: nn.Module):
+    """Generation under FSDP: full parameters on every process for the block, sharded again
+    after. No collective runs inside it, so processes may generate different numbers of tokens
+    and calls (early EOS, repairs, uneven evaluation shards) without waiting for each other."""
     if not is_fsdp(model):
         yield
         return
     modules = _fsdp_modules(model)
     # the root never reshards after its forward (FSDP's default for it, which Accelerate keeps)
     settings = [(m, m is not model and _reshards_after_forward(m)) for m in modules]
-    if whole:
-        model.set_reshard_after_forward(False)
+    model.set_reshard_after_forward(False)
     try:
-        # One token through the root: the root is initialised as the root (generation calls the
-        # model under it, whose hooks would otherwise claim that role) and, with whole=True,
+        # One token through the root, on every process: the root is initialised as the root
+        # (generation calls the model under it, whose hooks would otherwise claim that role) and
         # every unit gathers its parameters and keeps them.
         device = next(model.parameters()).device
         with torch.no_grad():
@@ -81,11 +81,18 @@ def gathered(model: nn.Module, whole: bool = True):
                   logits_to_keep=1)  # fmt: skip
         yield
     finally:
-        if whole:
-            for m, reshard in settings:
-                m.set_reshard_after_forward(reshard, recurse=False)
-            for m in modules:
-                m.reshard()
+        for m, reshard in settings:
+            m.set_reshard_after_forward(reshard, recurse=False)
+        for m in modules:
+            m.reshard()
+
+
+def agreed_count(accelerator, n: int) -> int:
+    """The largest `n` over the processes (every process calls it)."""
+    if accelerator.num_processes == 1:
+        return n
+    found = torch.tensor([n], device=accelerator.device)
+    return int(accelerator.reduce(found, "max").item())
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -254,12 +254,19 @@ def completion_hidden(
     if (hasattr(model, "module") and torch.is_grad_enabled()) or is_fsdp(model):
         # A distributed wrapper (DDP) arms its gradient all-reduce in its own forward: calling the
         # decoder underneath would leave every process with its own gradient; FSDP's root forward
-        # also gathers the parameters no decoder layer owns. Go through it, and take the final
-        # hidden states (logits of one position only; the layer inputs it also returns are kept
-        # by gradient checkpointing anyway).
-        out = model(**kwargs, output_hidden_states=True, logits_to_keep=1)
-        return out.hidden_states[-1][:, prompt_len - 1 : -1]
-    out = base.get_decoder()(**kwargs)
+        # also gathers the parameters no decoder layer owns. Go through it (logits of one position
+        # only) and take the decoder's output from a hook: asking for output_hidden_states would
+        # keep every layer's output alive to the end of the forward, which gradient checkpointing
+        # and activation offloading exist to avoid.
+        found = []
+        hook = base.get_decoder().register_forward_hook(lambda m, args, out: found.append(out))
+        try:
+            model(**kwargs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        out = found[-1]
+    else:
+        out = base.get_decoder()(**kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[:, prompt_len - 1 : -1]
 

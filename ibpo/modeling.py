@@ -242,20 +242,21 @@ def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Modul
 
 
 @contextlib.contextmanager
-def offloaded_activations(enabled: bool) -> Iterator[None]:
+def offloaded_activations(enabled: bool, cpu_copies: bool = False) -> Iterator[None]:
     """Within the block (a forward with grad), tensors autograd saves for backward go to pinned
     CPU memory and come back to their device when backward needs them. Under gradient
     checkpointing those are essentially each layer's input (torch's non-reentrant checkpoint saves
     them this way; what a layer saves inside is recomputed, never stored); parameters stay where
-    they are, and so do CPU tensors."""
+    they are, and so do CPU tensors unless `cpu_copies` (which the tests use to run the copies on
+    a CPU machine)."""
     if not enabled:
         yield
         return
 
     def pack(t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.device.type == "cpu":
+        if isinstance(t, nn.Parameter) or (t.device.type == "cpu" and not cpu_copies):
             return t
-        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=t.device.type == "cuda")
         host.copy_(t, non_blocking=True)
         return t.device, host
 

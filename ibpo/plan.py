@@ -22,17 +22,16 @@ Several GPUs (`gpus` > 1), two ways (`sharding`):
     weights (stored in the compute dtype, see modeling._quantization_config, so FSDP shards them
     like any parameter), the other base parameters, the LoRA weights, their grads and the
     optimizer state are divided by `gpus`. Not divided: bitsandbytes' quantisation state (absmax
-    and codes hang off each weight and are not parameters, so every GPU keeps all of it), and what
-    FSDP all-gathers. In training that is the parameters outside the decoder layers (embeddings,
-    lm_head, final norm, kept gathered after their forward) and two decoder layers (the one
-    computing and the one prefetched in backward). Generation, repairs and evaluation run on a
-    whole gathered copy (distributed.gathered: one all-gather per rollout instead of one per token),
-    so there a GPU holds its shards plus a full replica; with rollout.fsdp_gather=false generation
-    gathers layer by layer as training does, at the cost of an all-gather per layer per token.
-    Activations, KV cache and logits are per GPU as under DDP. So by default FSDP lowers the
-    training peak, not the generation one; for a small model with a large vocabulary it can cost
-    more than DDP, and the estimate shows it. With one GPU FSDP does not shard (it falls back to
-    NO_SHARD): equals ddp.
+    and codes hang off each weight and are not parameters, so every GPU keeps all of it), and
+    what FSDP all-gathers. In training that is the parameters outside the decoder layers
+    (embeddings, lm_head, final norm, kept gathered after their forward) and two decoder layers
+    (the one computing and the one prefetched in backward). Generation, repairs and evaluation
+    run on a whole gathered copy (distributed.gathered: one all-gather per rollout instead of
+    one per token), so there a GPU holds its shards plus a full replica (and ranks need not
+    generate in lock-step: no collective runs while generating). Activations, KV cache and
+    logits are per GPU as under DDP. So FSDP lowers the training peak, not the
+    generation one; for a small model with a large vocabulary it can cost more than DDP, and the
+    estimate shows it. With one GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
 
 Options the estimate follows: rollout.kv_cache=static (the cache at full length from the prefill,
 no regrowth), model.offload_activations (layer inputs in host memory during the update).
@@ -103,7 +102,8 @@ def _persistent(shape: ModelShape, cfg: Config, b: int, shards: int = 1) -> dict
     divided over `shards` GPUs (FSDP) except the 4-bit quantisation state."""
     mc = cfg.model
     n = lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules)
-    fp32 = cfg.train.optimizer == "adamw"  # auto = paged 8-bit AdamW on CUDA
+    # auto = paged 8-bit AdamW on CUDA, torch AdamW under FSDP (trainer.build_optimizer)
+    fp32 = cfg.train.optimizer == "adamw" or (cfg.train.optimizer == "auto" and shards > 1)
     base = weight_bytes(shape, mc.quantization, b)
     state = shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
     state = state if mc.quantization == "nf4" else 0
@@ -254,7 +254,7 @@ def phase_bytes(
         )
     base = _persistent(shape, cfg, b, shards)
     out = {name: {**base, **parts} for name, parts in phases.items()}
-    if shards > 1 and cfg.rollout.fsdp_gather:  # generation on a gathered copy of everything
+    if shards > 1:  # generation on a gathered copy of everything (distributed.gathered)
         whole = _fsdp_whole(shape, cfg.model, b)
         for name, parts in out.items():
             if name != "training":
@@ -374,10 +374,7 @@ def estimate(
         notes.append(f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
                      "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
                      "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
-        if cfg.rollout.fsdp_gather:
-            notes.append("FSDP: generation runs on a whole gathered copy of the weights; "
-                         "rollout.fsdp_gather=false gathers layer by layer instead (less memory, "
-                         "an all-gather per layer per token)")  # fmt: skip
+        notes.append("FSDP: generation runs on a whole gathered copy of the weights")
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         host = _offloaded_bytes(shape, cfg, _dtype_bytes(cfg.model)) / GIB
         notes.append(f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "

@@ -59,16 +59,20 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     )  # fmt: skip
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def set_kv_cache(model: nn.Module, kind: str) -> None:
     """rollout.kv_cache for every later generate() call (rollouts, repairs, evaluation), set on
     the model's generation config. `static` pre-allocates the cache once per call at its final
-    length (no torch.cat regrowth, fixed shapes); `static_compiled` also leaves transformers free
-    to torch.compile the decoding forward, which it does on CUDA only."""
-    inner = getattr(model, "module", model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    config = base.generation_config
+    length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
+    transformers does not compile bitsandbytes 4-bit models, and an uncompiled static cache is
+    what this is about."""
+    config = _hf_model(model).generation_config
     config.cache_implementation = None if kind == "dynamic" else "static"
-    config.disable_compile = kind != "static_compiled"
+    config.disable_compile = True
 
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
@@ -111,6 +115,10 @@ def generate(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
         use_cache=True,
+        # transformers would keep processes decoding in lock-step under FSDP (an all-reduce per
+        # token); the trainer generates on gathered weights (distributed.gathered), so each
+        # process stops when its own sequences are done and may make its own number of calls
+        synced_gpus=False,
         **(
             sampling
             if do_sample
@@ -124,6 +132,9 @@ def generate(
     pieces = []
     try:
         for s in range(0, prompt_ids.shape[0], batch_size):
+            # transformers sizes a static cache to the longest generate() call so far (to spare
+            # recompilation); each call here gets its own length (a repair prompt is ~3x longer)
+            vars(_hf_model(model)).pop("_previous_max_cache_length", None)
             out = gen_model.generate(
                 input_ids=prompt_ids[s : s + batch_size],
                 attention_mask=prompt_mask[s : s + batch_size],

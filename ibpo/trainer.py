@@ -43,7 +43,14 @@ from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits
 from ibpo.diagnostics import cancellation_residual
-from ibpo.distributed import check_launch, check_shared_output, gathered, save_adapter
+from ibpo.distributed import (
+    agreed_count,
+    check_launch,
+    check_shared_output,
+    gathered,
+    is_fsdp,
+    save_adapter,
+)
 from ibpo.evaluation import evaluate_accuracy
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import (
@@ -98,11 +105,15 @@ def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference: bool):
-    """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off)."""
+def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference: bool, count: int):
+    """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off). Runs
+    `count` forwards (>= len(mbs)), repeating the last micro-batch: see `update_policy`."""
     ctx = reference_mode(model) if reference else nullcontext()
     with ctx:
-        return [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
+        out = [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
+        for _ in range(count - len(mbs)):
+            sequence_logprobs(model, mbs[-1], chunk, temperature)
+    return out
 
 
 def update_is_finite(accelerator, losses: list[float], grad_norm) -> bool:
@@ -122,6 +133,27 @@ def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tok
     return z
 
 
+def micro_batch_loss(model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, cfg, objective):
+    """Log-probs with grad, the objective and the loss of one micro-batch (backward is the
+    caller's); also its stats and the coefficients the cancellation diagnostic needs."""
+    tr, G = cfg.train, cfg.rollout.group_size
+    with offloaded_activations(cfg.model.offload_activations):
+        logp, ent = sequence_logprobs(model, mb, tr.logprob_chunk_tokens, cfg.rollout.temperature)
+    mask, a = mb.completion_mask, mb.take(batch.adv)
+    old_logp = logp.detach() if old is None else old
+    per_token, coef, info = objective.surrogate(
+        logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
+    )
+    if ref is not None:
+        kl = k3_kl(logp, ref)
+        info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).item()
+        if objective.kl_coef > 0:
+            per_token = per_token + objective.kl_coef * kl
+    loss = aggregate(per_token, mask, objective.aggregation, norm)
+    info["entropy"] = ((ent * mask).sum() / mask.sum().clamp_min(1)).item()
+    return loss, info, coef * token_weights(mask, objective.aggregation), a
+
+
 def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, cfg, objective):
     """Steps 5-8 on a scored batch: frozen log-probs, micro-batched backward, optimizer steps.
 
@@ -130,13 +162,17 @@ def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, 
     t0 = time.perf_counter()
     ro, tr, G = cfg.rollout, cfg.train, cfg.rollout.group_size
     mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups, tr.micro_batch_tokens)
+    # Every process runs as many forwards and backwards: DDP syncs buffers in each forward and
+    # FSDP gathers weights in each. One with fewer micro-batches (dynamic sampling, token caps)
+    # repeats its last one, with zero weight.
+    n = agreed_count(accelerator, len(mbs))
     chunk, temp = tr.logprob_chunk_tokens, ro.temperature
     old = None  # 5. frozen log-probs, only when they matter
     if tr.updates_per_rollout > 1:
-        old = frozen_logprobs(model, mbs, chunk, temp, reference=False)
+        old = frozen_logprobs(model, mbs, chunk, temp, reference=False, count=n)
     ref = None
     if objective.kl_coef > 0 or tr.log_reference_kl:
-        ref = frozen_logprobs(model, mbs, chunk, temp, reference=True)
+        ref = frozen_logprobs(model, mbs, chunk, temp, reference=True, count=n)
     t_frozen = time.perf_counter() - t0
     norm = global_normaliser(accelerator, objective, mbs, ro.max_new_tokens)
     stats: dict[str, list[float]] = {}
@@ -145,28 +181,20 @@ def update_policy(model, optimizer, scheduler, accelerator, batch: ScoredBatch, 
     skipped, updates, grad_norm = False, 0, 0.0
     for _ in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
         losses, updates = [], updates + 1
-        for k, mb in enumerate(mbs):
-            with nullcontext() if k == len(mbs) - 1 else accelerator.no_sync(model):
-                with offloaded_activations(cfg.model.offload_activations):
-                    logp, ent = sequence_logprobs(model, mb, chunk, temp)
-                mask, a = mb.completion_mask, mb.take(batch.adv)
-                old_logp = logp.detach() if old is None else old[k]
-                per_token, coef, info = objective.surrogate(
-                    logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
-                )
-                if ref is not None:
-                    kl = k3_kl(logp, ref[k])
-                    info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).item()
-                    if objective.kl_coef > 0:
-                        per_token = per_token + objective.kl_coef * kl
-                loss = aggregate(per_token, mask, objective.aggregation, norm)
-                accelerator.backward(loss)
-            c = coef * token_weights(mask, objective.aggregation)
-            for key, v in cancellation_residual(c, a, mb.completion_ids, mask, G).items():
+        for k in range(n):
+            i = min(k, len(mbs) - 1)
+            mb = mbs[i]
+            frozen = [None if f is None else f[i] for f in (old, ref)]
+            with nullcontext() if k == n - 1 else accelerator.no_sync(model):
+                loss, info, c, a = micro_batch_loss(model, mb, batch, *frozen, norm, cfg, objective)
+                accelerator.backward(loss if k == i else loss * 0.0)
+            if k != i:  # a repeat: no stats
+                continue
+            for key, v in cancellation_residual(c, a, mb.completion_ids, mb.completion_mask,
+                                                G).items():  # fmt: skip
                 cancel[key] = cancel.get(key, 0.0) + v
             info["loss"] = loss.item()
             losses.append(info["loss"])
-            info["entropy"] = ((ent * mask).sum() / mask.sum().clamp_min(1)).item()
             for key, v in info.items():
                 stats.setdefault(key, []).append(v)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.max_grad_norm)
@@ -187,7 +215,7 @@ def generating(model, cfg: Config, device: torch.device):
     """For generation: under FSDP the gathered weights; on CPU a 4-bit base dequantised once, with
     the adapter folded in (modeling.dequantized_base)."""
     fast = use_dequantized_base(cfg.model, device, model)
-    with gathered(model, cfg.rollout.fsdp_gather):
+    with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
             yield
 
@@ -351,6 +379,7 @@ def train(cfg: Config) -> dict:
     bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
                disable=not (main and tr.progress))  # fmt: skip
     status, message, last = "completed", None, resume  # last: the newest checkpoint
+    cut_short = False  # stopped mid-step: the live adapter is not saved
     try:
         with ckpt.GracefulStop() as stop:
             while state.step < tr.steps:
@@ -372,11 +401,13 @@ def train(cfg: Config) -> dict:
             if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
                 last = checkpoint()
     except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
-        status = "interrupted"
+        # under FSDP saving would gather shards from processes caught at other points: no saving
+        status, cut_short = "interrupted", is_fsdp(parts.model)
     except Exception as e:
         if not ckpt.is_oom(e):
             raise
         status, message = "out_of_memory", ckpt.oom_message(cfg, state.step + 1, e, last)
+        cut_short = True
     finally:
         bar.close()
         if metrics_file:
@@ -386,7 +417,7 @@ def train(cfg: Config) -> dict:
     if main and message:
         print(f"ibpo: {message}", file=sys.stderr)
     adapter = out / "adapter"
-    if status == "out_of_memory":  # the live adapter may be mid-update: the checkpoint's is not
+    if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
         adapter = last / "adapter" if last else None
     else:
         save_adapter(accelerator, parts.model, adapter)

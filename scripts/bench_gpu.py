@@ -14,7 +14,7 @@ On a GPU machine with torch, transformers, peft and accelerate (bitsandbytes as 
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py --out $OUT/bench_gpu.json
 Variants: --set K=V ... applies recipe overrides to every configuration (and to the planner), e.g.
---set model.offload_activations=true, or rollout.kv_cache=static_compiled.
+--set model.offload_activations=true, or rollout.kv_cache=static.
 CPU smoke test (tiny Qwen3, a few seconds): python scripts/bench_gpu.py --smoke
 """
 

@@ -8,9 +8,9 @@ With the FSDP_* variables `accelerate launch` derives from an FSDP config in the
 processes run FSDP2 instead of DDP (see `cpu_fsdp`).
 
 `update` builds the same fixed scored batch on every process (BATCH_GROUPS groups), gives each
-process its own half of the groups (as the prompt stream's shards do) and runs the real
-update_policy through Accelerate's DDP; each rank saves its LoRA weights to
-OUT/<objective>-rank<r>.pt.
+process its own share of the groups (unevenly: 1 and 3, as dynamic sampling can leave them) and
+runs the real update_policy through Accelerate's DDP (or FSDP); each rank saves its LoRA weights
+to OUT/<objective>-rank<r>.pt.
 The test runs the same update in one process on all the groups and compares.
 """
 
@@ -128,8 +128,9 @@ def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
 
 
 def check_gathering(model_dir: str, accelerator) -> dict:
-    """Under FSDP: where a decoder weight is sharded around and inside `gathered`, and the greedy
-    tokens generated in both of its modes (the test compares them with one unsharded process)."""
+    """Under FSDP: whether a decoder weight is sharded before, inside and after `gathered`, and
+    the greedy tokens generated inside it (the test compares them with one unsharded process).
+    The processes generate different numbers of calls: `gathered` runs no collective inside."""
     from torch.distributed.tensor import DTensor
 
     from ibpo.distributed import gathered
@@ -140,15 +141,15 @@ def check_gathering(model_dir: str, accelerator) -> dict:
     model, _ = accelerator.prepare(model, build_optimizer(model, cfg, accelerator.device))
     weight = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     found = {"before": isinstance(weight, DTensor)}
-    tokens = {}
-    for whole in (True, False):
-        with gathered(model, whole):
-            w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
-            found[f"inside whole={whole}"] = isinstance(w, DTensor)
-            tokens[whole] = generate(model, tok, ["what is 2 + 3?", "hello"], 2, 6, 8,
-                                     do_sample=False).input_ids  # fmt: skip
+    with gathered(model):
         w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
-        found[f"after whole={whole}"] = isinstance(w, DTensor)
+        found["inside"] = isinstance(w, DTensor)
+        prompts = ["what is 2 + 3?", "hello"]
+        tokens = generate(model, tok, prompts, 2, 6, 8, do_sample=False).input_ids
+        for _ in range(accelerator.process_index):  # uneven: process 1 generates once more
+            generate(model, tok, prompts[:1], 1, 3, 8, do_sample=False)
+    w = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    found["after"] = isinstance(w, DTensor)
     return {"sharded": found, "tokens": tokens}
 
 
@@ -161,8 +162,9 @@ def main(argv: list[str]) -> None:
     if mode == "update":
         for objective in OBJECTIVES:
             acc = Accelerator()  # one per model, as in training (FSDP clipping looks models up)
-            half = BATCH_GROUPS // acc.num_processes
-            mine = list(range(acc.process_index * half, (acc.process_index + 1) * half))
+            # uneven on purpose: 1 group (1 micro-batch) here, 3 there; every process must still
+            # run as many forwards and backwards
+            mine = [0] if acc.process_index == 0 else list(range(1, BATCH_GROUPS))
             state = run_update(model_dir, objective, mine, acc)
             torch.save(state, out / f"{objective}-rank{acc.process_index}.pt")
         if str(acc.distributed_type).endswith("FSDP"):
@@ -175,8 +177,7 @@ def main(argv: list[str]) -> None:
         return
     # mode == "resume": a 3-step run, and a 2-step run resumed from its checkpoint for step 3
     full = run_train(model_dir, [*argv[3:], "train.steps=3", f"train.output_dir={out / 'full'}"])
-    # under FSDP the resumed run also generates layer by layer: the same tokens either way
-    part = [*argv[3:], f"train.output_dir={out / 'part'}", "rollout.fsdp_gather=false"]
+    part = [*argv[3:], f"train.output_dir={out / 'part'}"]
     run_train(model_dir, [*part, "train.steps=2"])
     resumed = run_train(model_dir, [*part, "train.steps=3", "train.resume_from=latest"])
     torch.save({"full": full, "resumed": resumed}, out / f"resume-rank{rank}.pt")

@@ -71,23 +71,22 @@ def _check_fsdp_generation(model_dir: str, tmp_path: Path) -> None:
     from ibpo.rollout import generate
 
     found = [torch.load(tmp_path / f"gather-rank{r}.pt") for r in (0, 1)]
-    assert found[0]["sharded"] == {
-        "before": True, "inside whole=True": False, "after whole=True": True,
-        "inside whole=False": True, "after whole=False": True,
-    }  # fmt: skip
+    for f in found:
+        assert f["sharded"] == {"before": True, "inside": False, "after": True}
     cfg, model, tok = make_policy(model_dir, "ibpo", torch.device("cpu"))
     single = generate(model, tok, ["what is 2 + 3?", "hello"], 2, 6, 8, do_sample=False).input_ids
-    for f in found:  # greedy tokens: both modes on both ranks equal one unsharded process
-        assert torch.equal(f["tokens"][True], single) and torch.equal(f["tokens"][False], single)
+    for f in found:  # greedy tokens on both ranks equal one unsharded process's
+        assert torch.equal(f["tokens"], single)
 
 
 def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
     """FSDP2 over 2 processes: a 3-step run and a 2-step run resumed for step 3 end with equal
-    LoRA tensors (adapter and optimizer state gathered into the checkpoint, scattered back);
-    ranks agree; the saved adapter is the live one; repairs and evaluation run on gathered
-    weights, and the resumed run generates layer by layer (rollout.fsdp_gather=false)."""
+    LoRA tensors (adapter and optimizer state gathered into the checkpoint, scattered back); the
+    saved adapter is the live one; repairs and evaluation (5 problems in batches of 2: 2 calls
+    on one process, 1 on the other) run on gathered weights."""
     args = ["model.quantization=none", "train.prompts_per_step=2", "rollout.group_size=4",
-            "rollout.max_new_tokens=8", "data.eval_size=4", "rollout.eval_max_new_tokens=4",
+            "rollout.max_new_tokens=8", "data.eval_size=5", "rollout.eval_max_new_tokens=4",
+            "rollout.eval_batch_size=2",
             "objective.reward=parity", "train.save_every=1", "train.learning_rate=0.01",
             "train.progress=false", "train.plots=false", "repair.max_repairs_per_group=1",
             "repair.template='{question}|{attempt}|{reference}'"]  # fmt: skip
@@ -96,10 +95,12 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
     full, resumed = r0["full"], r0["resumed"]
     assert full["summary"]["status"] == resumed["summary"]["status"] == "completed"
     assert resumed["summary"]["resumed_from"] == str(tmp_path / "part" / "checkpoints" / "step-2")
-    assert full["summary"]["eval_after"]["n"] == 4
+    assert full["summary"]["eval_after"]["n"] == 5
     assert full["lora"].keys() == resumed["lora"].keys() and full["lora"]
     for name, value in full["lora"].items():
         assert torch.equal(value, resumed["lora"][name]), name
+        # (under FSDP both ranks gather the same shards: this holds by construction; the
+        # single-process comparison in the update test is what checks the arithmetic)
         assert torch.equal(value, r1["full"]["lora"][name]), name
     assert max(v.abs().max().item() for n, v in full["lora"].items() if "lora_B" in n) > 1e-3
     saved = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")

@@ -381,24 +381,23 @@ def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
 
 
 def test_fsdp_needs_less_than_ddp_where_layers_dominate():
-    layered = _cfg(*FSDP_CFG, "rollout.fsdp_gather=false")  # generation gathers layer by layer
-    gathered = _cfg(*FSDP_CFG)  # generation on a whole gathered copy (the default)
+    """Training: FSDP below DDP for the 8B and 14B. Generation, repairs and evaluation run on a
+    whole gathered copy beside the shards: more than a DDP replica."""
+    cfg = _cfg(*FSDP_CFG)
     for name in ("Qwen/Qwen3-8B", "Qwen/Qwen3-14B"):
-        ddp, fsdp = (plan.estimate(name, layered, 2, 24.0, s) for s in ("ddp", "fsdp"))
-        whole = plan.estimate(name, gathered, 2, 24.0, "fsdp")
+        ddp, fsdp = (plan.estimate(name, cfg, 2, 24.0, s) for s in ("ddp", "fsdp"))
         for phase in ddp.phases:
-            assert sum(fsdp.phases[phase].values()) < sum(ddp.phases[phase].values()), name
-            total = sum(whole.phases[phase].values())
-            if phase == "training":  # the same update either way
-                assert total == sum(fsdp.phases[phase].values())
-            else:  # shards + a whole copy: more than a DDP replica
-                assert total > sum(ddp.phases[phase].values())
-                parts = whole.phases[phase]
+            total, replica = sum(fsdp.phases[phase].values()), sum(ddp.phases[phase].values())
+            if phase == "training":
+                assert total < replica, name
+                assert "FSDP all-gathered parameters" in fsdp.phases[phase]
+            else:
+                assert total > replica, (name, phase)
+                parts = fsdp.phases[phase]
                 assert "FSDP all-gathered parameters" not in parts
                 assert parts["FSDP gathered weights (generation)"] > parts["base weights (nf4)"]
-        assert fsdp.peak_gb < ddp.peak_gb
-    # ...and not always for a small model with a large vocabulary: its gathered embeddings
-    # outweigh half of its decoder layers (the module docstring says so)
+    # a small model with a large vocabulary: its gathered embeddings outweigh half of its
+    # decoder layers (the module docstring says so)
     cfg = _cfg("data.eval_size=0")  # LoRA r 16, 8-bit AdamW: little state to shard
     ddp, fsdp = (plan.estimate("Qwen/Qwen3-0.6B", cfg, 2, 24.0, s) for s in ("ddp", "fsdp"))
     assert sum(fsdp.phases["generation"].values()) > sum(ddp.phases["generation"].values())

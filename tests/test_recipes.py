@@ -136,20 +136,21 @@ def test_accelerate_configs_parse():
             assert fc["fsdp_transformer_layer_cls_to_wrap"] == "Qwen3DecoderLayer"
 
 
-def test_fsdp_recipe_claims_14b_fits_only_with_fsdp_generating_layer_by_layer():
+def test_fsdp_recipe_claims_14b_fits_only_with_fsdp():
     path = ROOT / "recipes/qwen3_8b/math_ibpo_2gpu_fsdp.yaml"
-    overrides = ["model.name=Qwen/Qwen3-14B", "rollout.generation_batch_size=16",
-                 "repair.batch_size=4", "rollout.fsdp_gather=false"]  # fmt: skip
+    overrides = ["model.name=Qwen/Qwen3-14B", "rollout.generation_batch_size=8",
+                 "repair.batch_size=4", "rollout.eval_batch_size=8"]  # fmt: skip
     cfg = load_config(path, overrides)
-    layered = plan.estimate(None, cfg, 2, 24.0, "fsdp")
+    fsdp = plan.estimate(None, cfg, 2, 24.0, "fsdp")
     ddp = plan.estimate(None, cfg, 2, 24.0, "ddp")
-    cfg.rollout.fsdp_gather = True
-    gathered = plan.estimate(None, cfg, 2, 24.0, "fsdp")
-    assert layered.fits and not gathered.fits and not ddp.fits
+    offload = load_config(path, [*overrides, "model.offload_activations=true"])
+    offloaded = plan.estimate(None, offload, 2, 24.0, "ddp")
+    assert fsdp.fits and not ddp.fits and offloaded.fits
     text = " ".join(line.lstrip("# ") for line in _header(path)[0])
     assert " ".join(overrides) in text
-    assert (f"the planner gives {layered.peak_gb:.1f} GiB per GPU; {gathered.peak_gb:.1f} GiB "
-            f"with the gathered copy, and {ddp.peak_gb:.1f} GiB under DDP") in text  # fmt: skip
+    assert (f"the planner gives {fsdp.peak_gb:.1f} GiB per GPU under FSDP and "
+            f"{ddp.peak_gb:.1f} GiB under DDP") in text  # fmt: skip
+    assert f"DDP would, at {offloaded.peak_gb:.1f} GiB" in text
 
 
 def test_fsdp_recipe_is_the_ddp_recipe_with_another_optimizer():
