@@ -14,7 +14,7 @@ no checkpoint. Phases of a step (seconds, mean over the timed steps):
     score       grading and advantages: the rest of the rollout phase
     frozen      old / reference log-probs without grad           (metric time_frozen_logprobs)
     update      micro-batch updates + optimizer                  (metric time_update), split into
-      forward   log-probs with grad: `ibpo.trainer.sequence_logprobs` timed by a wrapper here
+      forward   log-probs with grad: `ibpo.update.sequence_logprobs` timed by a wrapper here
       backward  `accelerator.backward`, timed by a wrapper
       optimizer gradient clipping + `optimizer.step`, timed by wrappers
       other     objective math and per-step diagnostics
@@ -147,12 +147,12 @@ def _timed(fn, totals: dict[str, float], key: str, sync):
 @contextlib.contextmanager
 def phase_timers(run: Run) -> Iterator[dict[str, float]]:
     """Time forward / backward / optimizer inside `rl_step`'s update loop; restores on exit."""
-    import ibpo.trainer as trainer
+    import ibpo.update as update
 
     totals: dict[str, float] = defaultdict(float)
     cuda = run.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(run.device)) if cuda else (lambda: None)
-    original = trainer.sequence_logprobs
+    original = update.sequence_logprobs
     timed_logprobs = _timed(original, totals, "forward", sync)
 
     def logprobs(*args, **kwargs):  # the no-grad calls belong to the `frozen` phase
@@ -162,14 +162,14 @@ def phase_timers(run: Run) -> Iterator[dict[str, float]]:
     # instance attributes shadow the methods; remember any that already existed
     saved = [(o, n, o.__dict__.get(n)) for o, n in
              [(acc, "backward"), (acc, "clip_grad_norm_"), (opt, "step")]]  # fmt: skip
-    trainer.sequence_logprobs = logprobs
+    update.sequence_logprobs = logprobs
     acc.backward = _timed(acc.backward, totals, "backward", sync)
     acc.clip_grad_norm_ = _timed(acc.clip_grad_norm_, totals, "optimizer", sync)
     opt.step = _timed(opt.step, totals, "optimizer", sync)
     try:
         yield totals
     finally:
-        trainer.sequence_logprobs = original
+        update.sequence_logprobs = original
         for obj, name, before in saved:
             if before is None:
                 delattr(obj, name)  # the class method shows again
