@@ -20,7 +20,7 @@ Without FSDP every function here is the single-process/DDP operation. Also here:
 checks of the launch (which distributed types the loop runs under; a shared output folder).
 
 Not here: wrapping the model (Accelerate's `prepare`, from the plugin in the Accelerate config);
-FSDP1 and DeepSpeed, which the trainer refuses at start-up.
+FSDP1 and DeepSpeed, which `check_launch` refuses at start-up.
 """
 
 from __future__ import annotations
@@ -178,11 +178,16 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
                              options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
 
+def launch_kind(accelerator) -> str:
+    """Accelerate's distributed type by name: NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED, ..."""
+    return str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
+
+
 def check_launch(accelerator, cfg: Config) -> None:
     """The loop is verified under one process, DDP and FSDP2 (tests/test_distributed.py). FSDP1
     and DeepSpeed wrap parameters in ways generation and checkpointing here do not handle: refuse
     them with the way forward rather than fail deep inside a step."""
-    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
+    kind = launch_kind(accelerator)
     if kind == "FSDP" and not accelerator.is_fsdp2:
         raise ConfigError(
             "the training loop runs under FSDP2 only. Fix: set fsdp_version: 2 in the Accelerate "

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ibpo.logprobs import unwrap
+
 
 @dataclass
 class Rollout:
@@ -59,18 +61,13 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     )  # fmt: skip
 
 
-def _hf_model(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-
-
 def set_kv_cache(model: nn.Module, kind: str) -> None:
     """rollout.kv_cache for every later generate() call (rollouts, repairs, evaluation), set on
     the model's generation config. `static` pre-allocates the cache once per call at its final
     length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
     transformers does not compile bitsandbytes 4-bit models, and an uncompiled static cache is
     what this is about."""
-    config = _hf_model(model).generation_config
+    config = unwrap(model).generation_config
     config.cache_implementation = None if kind == "dynamic" else "static"
     config.disable_compile = True
 
@@ -134,7 +131,7 @@ def generate(
         for s in range(0, prompt_ids.shape[0], batch_size):
             # transformers sizes a static cache to the longest generate() call so far (to spare
             # recompilation); each call here gets its own length (a repair prompt is ~3x longer)
-            vars(_hf_model(model)).pop("_previous_max_cache_length", None)
+            vars(unwrap(model)).pop("_previous_max_cache_length", None)
             out = gen_model.generate(
                 input_ids=prompt_ids[s : s + batch_size],
                 attention_mask=prompt_mask[s : s + batch_size],

@@ -44,6 +44,7 @@ from ibpo.distributed import (
     check_shared_output,
     gathered,
     is_fsdp,
+    launch_kind,
     save_adapter,
 )
 from ibpo.evaluation import evaluate_accuracy
@@ -173,8 +174,7 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
         train_examples, cfg.train.seed, cfg.data.shuffle,
         accelerator.process_index, accelerator.num_processes,
     )  # fmt: skip
-    fsdp = str(accelerator.distributed_type).endswith("FSDP")
-    optimizer = build_optimizer(model, cfg, accelerator.device, fsdp)
+    optimizer = build_optimizer(model, cfg, accelerator.device, launch_kind(accelerator) == "FSDP")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)

@@ -158,6 +158,8 @@ def main(argv: list[str]) -> None:
         cpu_fsdp()
     from accelerate import Accelerator
 
+    from ibpo.distributed import launch_kind
+
     mode, model_dir, out = argv[0], argv[1], Path(argv[2])
     if mode == "update":
         for objective in OBJECTIVES:
@@ -167,7 +169,7 @@ def main(argv: list[str]) -> None:
             mine = [0] if acc.process_index == 0 else list(range(1, BATCH_GROUPS))
             state = run_update(model_dir, objective, mine, acc)
             torch.save(state, out / f"{objective}-rank{acc.process_index}.pt")
-        if str(acc.distributed_type).endswith("FSDP"):
+        if launch_kind(acc) == "FSDP":
             acc = Accelerator()
             torch.save(check_gathering(model_dir, acc), out / f"gather-rank{acc.process_index}.pt")
         return
