@@ -97,6 +97,15 @@ class RolloutConfig:
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
     # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
     kv_cache: str = "dynamic"
+    # Who generates rollouts, repairs and held-out answers: hf (the policy's own generate()) |
+    # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
+    # with the adapter as a LoRA request re-sent each step; one process; ibpo/vllm_rollout.py)
+    backend: str = "hf"
+    # vllm: GiB for vLLM's KV cache; null = one generation_batch_size batch at full length
+    vllm_kv_cache_gb: float | None = None
+    # vllm: between generation phases the engine sleeps (weights to host memory, KV cache freed)
+    # so that training has the GPU; false keeps both resident (faster switches, more memory)
+    vllm_sleep: bool = True
 
 
 @dataclass
@@ -314,6 +323,7 @@ _CHOICES = {
     ("train", "lr_scheduler"): ("constant", "linear", "cosine"),
     ("train", "optimizer"): ("auto", "adamw", "adamw_8bit"),
     ("rollout", "kv_cache"): ("dynamic", "static"),
+    ("rollout", "backend"): ("hf", "vllm"),
     ("repair", "reference_selection"): ("correct_first", "correct_only", "random"),
 }
 
@@ -376,6 +386,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.group_size must be >= 2: advantages compare members of a group")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 (rollouts are sampled)")
+    if cfg.rollout.vllm_kv_cache_gb is not None and cfg.rollout.vllm_kv_cache_gb <= 0:
+        raise ConfigError("rollout.vllm_kv_cache_gb must be > 0 (or null: sized from the batch)")
     if cfg.objective.name not in OBJECTIVES:
         raise ConfigError(
             f"objective.name={cfg.objective.name!r}; choose one of: {', '.join(OBJECTIVES)}"

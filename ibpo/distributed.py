@@ -198,6 +198,11 @@ def check_launch(accelerator, cfg: Config) -> None:
             "bitsandbytes' paged 8-bit AdamW does not take FSDP's sharded parameters. Fix: "
             "train.optimizer=adamw (or auto)."
         )
+    if cfg.rollout.backend == "vllm" and accelerator.num_processes > 1:
+        raise ConfigError(
+            "rollout.backend=vllm runs one vLLM engine beside one policy: launch a single process "
+            "(recipes/accelerate/single_gpu.yaml), or set rollout.backend=hf under DDP/FSDP."
+        )
     if kind in ("DEEPSPEED", "MEGATRON_LM"):
         raise ConfigError(
             f"the training loop runs on one process, with DDP or FSDP2, not under {kind}. Fix: "

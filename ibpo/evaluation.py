@@ -34,18 +34,17 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_prompt
-from ibpo.rollout import generate
+from ibpo.rollout import Generator, generate
 
 # (prompts) -> one (completion text, length in tokens, hit max_new_tokens) per prompt
 Sampler = Callable[[list[str]], list[tuple[str, int, bool]]]
 
 
 def evaluate_accuracy(
-    model: nn.Module,
+    generator: Generator,
     tokenizer,
     examples: list[Example],
     data_cfg: DataConfig,
@@ -61,7 +60,7 @@ def evaluate_accuracy(
     for s in range(0, len(shard), batch_size):
         batch = shard[s : s + batch_size]
         prompts = [render_prompt(tokenizer, ex.question, data_cfg) for ex in batch]
-        out = generate(model, tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
+        out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
         correct += sum(reward_fn(t, ex.answer) == 1.0 for t, ex in zip(out.texts, batch))
         tokens += out.completion_mask.sum().item()
     totals = torch.tensor([correct, tokens, float(len(shard))])
@@ -247,18 +246,13 @@ def hf_sampler(args) -> tuple[Sampler, object]:
 
 def vllm_sampler(args) -> tuple[Sampler, object]:
     """vLLM with the adapter as a LoRA request (never merged into a quantised base)."""
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.lora.request import LoRARequest
-    except ImportError:
-        raise ConfigError(
-            "--backend vllm needs vLLM (pip install vllm, on a CUDA machine); or use --backend hf"
-        ) from None
     from ibpo.modeling import load_tokenizer, resolve_model_path
+    from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
+    vllm, LoRARequest = import_vllm()
     path = resolve_model_path(args.model)
     tok = load_tokenizer(path, args.model_revision)
-    kwargs, lora = {}, None
+    lora, rank = None, None
     if args.adapter:
         adapter = Path(args.adapter)
         if not adapter.is_dir():
@@ -266,14 +260,12 @@ def vllm_sampler(args) -> tuple[Sampler, object]:
 
             adapter = Path(snapshot_download(args.adapter))
         rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
-        supported = [r for r in (8, 16, 32, 64, 128, 256, 512) if r >= rank]
-        kwargs.update(enable_lora=True, max_lora_rank=supported[0] if supported else rank)
         lora = LoRARequest("adapter", 1, str(adapter))
-    if args.quantization == "nf4":
-        kwargs["quantization"] = "bitsandbytes"
-    llm = LLM(model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype, **kwargs)
+    kwargs = engine_kwargs(vllm, args.quantization, rank)
+    llm = vllm.LLM(model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype,
+                   **kwargs)  # fmt: skip
     top_p = args.top_p if args.temperature > 0 else 1.0
-    params = SamplingParams(
+    params = vllm.SamplingParams(
         temperature=args.temperature, top_p=top_p, max_tokens=args.max_new_tokens
     )
 

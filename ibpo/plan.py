@@ -59,6 +59,7 @@ from ibpo.sizes import (
     GIB,
     HEAD_CHUNK_BYTES,
     HEAD_CHUNK_BYTES_CHECKPOINTED,
+    VLLM_BATCHED_TOKENS,
     ModelShape,
     kv_cache_bytes,
     layer_saved_per_token,
@@ -69,13 +70,13 @@ from ibpo.sizes import (
     mask_bytes,
     nf4_state_bytes,
     prefill_per_token,
+    repair_generation,
     sampling_bytes,
+    vllm_budget,
+    vllm_slot_rank,
     weight_bytes,
 )
 
-# The repair prompt wraps question, failed attempt and a reference completion in the repair
-# template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
-REPAIR_TEMPLATE_TOKENS = 96
 # CUDA context, cuBLAS workspaces and loaded kernels sit outside torch's allocator: ~0.5 GiB for
 # a torch + cuBLAS process with lazy module loading, plus bitsandbytes' kernels.
 CUDA_CONTEXT_GIB = 0.6
@@ -160,6 +161,22 @@ def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> 
     return decode if sum(decode.values()) >= sum(prefill.values()) else prefill
 
 
+def _vllm_engine(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
+    """What the vLLM engine (vllm_rollout.py) holds while it generates: its own copy of the base,
+    quantised as the policy's; one LoRA slot at vLLM's rank (every linear, compute dtype); its
+    fixed KV budget; a prefill chunk's activations and the sampler's fp32 logits."""
+    q, slot = cfg.model.quantization, vllm_slot_rank(cfg.model.lora_r)
+    seqs = min(cfg.rollout.generation_batch_size, VLLM_BATCHED_TOKENS)
+    return {
+        f"vLLM base weights ({q})": weight_bytes(shape, q, b),
+        "vLLM LoRA slot": lora_parameter_count(shape, slot, "all-linear") * b,
+        "vLLM KV cache": vllm_budget(shape, cfg, b)[1],
+        "vLLM workspace (prefill chunk, sampler)": int(
+            VLLM_BATCHED_TOKENS * prefill_per_token(shape, b) + seqs * shape.vocab * F32
+        ),
+    }
+
+
 def _offloaded_bytes(shape: ModelShape, cfg: Config, b: int) -> int:
     """The layer inputs of one micro-batch, all full length: what offloading moves to the host."""
     seqs = min(cfg.train.micro_batch_groups, cfg.train.prompts_per_step) * cfg.rollout.group_size
@@ -205,25 +222,6 @@ def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
     }
 
 
-def _repair_settings(cfg: Config) -> tuple[int, int, int] | None:
-    """(batch, prompt tokens, new tokens) of the repair generations, None when repairs are off.
-    Reads the config's `repair` section (IBPO.md Part 2) where there is one."""
-    rep = getattr(cfg, "repair", None)
-    enabled = getattr(rep, "enabled", None)
-    if rep is not None and enabled is None:
-        from ibpo.objectives import resolve_params
-
-        enabled = getattr(resolve_params(cfg.objective), "counterfactual", False)
-    if not enabled:
-        return None
-    ro, G = cfg.rollout, cfg.rollout.group_size
-    jobs = cfg.train.prompts_per_step * min(getattr(rep, "max_repairs_per_group", G), G)
-    jobs *= getattr(rep, "references", 1)
-    batch = getattr(rep, "batch_size", None) or ro.generation_batch_size
-    prompt = cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + REPAIR_TEMPLATE_TOKENS
-    return min(batch, jobs), prompt, getattr(rep, "max_new_tokens", None) or ro.max_new_tokens
-
-
 def phase_bytes(
     shape: ModelShape, cfg: Config, gpus: int = 1, sharding: str = "ddp"
 ) -> dict[str, dict[str, int]]:
@@ -237,7 +235,7 @@ def phase_bytes(
     phases = {
         "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, static)
     }
-    repair = _repair_settings(cfg)
+    repair = repair_generation(cfg)
     if repair:
         n, p, t = repair
         sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
@@ -254,6 +252,13 @@ def phase_bytes(
         )
     base = _persistent(shape, cfg, b, shards)
     out = {name: {**base, **parts} for name, parts in phases.items()}
+    if ro.backend == "vllm":  # the engine generates; the policy only holds its state meanwhile
+        engine = _vllm_engine(shape, cfg, b)
+        for name in out:
+            if name != "training":
+                out[name] = {**base, **engine}
+            elif not ro.vllm_sleep:  # awake throughout: weights and KV budget stay
+                out[name].update({k: v for k, v in engine.items() if "workspace" not in k})
     if shards > 1:  # generation on a gathered copy of everything (distributed.gathered)
         whole = _fsdp_whole(shape, cfg.model, b)
         for name, parts in out.items():
@@ -375,6 +380,10 @@ def estimate(
                      "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
                      "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
         notes.append("FSDP: generation runs on a whole gathered copy of the weights")
+    if cfg.rollout.backend == "vllm":
+        notes.append("rollout.backend=vllm: the engine's CUDA graphs and its process's CUDA "
+                     "context are not counted" + (" (asleep during training: weights in host "
+                     "memory)" if cfg.rollout.vllm_sleep else ""))  # fmt: skip
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         host = _offloaded_bytes(shape, cfg, _dtype_bytes(cfg.model)) / GIB
         notes.append(f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "

@@ -27,7 +27,7 @@ from torch import Tensor
 from ibpo.advantages import edited_tokens
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import render_user_message, user_message
-from ibpo.rollout import Rollout, generate
+from ibpo.rollout import Generator, Rollout
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ class RepairOutcome:
 
 
 def run_repairs(
-    model, tokenizer, questions: list[str], rollout: Rollout, rewards: Tensor, answers: list[str],
-    reward_fn, rep: RepairConfig, data_cfg: DataConfig, gen: dict, rng: random.Random,
+    generator: Generator, tokenizer, questions: list[str], rollout: Rollout, rewards: Tensor,
+    answers: list[str], reward_fn, rep: RepairConfig, data_cfg: DataConfig, gen: dict,
+    rng: random.Random,
 ) -> RepairOutcome:  # fmt: skip
     """Generate and grade the repairs of one step. `gen`: max_new_tokens, batch_size,
     temperature, top_p, top_k for the repair generations (already resolved)."""
@@ -156,8 +157,8 @@ def run_repairs(
         )  # fmt: skip
         for j in jobs
     ]
-    out = generate(
-        model, tokenizer, prompts, 1, gen["max_new_tokens"], gen["batch_size"],
+    out = generator(
+        tokenizer, prompts, 1, gen["max_new_tokens"], gen["batch_size"],
         temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"],
     )  # fmt: skip
     success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(out.texts, jobs)]

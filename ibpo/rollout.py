@@ -5,12 +5,17 @@ is put in eval mode (dropout off, KV cache on, no gradient checkpointing) and re
 Completions are right-padded to T; a completion's mask covers its tokens up to and including the
 first EOS. Large rollouts are generated in slices of `batch_size` sequences.
 
+Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
+here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.
+
 Not here: grading, advantages, or any gradient computation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +92,15 @@ def completion_mask_from(tokens: Tensor, eos: list[int]) -> tuple[Tensor, Tensor
     return mask, ~is_eos.any(-1)
 
 
+def encode_prompts(tokenizer, prompts: list[str], num_samples: int,
+                   device) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Prompt ids and mask [N, P], left-padded, each prompt repeated `num_samples` times. No
+    special tokens are added: the chat template already holds any BOS the model needs."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)
+    return ids, enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -102,9 +116,7 @@ def generate(
 ) -> Rollout:
     """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G."""
     device = next(p for p in model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = enc["input_ids"].repeat_interleave(num_samples, 0).to(device)
-    prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, device)
     eos = eos_ids(tokenizer, model)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
     kwargs = dict(
@@ -140,13 +152,19 @@ def generate(
             pieces.append(out[:, prompt_ids.shape[1] :])
     finally:
         model.train(was_training)
+    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos)
+
+
+def assemble(prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], tokenizer,
+             eos: list[int]) -> Rollout:  # fmt: skip
+    """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept)."""
     width = max(p.shape[1] for p in pieces)
     completions = torch.cat(
         [
             nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
             for p in pieces
         ]
-    )
+    ).to(prompt_ids.device)
     mask, truncated = completion_mask_from(completions, eos)
     input_ids = torch.cat([prompt_ids, completions], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
@@ -156,3 +174,12 @@ def generate(
         for row, n in zip(completions.tolist(), lengths)
     ]
     return Rollout(input_ids, attention_mask, mask, prompt_ids.shape[1], texts, truncated)
+
+
+# (tokenizer, prompts, num_samples, max_new_tokens, batch_size, *, do_sample, temperature, top_p,
+#  top_k) -> Rollout: generate() with the model bound, or another backend with the same contract
+Generator = Callable[..., Rollout]
+
+
+def hf_generator(model: nn.Module) -> Generator:
+    return partial(generate, model)

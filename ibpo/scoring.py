@@ -24,7 +24,7 @@ from ibpo.config import Config
 from ibpo.data import PromptStream, render_prompt
 from ibpo.objectives import ResolvedObjective
 from ibpo.repair import run_repairs
-from ibpo.rollout import Rollout, concat_rollouts, generate
+from ibpo.rollout import Generator, Rollout, concat_rollouts
 
 
 @dataclass
@@ -40,13 +40,14 @@ def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
     return objective.counterfactual if cfg.repair.enabled is None else cfg.repair.enabled
 
 
-def _score_round(model, tokenizer, examples, cfg: Config, repairing: bool, reward_fn, rng):
+def _score_round(generator: Generator, tokenizer, examples, cfg: Config, repairing: bool,
+                 reward_fn, rng):  # fmt: skip
     """One round: returns (rollout, rewards [B, G], shaped [B, G], edited [N, T] | None, stats)."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
     prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
-    rollout = generate(
-        model, tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
+    rollout = generator(
+        tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
         temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
     )  # fmt: skip
     t1 = time.perf_counter()
@@ -64,7 +65,7 @@ def _score_round(model, tokenizer, examples, cfg: Config, repairing: bool, rewar
         "top_p": ro.top_p,
         "top_k": ro.top_k,
     }
-    out = run_repairs(model, tokenizer, [ex.question for ex in examples], rollout, rewards,
+    out = run_repairs(generator, tokenizer, [ex.question for ex in examples], rollout, rewards,
                       answers, reward_fn, rep, cfg.data, gen, rng)  # fmt: skip
     shaped = shape_rewards(rewards, out.phi, rep.shaping_lambda, rewards >= 1.0)
     stats.update(out.stats)
@@ -79,8 +80,8 @@ def _add(total: dict[str, float], part: dict[str, float]) -> None:
 
 
 def collect_batch(
-    model, tokenizer, stream: PromptStream, cfg: Config, objective: ResolvedObjective,
-    reward_fn, rng: random.Random,
+    generator: Generator, tokenizer, stream: PromptStream, cfg: Config,
+    objective: ResolvedObjective, reward_fn, rng: random.Random,
 ) -> ScoredBatch:  # fmt: skip
     G, B = cfg.rollout.group_size, cfg.train.prompts_per_step
     repairing = repairs_enabled(cfg, objective)
@@ -91,7 +92,7 @@ def collect_batch(
     need, dropped, rounds = B, 0, 0
     while True:
         rollout, rewards, shaped, edited, st = _score_round(
-            model, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng
+            generator, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng
         )
         _add(stats, st)
         sampled.append(rewards)

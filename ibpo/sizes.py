@@ -37,6 +37,14 @@ ADAMW32_BYTES = 2 * F32  # torch AdamW on fp32 LoRA weights: exp_avg + exp_avg_s
 # wrapped head (LoRA on lm_head) falls back to checkpointed chunks: five fp32 copies in backward.
 HEAD_CHUNK_BYTES = F32 + F32 / 16
 HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
+# The repair prompt wraps question, failed attempt and a reference completion in the repair
+# template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
+REPAIR_TEMPLATE_TOKENS = 96
+# LoRA ranks vLLM allocates adapter slots for; an adapter is served by the next one up
+# (vllm_rollout.py). It runs prompts through the model at most this many tokens per step
+# (chunked prefill; the engine is started with it), which bounds its activation workspace.
+VLLM_BATCHED_TOKENS = 8192
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # The embedded default (ibpo.embedded) is SmolLM2-135M-Instruct, a fixed Llama architecture:
 # planning it needs no download.
@@ -247,3 +255,53 @@ def sampling_bytes(sequences: int, vocab: int, b: int, top_p: float, sample: boo
     cumulative sum and a scatter. Greedy keeps the copy, one processor output and the argmax."""
     per = b + (6 * F32 if sample else 3 * F32) + (24 if sample and top_p < 1 else 0)
     return sequences * vocab * per
+
+
+# --- generation requests -------------------------------------------------------------------------
+
+
+def repair_generation(cfg) -> tuple[int, int, int] | None:
+    """(batch, prompt tokens, new tokens) of the repair generations, None when repairs are off.
+    Reads the config's `repair` section (IBPO.md Part 2) where there is one."""
+    rep = getattr(cfg, "repair", None)
+    enabled = getattr(rep, "enabled", None)
+    if rep is not None and enabled is None:
+        from ibpo.objectives import resolve_params
+
+        enabled = getattr(resolve_params(cfg.objective), "counterfactual", False)
+    if not enabled:
+        return None
+    ro, G = cfg.rollout, cfg.rollout.group_size
+    jobs = cfg.train.prompts_per_step * min(getattr(rep, "max_repairs_per_group", G), G)
+    jobs *= getattr(rep, "references", 1)
+    batch = getattr(rep, "batch_size", None) or ro.generation_batch_size
+    prompt = cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + REPAIR_TEMPLATE_TOKENS
+    return min(batch, jobs), prompt, getattr(rep, "max_new_tokens", None) or ro.max_new_tokens
+
+
+def vllm_slot_rank(r: int) -> int:
+    return next((slot for slot in VLLM_LORA_RANKS if slot >= r), r)
+
+
+def vllm_budget(
+    shape: ModelShape, cfg, b: int, max_positions: int | None = None
+) -> tuple[int, int]:
+    """(max_model_len, KV-cache bytes) of the vLLM rollout engine (vllm_rollout.py). The KV
+    budget holds one generation_batch_size batch at full length (rollout.vllm_kv_cache_gb
+    overrides it); vLLM schedules within it. max_model_len is the most a single request may
+    use: all of that budget (a repair prompt is longer than a rollout prompt), capped by the
+    model's positions and never less than the longest request this run makes. b: bytes per KV
+    element (the compute dtype)."""
+    ro, P = cfg.rollout, cfg.data.max_prompt_tokens
+    longest = P + max(ro.max_new_tokens, ro.eval_max_new_tokens)
+    repair = repair_generation(cfg)
+    if repair:
+        longest = max(longest, repair[1] + repair[2])
+    batch = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
+    kv = kv_cache_bytes(shape, batch, P + ro.max_new_tokens, b)
+    if ro.vllm_kv_cache_gb:
+        kv = int(ro.vllm_kv_cache_gb * GIB)
+    per_token = kv_cache_bytes(shape, 1, 1, b)
+    kv = max(kv, per_token * longest)
+    length = kv // per_token  # >= longest
+    return (min(length, max_positions) if max_positions else length), kv

@@ -58,7 +58,7 @@ from ibpo.objectives import (
     resolve_params,
 )
 from ibpo.rewards import REWARDS
-from ibpo.rollout import set_kv_cache
+from ibpo.rollout import hf_generator, set_kv_cache
 from ibpo.runlog import finish_run, gather_metrics, log_eval, log_step
 from ibpo.scoring import collect_batch
 from ibpo.update import update_policy
@@ -89,22 +89,29 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 @contextmanager
-def generating(model, cfg: Config, device: torch.device):
-    """For generation: under FSDP the gathered weights; on CPU a 4-bit base dequantised once, with
-    the adapter folded in (modeling.dequantized_base)."""
+def generating(model, cfg: Config, device: torch.device, engine=None):
+    """A Generator (rollout.py) for one generation phase: the vLLM engine serving the current
+    adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on gathered
+    weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
+    if engine is not None:
+        with engine.serving(model) as generator:
+            yield generator
+        return
     fast = use_dequantized_base(cfg.model, device, model)
     with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            yield
+            yield hf_generator(model)
 
 
-def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng):
-    """One full RL step; returns a dict of metrics (gathered over processes)."""
+def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng,
+            engine=None):  # fmt: skip
+    """One full RL step; returns a dict of metrics (gathered over processes). `engine`: the
+    vLLM engine that generates (rollout.backend=vllm), else the policy does."""
     t0 = time.perf_counter()
     # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
     # normalises the groups it generated
-    with generating(model, cfg, accelerator.device):
-        batch = collect_batch(model, tokenizer, stream, cfg, objective,
+    with generating(model, cfg, accelerator.device, engine) as generator:
+        batch = collect_batch(generator, tokenizer, stream, cfg, objective,
                               REWARDS[cfg.objective.reward], rng)  # fmt: skip
     t_gen = time.perf_counter()
     fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
@@ -230,6 +237,11 @@ def train(cfg: Config) -> dict:
     check_shared_output(accelerator, out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     parts, tokenizer, eval_examples = _build(cfg, accelerator)
+    engine = None
+    if cfg.rollout.backend == "vllm":
+        from ibpo.vllm_rollout import VLLMEngine
+
+        engine = VLLMEngine.start(cfg, parts.model, tokenizer)
     if tr.log_with:
         accelerator.init_trackers("ibpo", config=cfg.to_dict())
     reward_fn = REWARDS[cfg.objective.reward]
@@ -237,9 +249,9 @@ def train(cfg: Config) -> dict:
     def held_out() -> dict | None:
         if not eval_examples:
             return None
-        with generating(parts.model, cfg, accelerator.device):
+        with generating(parts.model, cfg, accelerator.device, engine) as generator:
             return evaluate_accuracy(
-                parts.model, tokenizer, eval_examples, cfg.data, reward_fn,
+                generator, tokenizer, eval_examples, cfg.data, reward_fn,
                 cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
             )  # fmt: skip
 
@@ -261,7 +273,7 @@ def train(cfg: Config) -> dict:
         with ckpt.GracefulStop() as stop:
             while state.step < tr.steps:
                 m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler, accelerator,
-                            parts.stream, cfg, objective, parts.rng)  # fmt: skip
+                            parts.stream, cfg, objective, parts.rng, engine)  # fmt: skip
                 state.step += 1
                 state.count_step(m["skipped_nonfinite"] > 0)
                 log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
@@ -301,6 +313,8 @@ def train(cfg: Config) -> dict:
         if main:
             tokenizer.save_pretrained(adapter)
     eval_after = held_out() if status == "completed" else None
+    if engine is not None:
+        engine.close()
     accelerator.wait_for_everyone()
     summary = {
         "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,

@@ -189,6 +189,11 @@ def test_launch_check_refuses_what_the_loop_does_not_run():
         check_launch(Fake(), cfg)
     Fake.distributed_type = DistributedType.MULTI_GPU
     check_launch(Fake(), load_config(None, ["train.optimizer=adamw_8bit"]))  # DDP is fine
+    Fake.num_processes = 2  # one vLLM engine beside one policy
+    with pytest.raises(ConfigError, match="rollout.backend=hf"):
+        check_launch(Fake(), load_config(None, ["rollout.backend=vllm"]))
+    Fake.distributed_type, Fake.num_processes = DistributedType.NO, 1
+    check_launch(Fake(), load_config(None, ["rollout.backend=vllm"]))
 
 
 def test_auto_optimizer_avoids_paged_8bit_under_fsdp(tiny_model_dir):

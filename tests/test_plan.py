@@ -445,3 +445,33 @@ def test_offloaded_activations_leave_one_layer_input_on_the_gpu():
     assert abs(drop - (inputs_gib - one_gib)) < 1e-6
     assert any("pinned host memory" in n for n in off.notes)
     assert off.phases["generation"] == base.phases["generation"]
+
+
+def test_vllm_backend_moves_generation_into_the_engine():
+    """rollout.backend=vllm: generation phases hold the policy's state plus the engine's copy of
+    the base (same NF4 bytes), a LoRA slot at vLLM's rank, the KV budget of one batch at full
+    length, and a prefill-chunk workspace; training is unchanged while the engine sleeps and
+    carries everything but the workspace when it stays awake."""
+    hf = plan.estimate("Qwen/Qwen3-8B", _cfg(), 1, 24.0).phases
+    v = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm"), 1, 24.0).phases
+    gen = v["generation"]
+    assert gen["vLLM base weights (nf4)"] == gen["base weights (nf4)"]
+    assert "KV cache" not in gen and "sampling logits" not in gen
+    cfg = _cfg()
+    shape = sizes.ModelShape.from_dict(sizes.KNOWN_ARCHITECTURES["Qwen/Qwen3-8B"])
+    batch = min(cfg.rollout.generation_batch_size, cfg.train.prompts_per_step * 8)
+    kv = sizes.kv_cache_bytes(shape, batch, cfg.data.max_prompt_tokens + 1024, 2)
+    cfg = _cfg("rollout.max_new_tokens=1024")
+    assert sizes.vllm_budget(shape, cfg, 2)[1] == kv
+    slot = sizes.lora_parameter_count(shape, 16, "all-linear") * 2  # r=16 -> a rank-16 slot
+    assert math.isclose(gen["vLLM LoRA slot"], slot / 2**30)
+    assert v["training"] == hf["training"]
+    awake = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_sleep=false"),
+                          1, 24.0).phases["training"]  # fmt: skip
+    extra = {k: x for k, x in awake.items() if k.startswith("vLLM")}
+    assert extra.keys() == {"vLLM base weights (nf4)", "vLLM LoRA slot", "vLLM KV cache"}
+    # a smaller KV budget, asked for in GiB
+    small = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm",
+                                                "rollout.vllm_kv_cache_gb=2"), 1, 24.0)  # fmt: skip
+    assert math.isclose(small.phases["generation"]["vLLM KV cache"], 2.0)
+    assert any("CUDA graphs" in n for n in small.notes)

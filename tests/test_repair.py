@@ -140,15 +140,13 @@ class _Tok:
     chat_template = None
 
 
-def test_run_repairs_batches_grades_and_masks(monkeypatch):
-    import ibpo.repair as repair_mod
-
+def test_run_repairs_batches_grades_and_masks():
     # group of 4: members 0 and 2 correct ("7"), members 1 and 3 wrong
     rollout = _rollout([[7], [3, 9], [7], [5, 5, 5]], ["7", "39", "7", "555"])
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
     calls = []
 
-    def fake_generate(model, tok, prompts, n, max_new, bs, **kw):
+    def fake_generate(tok, prompts, n, max_new, bs, **kw):
         calls.append(prompts)
         # member 1's repair keeps its first token and fixes the second; member 3's fails
         rows, texts = [], []
@@ -159,10 +157,9 @@ def test_run_repairs_batches_grades_and_masks(monkeypatch):
                 rows.append([5, 5, 6]), texts.append("556")
         return _rollout(rows, texts)
 
-    monkeypatch.setattr(repair_mod, "generate", fake_generate)
     rep = RepairConfig(references=1)
     gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
-    out = run_repairs(None, _Tok(), ["3 + 4"], rollout, rewards, ["37"], _reward, rep,
+    out = run_repairs(fake_generate, _Tok(), ["3 + 4"], rollout, rewards, ["37"], _reward, rep,
                       DataConfig(), gen, random.Random(0))  # fmt: skip
     assert len(calls) == 1 and len(calls[0]) == 2  # one batched call, one repair per wrong member
     assert all("3 + 4" in p and "7" in p for p in calls[0])  # question and a correct reference

@@ -1,0 +1,209 @@
+"""Generation on vLLM (rollout.backend=vllm): rollouts, repairs and held-out answers from a vLLM
+engine beside the policy, which keeps training with HF + PEFT exactly as with the hf backend.
+
+* The engine loads the same base model. For a QLoRA policy it quantises it the same way
+  (bitsandbytes NF4 with double quantisation, 64-weight blocks: the same codes as the policy's
+  base); the LoRA adapter is served as a LoRA request, never merged into 4-bit weights (a merge
+  into a quantised base rounds most of the update away, and every later merge starts from the
+  rounded weights). vLLM 0.28 dropped bitsandbytes: the `vllm` extra pins an earlier release.
+* Before each generation phase the adapter is saved in PEFT format under a new directory and a
+  new LoRA id, so the engine can never serve a stale cached copy; the previous one is deleted.
+* Between phases the engine sleeps (level 1: weights to host memory, KV cache dropped) so that the
+  update has the GPU; rollout.vllm_sleep=false keeps both models resident instead.
+* Its KV cache is a fixed budget (sizes.vllm_budget: one generation batch at full length unless
+  rollout.vllm_kv_cache_gb says otherwise), so memory is planned, not "90% of the card".
+* Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
+  rollout.generate's (rollout.assemble), the completion ending at its first EOS. Sampling seeds are
+  drawn from torch's RNG, which checkpoints restore, so a resumed run draws the same seeds.
+
+vLLM samples with its own kernels, so its sampling distribution differs slightly from the
+policy's in the update (the usual mismatch of vLLM rollouts); with updates_per_rollout=1 the
+update treats the rollouts as on-policy, as every vLLM-backed trainer does by default.
+
+Not here: several processes (one engine per GPU beside DDP/FSDP replicas is refused by
+distributed.check_launch: use the hf backend there), or full fine-tuning (the policy is always a
+LoRA adapter).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ibpo.config import Config, ConfigError
+from ibpo.modeling import compute_dtype, resolve_model_path
+from ibpo.rollout import Generator, Rollout, assemble, encode_prompts, eos_ids
+from ibpo.sizes import VLLM_BATCHED_TOKENS, ModelShape, vllm_budget, vllm_slot_rank
+
+
+def import_vllm():
+    """(the vllm module, LoRARequest), or a ConfigError naming the install."""
+    try:
+        import vllm
+        from vllm.lora.request import LoRARequest
+    except ImportError:
+        raise ConfigError(
+            "the vllm backend needs vLLM: pip install 'ibpo[vllm]' (CUDA machines); or use the "
+            "hf backend (rollout.backend=hf, --backend hf for evaluation)"
+        ) from None
+    return vllm, LoRARequest
+
+
+def engine_kwargs(vllm, quantization: str, lora_rank: int | None) -> dict:
+    """LLM() arguments shared by training and evaluation: the NF4 base of a QLoRA adapter and a
+    LoRA slot large enough for it."""
+    kwargs: dict = {}
+    if quantization == "nf4":
+        try:
+            methods = importlib.import_module("vllm.model_executor.layers.quantization")
+            methods = methods.QUANTIZATION_METHODS
+        except (ImportError, AttributeError):
+            methods = None  # cannot tell: let vLLM decide
+        if methods is not None and "bitsandbytes" not in methods:
+            raise ConfigError(
+                f"vLLM {getattr(vllm, '__version__', '?')} cannot quantise with bitsandbytes "
+                "(removed in vLLM 0.28), so it cannot serve the NF4 base the adapter was trained "
+                "on. Fix: pip install 'ibpo[vllm]' (it pins vllm<0.28), or use the hf backend."
+            )
+        kwargs["quantization"] = "bitsandbytes"
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_slot_rank(lora_rank), max_loras=1)
+    return kwargs
+
+
+class VLLMEngine:
+    """A vLLM engine that generates with the policy's current adapter (see the module doc)."""
+
+    def __init__(self, llm, lora_request, eos: list[int], device: torch.device, sleeps: bool):
+        self.llm, self._lora_request, self.eos, self.device = llm, lora_request, eos, device
+        self.sleeps, self.asleep = sleeps, False
+        self.workdir = Path(tempfile.mkdtemp(prefix="ibpo-vllm-adapters-"))
+        # the saved adapters go with the engine, however the run ends
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, True)
+        self._ids = itertools.count(1)  # LoRA ids must be > 0 and unique per adapter version
+        self._served: Path | None = None
+
+    @classmethod
+    def start(cls, cfg: Config, model: nn.Module, tokenizer) -> VLLMEngine:
+        """Start vLLM for this run's policy (a PEFT model) and put it to sleep until needed."""
+        vllm, lora_request = import_vllm()
+        mc = cfg.model
+        base_config = getattr(model, "module", model).config
+        shape = ModelShape.from_dict(base_config.to_dict())
+        device = next(model.parameters()).device
+        dtype = compute_dtype(mc.dtype, device)
+        length, kv_bytes = vllm_budget(shape, cfg, dtype.itemsize,
+                                       base_config.max_position_embeddings)  # fmt: skip
+        kwargs = engine_kwargs(vllm, mc.quantization, mc.lora_r)
+        if cfg.rollout.vllm_sleep:
+            kwargs["enable_sleep_mode"] = True
+        if torch.cuda.is_available():
+            # vLLM refuses to start unless this fraction of the card is free; what it takes is
+            # set by its weights and the KV budget below, not by this number
+            free, total = torch.cuda.mem_get_info(device)
+            kwargs["gpu_memory_utilization"] = max(0.01, free / total - 0.02)
+        llm = vllm.LLM(
+            model=resolve_model_path(mc.name), revision=mc.revision, seed=cfg.train.seed,
+            dtype=str(dtype).removeprefix("torch."),
+            trust_remote_code=mc.trust_remote_code, max_model_len=length,
+            kv_cache_memory_bytes=kv_bytes, max_num_seqs=cfg.rollout.generation_batch_size,
+            max_num_batched_tokens=VLLM_BATCHED_TOKENS, **kwargs,
+        )  # fmt: skip
+        engine = cls(llm, lora_request, eos_ids(tokenizer, model), device, cfg.rollout.vllm_sleep)
+        engine.sleep()
+        return engine
+
+    def sleep(self) -> None:
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            if torch.cuda.is_available():
+                # the engine allocates outside this process's caching allocator: blocks the
+                # update freed but torch still holds would be out of its reach
+                torch.cuda.empty_cache()
+            self.llm.wake_up()
+            self.asleep = False
+
+    @contextmanager
+    def serving(self, model: nn.Module) -> Iterator[Generator]:
+        """A Generator (rollout.py) on the engine, awake and serving `model`'s adapter as it is
+        now; asleep again afterwards."""
+        self.wake()
+        try:
+            yield partial(self.generate, self._sync(model))
+        finally:
+            self.sleep()
+
+    def _sync(self, model: nn.Module):
+        """The adapter as it is now, saved where the engine can load it, as a LoRA request."""
+        version = next(self._ids)
+        path = self.workdir / f"adapter-{version}"
+        getattr(model, "module", model).save_pretrained(path)  # PEFT: adapter weights + config
+        previous, self._served = self._served, path
+        if previous is not None:  # the engine loaded it already; the new id replaces it
+            shutil.rmtree(previous, ignore_errors=True)
+        return self._lora_request(f"policy-{version}", version, str(path))
+
+    @torch.no_grad()
+    def generate(
+        self, lora, tokenizer, prompts: list[str], num_samples: int, max_new_tokens: int,
+        batch_size: int, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> Rollout:  # fmt: skip
+        """rollout.generate's contract. `batch_size` is not used: vLLM schedules sequences
+        within its KV-cache budget."""
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: generate inside engine.serving(model)")
+        vllm, _ = import_vllm()
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, self.device)
+        rows = [ids[m.bool()].tolist() for ids, m in
+                zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())]  # fmt: skip
+        seed = int(torch.randint(0, 2**31 - len(rows), ()).item())
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {
+            "temperature": 0.0}  # fmt: skip
+        params = [
+            vllm.SamplingParams(
+                n=num_samples,
+                max_tokens=max_new_tokens,
+                seed=seed + i,
+                stop_token_ids=self.eos,
+                **sampling,
+            )  # fmt: skip
+            for i in range(len(rows))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params,
+                                    lora_request=lora, use_tqdm=False)  # fmt: skip
+        completions = [
+            torch.tensor(self._with_stop(c), dtype=torch.long)
+            for out in outputs
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        pieces = nn.utils.rnn.pad_sequence(completions, batch_first=True,
+                                           padding_value=tokenizer.pad_token_id)  # fmt: skip
+        return assemble(prompt_ids, prompt_mask, [pieces], tokenizer, self.eos)
+
+    def _with_stop(self, completion) -> list[int]:
+        """Its token ids, ending with the stop token when it stopped on one (vLLM may leave a
+        stop token out of token_ids; the completion mask needs it)."""
+        ids = list(completion.token_ids)
+        if completion.finish_reason == "stop" and (not ids or ids[-1] not in self.eos):
+            reason = completion.stop_reason
+            ids.append(reason if isinstance(reason, int) else self.eos[0])
+        return ids
+
+    def close(self) -> None:
+        self._cleanup()
+        self.llm = None

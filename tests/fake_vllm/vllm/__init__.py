@@ -1,0 +1,91 @@
+"""A stand-in for the part of vLLM's offline API that ibpo calls (LLM, SamplingParams,
+lora.request.LoRARequest), run by transformers + PEFT on CPU, so that tests drive the vllm
+backend end to end without a GPU. What the tests rely on behaves as vLLM's does: an adapter is
+read from disk once per lora_int_id and then kept (a changed adapter under an old id is served
+stale), nothing is generated while the engine sleeps, and a completion's token_ids end with the
+stop token that ended it. Decoding is a plain loop (no KV cache): greedy, or sampling with a
+generator seeded from SamplingParams.seed.
+"""
+
+import copy
+
+import torch
+
+__version__ = "0.0+tests"
+ENGINES: list = []  # every LLM made, newest last: tests inspect what ibpo asked of it
+
+
+class SamplingParams:
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None,
+                 stop_token_ids=None):  # fmt: skip
+        self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
+        self.max_tokens, self.seed, self.stop_token_ids = max_tokens, seed, stop_token_ids or []
+
+
+class _Completion:
+    def __init__(self, index, token_ids, finish_reason, stop_reason):
+        self.index, self.token_ids = index, token_ids
+        self.finish_reason, self.stop_reason, self.text = finish_reason, stop_reason, ""
+
+
+class _RequestOutput:
+    def __init__(self, prompt_token_ids, outputs):
+        self.prompt_token_ids, self.outputs = prompt_token_ids, outputs
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        self.kwargs = kwargs
+        self.base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.adapters: dict[int, torch.nn.Module] = {}
+        self.asleep, self.sleeps, self.requests = False, 0, []
+        ENGINES.append(self)
+
+    def sleep(self, level=1):
+        assert level == 1 and self.kwargs.get("enable_sleep_mode"), "sleep mode not enabled"
+        self.asleep, self.sleeps = True, self.sleeps + 1
+
+    def wake_up(self, tags=None):
+        self.asleep = False
+
+    def _model(self, lora):
+        if lora is None:
+            return self.base
+        if lora.lora_int_id not in self.adapters:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(copy.deepcopy(self.base), lora.lora_path)
+            self.adapters[lora.lora_int_id] = model.eval()
+        return self.adapters[lora.lora_int_id]
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=True):
+        if self.asleep:
+            raise RuntimeError("generate() on a sleeping engine")
+        params = sampling_params
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        model = self._model(lora_request)
+        self.requests.append((len(prompts), lora_request))
+        outs = []
+        for prompt, p in zip(prompts, params):
+            ids = prompt["prompt_token_ids"]
+            gen = torch.Generator().manual_seed(p.seed if p.seed is not None else 0)
+            outs.append(_RequestOutput(ids, [self._one(model, ids, p, gen, k) for k in range(p.n)]))
+        return outs
+
+    def _one(self, model, prompt, p, gen, index):
+        tokens: list[int] = []
+        for _ in range(p.max_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            if p.temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / p.temperature, -1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
+            tokens.append(token)
+            if token in p.stop_token_ids:
+                return _Completion(index, tokens, "stop", token)
+        return _Completion(index, tokens, "length", None)

@@ -1,0 +1,200 @@
+"""The vllm rollout backend (ibpo/vllm_rollout.py), driven through tests/fake_vllm: a stand-in for
+vLLM's offline API run by transformers + PEFT on CPU (vLLM itself needs CUDA). What is tested is
+ibpo's side: the Rollout it builds, the adapter it sends every phase, sleeping between phases,
+the KV budget, the trainer on this backend, and the errors a user can hit."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ibpo.config import ConfigError, load_config
+from ibpo.modeling import load_policy
+from ibpo.rollout import generate
+
+FAKE = str(Path(__file__).parent / "fake_vllm")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.syspath_prepend(FAKE)
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import vllm
+
+    assert vllm.__file__.startswith(FAKE)
+    yield vllm
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def _policy(tiny_model_dir, *overrides):
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
+                             "rollout.backend=vllm", "rollout.max_new_tokens=6",
+                             "rollout.group_size=2", "train.prompts_per_step=2",
+                             *overrides])  # fmt: skip
+    torch.manual_seed(0)
+    model, tok = load_policy(cfg.model, torch.device("cpu"))
+    _perturb(model, seed=1)
+    return cfg, model, tok
+
+
+def _perturb(model, seed):
+    """A non-zero adapter (LoRA B starts at zero): generations depend on it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+PROMPTS = ["What is 12+30?", "a", "hello there"]
+
+
+def test_greedy_rollout_equals_the_policys_own(fake_vllm, tiny_model_dir):
+    """Same tokens, same padded tensors, masks and texts as rollout.generate; the adapter is what
+    the engine served (the base alone answers differently)."""
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+    engine = VLLMEngine.start(cfg, model, tok)
+    hf = generate(model, tok, PROMPTS, 2, 6, batch_size=4, do_sample=False)
+    with engine.serving(model) as gen:
+        ours = gen(tok, PROMPTS, 2, 6, 4, do_sample=False)
+    assert ours.prompt_len == hf.prompt_len and ours.texts == hf.texts
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(ours, field), getattr(hf, field)), field
+    llm = fake_vllm.ENGINES[-1]
+    assert llm.requests[-1][0] == len(PROMPTS)  # one request per prompt, n samples each
+    with model.disable_adapter():
+        base = generate(model, tok, PROMPTS, 1, 6, batch_size=4, do_sample=False)
+    assert base.texts != hf.texts[::2]
+
+
+def test_every_phase_serves_the_adapter_as_it_is_now(fake_vllm, tiny_model_dir):
+    """A new LoRA id and directory per phase (the engine caches by id), the previous directory
+    removed; asleep outside a phase; the saved adapters go with the engine."""
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+    engine = VLLMEngine.start(cfg, model, tok)
+    llm = fake_vllm.ENGINES[-1]
+    assert engine.asleep and llm.asleep and llm.sleeps == 1
+    texts, paths = [], []
+    for seed in (1, 2):
+        _perturb(model, seed)
+        with engine.serving(model) as gen:
+            assert not llm.asleep
+            texts.append(gen(tok, PROMPTS, 1, 6, 4, do_sample=False).texts)
+            lora = llm.requests[-1][1]
+            paths.append(Path(lora.lora_path))
+        assert llm.asleep
+        assert texts[-1] == generate(model, tok, PROMPTS, 1, 6, 4, do_sample=False).texts
+    assert texts[0] != texts[1]
+    assert sorted(llm.adapters) == [1, 2]
+    assert not paths[0].exists() and paths[1].is_dir()
+    with pytest.raises(RuntimeError, match="asleep"):
+        gen(tok, PROMPTS, 1, 6, 4, do_sample=False)
+    engine.close()
+    assert not engine.workdir.exists()
+
+
+def test_sampling_seeds_follow_torch_rng(fake_vllm, tiny_model_dir):
+    """Seeds come from torch's RNG (restored on resume): same RNG state, same samples; each
+    prompt gets its own seed."""
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+    engine = VLLMEngine.start(cfg, model, tok)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with engine.serving(model) as gen:
+            runs.append(gen(tok, ["a", "a"], 3, 6, 4, temperature=1.0))
+    assert torch.equal(runs[0].input_ids, runs[1].input_ids)
+    assert runs[0].texts[:3] != runs[0].texts[3:]  # same prompt twice, different seeds
+
+
+def test_stop_token_left_out_by_the_engine_is_put_back():
+    from ibpo.vllm_rollout import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.eos = [1, 5]
+    done = lambda ids, why, reason: SimpleNamespace(token_ids=ids, finish_reason=why,
+                                                    stop_reason=reason)  # fmt: skip
+    assert engine._with_stop(done([7, 8, 5], "stop", 5)) == [7, 8, 5]
+    assert engine._with_stop(done([7, 8], "stop", 5)) == [7, 8, 5]
+    assert engine._with_stop(done([7, 8], "stop", None)) == [7, 8, 1]  # EOS
+    assert engine._with_stop(done([7, 8], "length", None)) == [7, 8]
+
+
+def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
+    """NF4 base through bitsandbytes, a LoRA slot for the rank, sleep mode, a fixed KV budget;
+    a vLLM without bitsandbytes is refused with the fix."""
+    import types
+
+    from ibpo.sizes import ModelShape, kv_cache_bytes, vllm_budget
+    from ibpo.vllm_rollout import VLLMEngine, engine_kwargs
+
+    kw = engine_kwargs(fake_vllm, "nf4", 12)
+    assert kw == dict(quantization="bitsandbytes", enable_lora=True, max_lora_rank=16,
+                      max_loras=1)  # fmt: skip
+    assert engine_kwargs(fake_vllm, "none", None) == {}
+    cfg, model, tok = _policy(tiny_model_dir, "rollout.generation_batch_size=3")
+    VLLMEngine.start(cfg, model, tok)
+    args = fake_vllm.ENGINES[-1].kwargs
+    assert args["enable_sleep_mode"] and args["max_lora_rank"] == 16 and args["dtype"] == "float32"
+    shape = ModelShape.from_dict(model.config.to_dict())
+    length, kv = vllm_budget(shape, cfg, 4, model.config.max_position_embeddings)
+    assert args["kv_cache_memory_bytes"] == kv and args["max_model_len"] == length
+    # 3 sequences of prompt + new tokens, in fp32 (the CPU compute dtype)
+    assert kv == kv_cache_bytes(shape, 3, cfg.data.max_prompt_tokens + 6, 4)
+    assert length == min(kv // kv_cache_bytes(shape, 1, 1, 4), 256)
+    quant = types.ModuleType("vllm.model_executor.layers.quantization")
+    quant.QUANTIZATION_METHODS = ["awq", "fp8"]
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.quantization", quant)
+    with pytest.raises(ConfigError, match="vllm<0.28"):
+        engine_kwargs(fake_vllm, "nf4", 16)
+
+
+def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
+    """A whole run: held-out answers, rollouts and IBPO's repairs come from the engine, each
+    phase (eval before, 2 steps, eval after) with the adapter as it is then; the adapter trains."""
+    from ibpo.rewards import REWARDS
+    from ibpo.trainer import train
+
+    # a random tiny model never answers right: reward odd-length answers, so groups differ
+    monkeypatch.setitem(REWARDS, "odd_length", lambda text, answer: float(len(text) % 2))
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
+                             "rollout.backend=vllm", "train.prompts_per_step=2",
+                             "rollout.group_size=2", "rollout.max_new_tokens=4",
+                             "rollout.eval_max_new_tokens=4", "data.eval_size=4",
+                             f"train.output_dir={out}", "train.progress=false",
+                             "train.steps=2", "train.learning_rate=0.05",
+                             "objective.reward=odd_length"])  # fmt: skip
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["eval_after"]["n"] == 4
+    llm = fake_vllm.ENGINES[-1]
+    ids = [lora.lora_int_id for _, lora in llm.requests]
+    assert sorted(set(ids)) == [1, 2, 3, 4] and ids == sorted(ids) and llm.asleep
+    sizes = [n for n, lora in llm.requests if lora.lora_int_id == 2]
+    assert sizes[0] == 2 and len(sizes) == 2  # 2 prompts, then one request for the repairs
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0
+
+
+def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
+    from ibpo.vllm_rollout import import_vllm
+
+    with pytest.raises(ConfigError, match="rollout.backend"):
+        load_config(None, ["rollout.backend=sglang"])
+    with pytest.raises(ConfigError, match="vllm_kv_cache_gb"):
+        load_config(None, ["rollout.vllm_kv_cache_gb=0"])
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
+    with pytest.raises(ConfigError, match=r"ibpo\[vllm\]"):
+        import_vllm()
