@@ -262,6 +262,8 @@ def vllm_sampler(args) -> tuple[Sampler, object]:
         rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
         lora = LoRARequest("adapter", 1, str(adapter))
     kwargs = engine_kwargs(vllm, args.quantization, rank)
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
     llm = vllm.LLM(model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype,
                    **kwargs)  # fmt: skip
     top_p = args.top_p if args.temperature > 0 else 1.0
@@ -311,6 +313,9 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
         help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype")  # fmt: skip
     add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add("--backend", choices=["hf", "vllm"], default="hf")
+    add("--max-model-len", type=int,
+        help="vllm: the longest prompt + completion it accepts (default: the model's limit, whose "
+        "KV cache may not fit a small card)")  # fmt: skip
     add("--data", help="local .jsonl/.json/.parquet with rows in the benchmark's Hub schema")
     add("--revision", help="dataset commit SHA (overrides the pinned one)")
     add("--subset", help="dataset config; LiveCodeBench: release tag (release_v5, v6, v5_v6)")

@@ -77,6 +77,18 @@ def set_kv_cache(model: nn.Module, kind: str) -> None:
     config.disable_compile = True
 
 
+# Logit processing a model's own generation_config can switch on beyond what is asked for here
+# (Qwen2.5-Instruct ships repetition_penalty=1.05; others min_p, no_repeat_ngram_size...): all off,
+# so that rollouts come from the policy's distribution at the configured temperature / top-p /
+# top-k, the one the update trains, and the vllm backend (which ignores them) samples the same way.
+NEUTRAL_PROCESSING = (
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "min_p",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "sequence_bias", "bad_words_ids",
+    "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "exponential_decay_length_penalty", "guidance_scale",
+)  # fmt: skip
+
+
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
     ids = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -128,6 +140,9 @@ def generate(
         # token); the trainer generates on gathered weights (distributed.gathered), so each
         # process stops when its own sequences are done and may make its own number of calls
         synced_gpus=False,
+        # None = off (an explicit None overrides the model's generation_config); only the fields
+        # this transformers version knows, others would be taken for model inputs
+        **{k: None for k in NEUTRAL_PROCESSING if hasattr(unwrap(model).generation_config, k)},
         **(
             sampling
             if do_sample

@@ -40,11 +40,16 @@ HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
 # The repair prompt wraps question, failed attempt and a reference completion in the repair
 # template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
 REPAIR_TEMPLATE_TOKENS = 96
-# LoRA ranks vLLM allocates adapter slots for; an adapter is served by the next one up
+# LoRA ranks vLLM allocates adapter slots for (every release the vllm extra admits); an adapter is
+# served by the next one up
 # (vllm_rollout.py). It runs prompts through the model at most this many tokens per step
 # (chunked prefill; the engine is started with it), which bounds its activation workspace.
 VLLM_BATCHED_TOKENS = 8192
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_KV_ROUND = 256  # tokens: a multiple of vLLM's KV block sizes (16 by default)
+# Outside torch in vLLM's engine process, awake or asleep: its CUDA context, CUDA graphs and
+# workspaces (estimate; a CUDA context alone is 0.5-1 GiB)
+VLLM_PROCESS_BYTES = int(1.5 * GIB)
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 # The embedded default (ibpo.embedded) is SmolLM2-135M-Instruct, a fixed Llama architecture:
 # planning it needs no download.
@@ -280,7 +285,10 @@ def repair_generation(cfg) -> tuple[int, int, int] | None:
 
 
 def vllm_slot_rank(r: int) -> int:
-    return next((slot for slot in VLLM_LORA_RANKS if slot >= r), r)
+    for slot in VLLM_LORA_RANKS:
+        if slot >= r:
+            return slot
+    raise ConfigError(f"model.lora_r={r}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
 def vllm_budget(
@@ -302,6 +310,7 @@ def vllm_budget(
     if ro.vllm_kv_cache_gb:
         kv = int(ro.vllm_kv_cache_gb * GIB)
     per_token = kv_cache_bytes(shape, 1, 1, b)
-    kv = max(kv, per_token * longest)
-    length = kv // per_token  # >= longest
+    length = max(kv // per_token, longest)
+    # whole KV blocks: vLLM wants room for a max_model_len request rounded up to its block size
+    kv = per_token * -(-length // VLLM_KV_ROUND) * VLLM_KV_ROUND
     return (min(length, max_positions) if max_positions else length), kv

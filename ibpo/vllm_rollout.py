@@ -14,7 +14,8 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
   rollout.vllm_kv_cache_gb says otherwise), so memory is planned, not "90% of the card".
 * Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
   rollout.generate's (rollout.assemble), the completion ending at its first EOS. Sampling seeds are
-  drawn from torch's RNG, which checkpoints restore, so a resumed run draws the same seeds.
+  drawn from torch's RNG, which checkpoints restore, so a resumed run draws the same seeds; only
+  the sampling settings asked for apply (as in rollout.generate, not the model's own defaults).
 
 vLLM samples with its own kernels, so its sampling distribution differs slightly from the
 policy's in the update (the usual mismatch of vLLM rollouts); with updates_per_rollout=1 the
@@ -43,7 +44,13 @@ from torch import nn
 from ibpo.config import Config, ConfigError
 from ibpo.modeling import compute_dtype, resolve_model_path
 from ibpo.rollout import Generator, Rollout, assemble, encode_prompts, eos_ids
-from ibpo.sizes import VLLM_BATCHED_TOKENS, ModelShape, vllm_budget, vllm_slot_rank
+from ibpo.sizes import (
+    VLLM_BATCHED_TOKENS,
+    VLLM_PROCESS_BYTES,
+    ModelShape,
+    vllm_budget,
+    vllm_slot_rank,
+)
 
 
 def import_vllm():
@@ -108,10 +115,11 @@ class VLLMEngine:
         if cfg.rollout.vllm_sleep:
             kwargs["enable_sleep_mode"] = True
         if torch.cuda.is_available():
-            # vLLM refuses to start unless this fraction of the card is free; what it takes is
-            # set by its weights and the KV budget below, not by this number
+            # vLLM refuses to start unless this fraction of the card is free once its process has
+            # its own CUDA context; what it takes is set by its weights and the KV budget below
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
-            kwargs["gpu_memory_utilization"] = max(0.01, free / total - 0.02)
+            kwargs["gpu_memory_utilization"] = max(0.01, (free - VLLM_PROCESS_BYTES) / total)
         llm = vllm.LLM(
             model=resolve_model_path(mc.name), revision=mc.revision, seed=cfg.train.seed,
             dtype=str(dtype).removeprefix("torch."),
@@ -171,14 +179,16 @@ class VLLMEngine:
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, self.device)
         rows = [ids[m.bool()].tolist() for ids, m in
                 zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())]  # fmt: skip
-        seed = int(torch.randint(0, 2**31 - len(rows), ()).item())
+        # vLLM seeds sample j of a request with seed + j: requests get disjoint seed ranges
+        n = num_samples if do_sample else 1  # greedy samples are all the same (vLLM wants n=1)
+        seed = int(torch.randint(0, 2**31 - len(rows) * n, ()).item())
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {
             "temperature": 0.0}  # fmt: skip
         params = [
             vllm.SamplingParams(
-                n=num_samples,
+                n=n,
                 max_tokens=max_new_tokens,
-                seed=seed + i,
+                seed=seed + i * n,
                 stop_token_ids=self.eos,
                 **sampling,
             )  # fmt: skip
@@ -186,24 +196,20 @@ class VLLMEngine:
         ]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params,
                                     lora_request=lora, use_tqdm=False)  # fmt: skip
+        # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)
         completions = [
-            torch.tensor(self._with_stop(c), dtype=torch.long)
+            torch.tensor(list(c.token_ids), dtype=torch.long)
             for out in outputs
-            for c in sorted(out.outputs, key=lambda c: c.index)
+            for c in sorted(out.outputs, key=lambda c: c.index) * (num_samples // n)
         ]
         pieces = nn.utils.rnn.pad_sequence(completions, batch_first=True,
                                            padding_value=tokenizer.pad_token_id)  # fmt: skip
         return assemble(prompt_ids, prompt_mask, [pieces], tokenizer, self.eos)
 
-    def _with_stop(self, completion) -> list[int]:
-        """Its token ids, ending with the stop token when it stopped on one (vLLM may leave a
-        stop token out of token_ids; the completion mask needs it)."""
-        ids = list(completion.token_ids)
-        if completion.finish_reason == "stop" and (not ids or ids[-1] not in self.eos):
-            reason = completion.stop_reason
-            ids.append(reason if isinstance(reason, int) else self.eos[0])
-        return ids
-
     def close(self) -> None:
+        """Shut the engine down (its process and GPU memory) and delete the saved adapters."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if hasattr(core, "shutdown"):
+            core.shutdown()
         self._cleanup()
         self.llm = None

@@ -462,16 +462,17 @@ def test_vllm_backend_moves_generation_into_the_engine():
     batch = min(cfg.rollout.generation_batch_size, cfg.train.prompts_per_step * 8)
     kv = sizes.kv_cache_bytes(shape, batch, cfg.data.max_prompt_tokens + 1024, 2)
     cfg = _cfg("rollout.max_new_tokens=1024")
-    assert sizes.vllm_budget(shape, cfg, 2)[1] == kv
+    assert sizes.vllm_budget(shape, cfg, 2)[1] == kv  # already whole 256-token blocks
     slot = sizes.lora_parameter_count(shape, 16, "all-linear") * 2  # r=16 -> a rank-16 slot
     assert math.isclose(gen["vLLM LoRA slot"], slot / 2**30)
-    assert v["training"] == hf["training"]
+    process = "vLLM process (CUDA context, graphs)"
+    assert v["training"] == {**hf["training"], process: gen[process]}
     awake = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_sleep=false"),
                           1, 24.0).phases["training"]  # fmt: skip
     extra = {k: x for k, x in awake.items() if k.startswith("vLLM")}
-    assert extra.keys() == {"vLLM base weights (nf4)", "vLLM LoRA slot", "vLLM KV cache"}
+    assert extra.keys() == {"vLLM base weights (nf4)", "vLLM LoRA slot", "vLLM KV cache", process}
     # a smaller KV budget, asked for in GiB
     small = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm",
                                                 "rollout.vllm_kv_cache_gb=2"), 1, 24.0)  # fmt: skip
-    assert math.isclose(small.phases["generation"]["vLLM KV cache"], 2.0)
-    assert any("CUDA graphs" in n for n in small.notes)
+    assert 2.0 <= small.phases["generation"]["vLLM KV cache"] < 2.01  # whole KV blocks
+    assert any("estimate, not measured" in n for n in small.notes)

@@ -53,3 +53,18 @@ def test_static_kv_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
     long = hf._previous_max_cache_length  # what transformers allocated for that call
     generate(model, tok, prompts, 1, 4, batch_size=4, do_sample=False)
     assert hf._previous_max_cache_length == long - 36
+
+
+def test_model_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
+    """A model's generation_config may carry repetition penalties, min_p, n-gram bans...: rollouts
+    ignore them (they would sample from something other than the policy the update trains)."""
+    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
+                             torch.device("cpu"))  # fmt: skip
+    outs = []
+    for extra in ({}, {"min_p": 0.999, "no_repeat_ngram_size": 1, "repetition_penalty": 50.0}):
+        for k, v in extra.items():
+            setattr(model.generation_config, k, v)
+        torch.manual_seed(0)
+        outs.append(generate(model, tok, ["abc", "hello"], 4, 8, batch_size=8))
+    assert torch.equal(outs[0].input_ids, outs[1].input_ids)
+    assert len(set(outs[1].texts)) > 2  # min_p=0.999 alone would make every sample the same

@@ -5,7 +5,6 @@ the KV budget, the trainer on this backend, and the errors a user can hit."""
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,19 +116,6 @@ def test_sampling_seeds_follow_torch_rng(fake_vllm, tiny_model_dir):
     assert runs[0].texts[:3] != runs[0].texts[3:]  # same prompt twice, different seeds
 
 
-def test_stop_token_left_out_by_the_engine_is_put_back():
-    from ibpo.vllm_rollout import VLLMEngine
-
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.eos = [1, 5]
-    done = lambda ids, why, reason: SimpleNamespace(token_ids=ids, finish_reason=why,
-                                                    stop_reason=reason)  # fmt: skip
-    assert engine._with_stop(done([7, 8, 5], "stop", 5)) == [7, 8, 5]
-    assert engine._with_stop(done([7, 8], "stop", 5)) == [7, 8, 5]
-    assert engine._with_stop(done([7, 8], "stop", None)) == [7, 8, 1]  # EOS
-    assert engine._with_stop(done([7, 8], "length", None)) == [7, 8]
-
-
 def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     """NF4 base through bitsandbytes, a LoRA slot for the rank, sleep mode, a fixed KV budget;
     a vLLM without bitsandbytes is refused with the fix."""
@@ -149,9 +135,11 @@ def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     shape = ModelShape.from_dict(model.config.to_dict())
     length, kv = vllm_budget(shape, cfg, 4, model.config.max_position_embeddings)
     assert args["kv_cache_memory_bytes"] == kv and args["max_model_len"] == length
-    # 3 sequences of prompt + new tokens, in fp32 (the CPU compute dtype)
-    assert kv == kv_cache_bytes(shape, 3, cfg.data.max_prompt_tokens + 6, 4)
-    assert length == min(kv // kv_cache_bytes(shape, 1, 1, 4), 256)
+    # 3 sequences of prompt + new tokens, in fp32 (the CPU compute dtype), in whole 256-token
+    # blocks; a request may use all of it, up to the model's 256 positions
+    tokens = 3 * (cfg.data.max_prompt_tokens + 6)
+    assert kv == kv_cache_bytes(shape, 1, -(-tokens // 256) * 256, 4) and length == 256
+    assert vllm_budget(shape, cfg, 4)[0] == tokens
     quant = types.ModuleType("vllm.model_executor.layers.quantization")
     quant.QUANTIZATION_METHODS = ["awq", "fp8"]
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.quantization", quant)
@@ -198,3 +186,29 @@ def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
     with pytest.raises(ConfigError, match=r"ibpo\[vllm\]"):
         import_vllm()
+
+
+def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_path):
+    """`--backend vllm` of the evaluation scripts: the adapter as a LoRA request gives the
+    completions the hf backend gives (greedy), graded and written the same way."""
+    import json
+
+    from ibpo.evaluation import main
+
+    _, model, _ = _policy(tiny_model_dir)
+    model.save_pretrained(tmp_path / "adapter")
+    fixture = Path(__file__).parent / "fixtures" / "benchmarks" / "gsm8k.jsonl"
+    samples = {}
+    for backend in ("hf", "vllm"):
+        out = tmp_path / backend
+        args = ["--model", tiny_model_dir, "--adapter", str(tmp_path / "adapter"), "--data",
+                str(fixture), "--n", "1", "--temperature", "0", "--max-new-tokens", "6",
+                "--backend", backend, "--max-model-len", "200",
+                "--output-dir", str(out)]  # fmt: skip
+        assert main(args, benchmark="gsm8k") == 0
+        rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+        samples[backend] = [(r["completion"], r["reward"]) for r in rows]
+    assert samples["vllm"] == samples["hf"] and len(samples["hf"]) == 2  # the whole fixture
+    llm = fake_vllm.ENGINES[-1]
+    assert llm.kwargs["enable_lora"] and llm.kwargs["max_model_len"] == 200
+    assert sorted(llm.adapters) == [1]

@@ -2,9 +2,9 @@
 lora.request.LoRARequest), run by transformers + PEFT on CPU, so that tests drive the vllm
 backend end to end without a GPU. What the tests rely on behaves as vLLM's does: an adapter is
 read from disk once per lora_int_id and then kept (a changed adapter under an old id is served
-stale), nothing is generated while the engine sleeps, and a completion's token_ids end with the
-stop token that ended it. Decoding is a plain loop (no KV cache): greedy, or sampling with a
-generator seeded from SamplingParams.seed.
+stale), nothing is generated while the engine sleeps, a completion's token_ids end with the
+stop token that ended it, sample j of a request is drawn with seed + j, and greedy requests must
+have n=1. Decoding is a plain loop (no KV cache).
 """
 
 import copy
@@ -18,6 +18,8 @@ ENGINES: list = []  # every LLM made, newest last: tests inspect what ibpo asked
 class SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None,
                  stop_token_ids=None):  # fmt: skip
+        if temperature == 0 and n > 1:
+            raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.stop_token_ids = max_tokens, seed, stop_token_ids or []
 
@@ -25,7 +27,7 @@ class SamplingParams:
 class _Completion:
     def __init__(self, index, token_ids, finish_reason, stop_reason):
         self.index, self.token_ids = index, token_ids
-        self.finish_reason, self.stop_reason, self.text = finish_reason, stop_reason, ""
+        self.finish_reason, self.stop_reason, self.text = finish_reason, stop_reason, None
 
 
 class _RequestOutput:
@@ -35,10 +37,11 @@ class _RequestOutput:
 
 class LLM:
     def __init__(self, model, **kwargs):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.kwargs = kwargs
         self.base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.adapters: dict[int, torch.nn.Module] = {}
         self.asleep, self.sleeps, self.requests = False, 0, []
         ENGINES.append(self)
@@ -71,12 +74,13 @@ class LLM:
         self.requests.append((len(prompts), lora_request))
         outs = []
         for prompt, p in zip(prompts, params):
-            ids = prompt["prompt_token_ids"]
-            gen = torch.Generator().manual_seed(p.seed if p.seed is not None else 0)
-            outs.append(_RequestOutput(ids, [self._one(model, ids, p, gen, k) for k in range(p.n)]))
+            ids, seed = prompt["prompt_token_ids"], p.seed or 0
+            outs.append(_RequestOutput(ids, [self._one(model, ids, p, seed + k, k)
+                                             for k in range(p.n)]))  # fmt: skip
         return outs
 
-    def _one(self, model, prompt, p, gen, index):
+    def _one(self, model, prompt, p, seed, index):
+        gen = torch.Generator().manual_seed(seed)
         tokens: list[int] = []
         for _ in range(p.max_tokens):
             logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
@@ -86,6 +90,10 @@ class LLM:
                 probs = torch.softmax(logits / p.temperature, -1)
                 token = int(torch.multinomial(probs, 1, generator=gen))
             tokens.append(token)
-            if token in p.stop_token_ids:
-                return _Completion(index, tokens, "stop", token)
-        return _Completion(index, tokens, "length", None)
+            if token in p.stop_token_ids or token == self.tokenizer.eos_token_id:
+                break
+        done = tokens[-1] in p.stop_token_ids or tokens[-1] == self.tokenizer.eos_token_id
+        reason = None if tokens[-1] == self.tokenizer.eos_token_id else tokens[-1]
+        out = _Completion(index, tokens, "stop" if done else "length", reason if done else None)
+        out.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return out
