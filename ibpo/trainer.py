@@ -303,8 +303,14 @@ def train(cfg: Config) -> dict:
             metrics_file.close()
     if status == "nonfinite":
         message = ckpt.nonfinite_message(state, last)
-    if main and message:
-        print(f"ibpo: {message}", file=sys.stderr)
+    # Out of memory with several processes: the others may be inside a collective of this step
+    # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
+    # the others' collective then fails and the launcher stops the run, instead of everyone
+    # waiting for a collective timeout.
+    alone = status == "out_of_memory" and accelerator.num_processes > 1
+    if message and (main or alone):
+        who = f"process {accelerator.process_index}: " if alone else ""
+        print(f"ibpo: {who}{message}", file=sys.stderr)
     adapter = out / "adapter"
     if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
         adapter = last / "adapter" if last else None
@@ -315,7 +321,8 @@ def train(cfg: Config) -> dict:
     eval_after = held_out() if status == "completed" else None
     if engine is not None:
         engine.close()
-    accelerator.wait_for_everyone()
+    if not alone:
+        accelerator.wait_for_everyone()
     summary = {
         "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,
         "objective": objective.name, "model": cfg.model.name,
@@ -327,6 +334,6 @@ def train(cfg: Config) -> dict:
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         finish_run(out, cfg, status)
-    if tr.log_with:
+    if tr.log_with and not alone:
         accelerator.end_training()
     return summary

@@ -174,6 +174,8 @@ def main(argv: list[str]) -> None:
             torch.save(check_gathering(model_dir, acc), out / f"gather-rank{acc.process_index}.pt")
         return
     rank = int(os.environ.get("RANK", "0"))
+    if mode == "oom":  # process 1 runs out of memory in step 2's update; the CLI's exit code
+        sys.exit(run_oom(model_dir, argv[3:], rank))
     if mode == "train":
         torch.save(run_train(model_dir, argv[3:]), out / f"train-rank{rank}.pt")
         return
@@ -183,6 +185,22 @@ def main(argv: list[str]) -> None:
     run_train(model_dir, [*part, "train.steps=2"])
     resumed = run_train(model_dir, [*part, "train.steps=3", "train.resume_from=latest"])
     torch.save({"full": full, "resumed": resumed}, out / f"resume-rank{rank}.pt")
+
+
+def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
+    import ibpo.trainer as trainer
+    from ibpo.cli import main as cli_main
+
+    update, calls = trainer.update_policy, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return update(*args, **kwargs)
+
+    trainer.update_policy = failing
+    return cli_main(["train", f"model.name={model_dir}", *overrides])
 
 
 def run_train(model_dir: str, overrides: list[str]) -> dict:

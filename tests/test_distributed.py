@@ -4,6 +4,7 @@ from a checkpoint ends exactly where an uninterrupted one does."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,15 +34,25 @@ def _fsdp_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if "FSDP" in k}
 
 
-def _torchrun(args: list[str], tmp_path: Path, fsdp: bool = False) -> None:
+def _torchrun(args: list[str], tmp_path: Path, fsdp: bool = False, ok: bool = True):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
     env.update(_fsdp_env() if fsdp else {})
     # --standalone: a local rendezvous on a free port (a fixed port could be taken)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(WORKER), *args]  # fmt: skip
-    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # its own session: a run that hangs is killed whole (workers included), not just torchrun
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert (res.returncode == 0) == ok, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
@@ -202,3 +213,20 @@ def test_auto_optimizer_avoids_paged_8bit_under_fsdp(tiny_model_dir):
     cfg, model, _ = make_policy(tiny_model_dir, "ibpo", torch.device("cpu"))
     opt = build_optimizer(model, cfg, torch.device("cuda"), fsdp=True)  # builds nothing on CUDA
     assert type(opt) is torch.optim.AdamW
+
+
+def test_one_process_out_of_memory_ends_the_run_instead_of_hanging(tiny_model_dir, tmp_path):
+    """Process 1 runs out of memory in step 2 while process 0 goes on into the update's first
+    collective. Process 1 must not wait for the others (they cannot join another collective): it
+    reports with its advice and exits 1, process 0's collective then fails, and the launcher
+    ends the run in seconds, not at a collective timeout."""
+    import time
+
+    out = tmp_path / "run"
+    start = time.monotonic()
+    res = _torchrun(["oom", tiny_model_dir, str(tmp_path), "model.quantization=none",
+                     "train.steps=3", "train.prompts_per_step=2", "rollout.group_size=2",
+                     "rollout.max_new_tokens=4", "data.eval_size=0", f"train.output_dir={out}",
+                     "train.progress=false", "train.plots=false"], tmp_path, ok=False)  # fmt: skip
+    assert time.monotonic() - start < 150
+    assert "ibpo: process 1: out of memory in step 2" in res.stderr, res.stderr[-3000:]
