@@ -168,6 +168,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
     llm = fake_vllm.ENGINES[-1]
     ids = [lora.lora_int_id for _, lora in llm.requests]
     assert sorted(set(ids)) == [1, 2, 3, 4] and ids == sorted(ids) and llm.asleep
+    assert not Path(llm.requests[-1][1].lora_path).parent.exists()  # engine closed, files gone
     sizes = [n for n, lora in llm.requests if lora.lora_int_id == 2]
     assert sizes[0] == 2 and len(sizes) == 2  # 2 prompts, then one request for the repairs
     from safetensors.torch import load_file
