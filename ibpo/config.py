@@ -388,6 +388,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.temperature must be > 0 (rollouts are sampled)")
     if cfg.rollout.vllm_kv_cache_gb is not None and cfg.rollout.vllm_kv_cache_gb <= 0:
         raise ConfigError("rollout.vllm_kv_cache_gb must be > 0 (or null: sized from the batch)")
+    # 8192 = sizes.VLLM_BATCHED_TOKENS (sizes imports this module)
     if cfg.rollout.backend == "vllm" and cfg.rollout.generation_batch_size > 8192:
         raise ConfigError("rollout.generation_batch_size must be <= 8192 with the vllm backend "
                           "(its sequences at once may not exceed its tokens per step)")  # fmt: skip

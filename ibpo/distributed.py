@@ -109,7 +109,9 @@ def save_adapter(accelerator, model: nn.Module, path: Path) -> None:
         state = {n: _full(p).detach().cpu() for n, p in peft_model.named_parameters()
                  if p.requires_grad}  # fmt: skip
     if accelerator.is_main_process:
-        peft_model.save_pretrained(path, state_dict=state)
+        # save_embedding_layers=False: the vocabulary is never resized, and "auto" would look
+        # the base model up on the Hub at every save
+        peft_model.save_pretrained(path, state_dict=state, save_embedding_layers=False)
 
 
 def load_adapter(peft_model: nn.Module, path: Path) -> None:

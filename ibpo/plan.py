@@ -60,7 +60,7 @@ from ibpo.sizes import (
     HEAD_CHUNK_BYTES,
     HEAD_CHUNK_BYTES_CHECKPOINTED,
     VLLM_BATCHED_TOKENS,
-    VLLM_PROCESS_BYTES,
+    VLLM_OVERHEAD_BYTES,
     ModelShape,
     kv_cache_bytes,
     layer_saved_per_token,
@@ -165,8 +165,8 @@ def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> 
 def _vllm_engine(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
     """What the vLLM engine (vllm_rollout.py) holds while it generates: its own copy of the base,
     quantised as the policy's; one LoRA slot at vLLM's rank (every linear, compute dtype); its
-    fixed KV budget; a prefill chunk's activations and the sampler's fp32 logits; and, outside
-    torch, its process's CUDA context and graphs (an estimate, sizes.VLLM_PROCESS_BYTES)."""
+    fixed KV budget; a prefill chunk's activations and the sampler's logits (as HF's); and, outside
+    torch, its CUDA graphs and buffers (an estimate, sizes.VLLM_OVERHEAD_BYTES)."""
     q, slot = cfg.model.quantization, vllm_slot_rank(cfg.model.lora_r)
     seqs = min(cfg.rollout.generation_batch_size, VLLM_BATCHED_TOKENS)
     return {
@@ -174,9 +174,10 @@ def _vllm_engine(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
         "vLLM LoRA slot": lora_parameter_count(shape, slot, "all-linear") * b,
         "vLLM KV cache": vllm_budget(shape, cfg, b)[1],
         "vLLM workspace (prefill chunk, sampler)": int(
-            VLLM_BATCHED_TOKENS * prefill_per_token(shape, b) + seqs * shape.vocab * F32
+            VLLM_BATCHED_TOKENS * prefill_per_token(shape, b)
+            + sampling_bytes(seqs, shape.vocab, b, cfg.rollout.top_p, sample=True)
         ),
-        "vLLM process (CUDA context, graphs)": VLLM_PROCESS_BYTES,
+        "vLLM CUDA graphs, buffers (estimate)": VLLM_OVERHEAD_BYTES,
     }
 
 
@@ -263,7 +264,7 @@ def phase_bytes(
             elif not ro.vllm_sleep:  # awake throughout: weights and KV budget stay
                 out[name].update({k: v for k, v in engine.items() if "workspace" not in k})
             else:  # asleep: weights in host memory, KV cache released
-                out[name]["vLLM process (CUDA context, graphs)"] = VLLM_PROCESS_BYTES
+                out[name]["vLLM CUDA graphs, buffers (estimate)"] = VLLM_OVERHEAD_BYTES
     if shards > 1:  # generation on a gathered copy of everything (distributed.gathered)
         whole = _fsdp_whole(shape, cfg.model, b)
         for name, parts in out.items():
@@ -369,6 +370,9 @@ def estimate(
         raise ConfigError("--gpus must be >= 1 and --gpu-memory-gb > 0")
     if sharding not in SHARDINGS:
         raise ConfigError(f"--sharding {sharding!r}; choose one of: {', '.join(SHARDINGS)}")
+    if gpus > 1 and cfg.rollout.backend == "vllm":  # as distributed.check_launch refuses it
+        raise ConfigError("rollout.backend=vllm runs one process: plan it with --gpus 1, or "
+                          "set rollout.backend=hf for several GPUs")  # fmt: skip
     shape = load_model_shape(model_config, cfg.model)
     phases, peak, allocated, total = _totals(shape, cfg, gpus, sharding)
     notes, suggestions = [], []
@@ -386,9 +390,9 @@ def estimate(
                      "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
         notes.append("FSDP: generation runs on a whole gathered copy of the weights")
     if cfg.rollout.backend == "vllm":
-        notes.append("rollout.backend=vllm: the engine's own process (CUDA context, graphs) is "
-                     "an estimate, not measured" + ("; it sleeps during training (weights in "
-                     "host memory)" if cfg.rollout.vllm_sleep else ""))  # fmt: skip
+        notes.append("rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
+                     "not measured" + ("; it sleeps during training (weights in host memory)"
+                                       if cfg.rollout.vllm_sleep else ""))  # fmt: skip
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         host = _offloaded_bytes(shape, cfg, _dtype_bytes(cfg.model)) / GIB
         notes.append(f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "

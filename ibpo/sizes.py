@@ -7,7 +7,9 @@ counts of the NF4 weights and their quantisation state, LoRA parameters and the 
 activation terms per token that the decoder layer, PEFT's LoRA forward and logprobs.py keep
 (checked on CPU against live-tensor accounting).
 
-Not here: which of these a phase of a step holds at once, or whether it fits (plan.py).
+Also the request sizes a run's generation calls imply (repair_generation, vllm_budget: the vLLM
+engine's KV budget and longest request). Not here: which of these a phase of a step holds at
+once, or whether it fits (plan.py).
 """
 
 from __future__ import annotations
@@ -40,16 +42,16 @@ HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
 # The repair prompt wraps question, failed attempt and a reference completion in the repair
 # template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
 REPAIR_TEMPLATE_TOKENS = 96
-# LoRA ranks vLLM allocates adapter slots for (every release the vllm extra admits); an adapter is
-# served by the next one up
-# (vllm_rollout.py). It runs prompts through the model at most this many tokens per step
-# (chunked prefill; the engine is started with it), which bounds its activation workspace.
+# The vLLM rollout engine (vllm_rollout.py). LoRA ranks it has adapter slots for, in every release
+# the vllm extra admits (an adapter is served by the next one up):
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# The most prompt tokens it runs per step (chunked prefill; the engine is started with it): bounds
+# its activation workspace, and the sequences it decodes at once (config.py checks the batch).
 VLLM_BATCHED_TOKENS = 8192
 VLLM_KV_ROUND = 256  # tokens: a multiple of vLLM's KV block sizes (16 by default)
-# Outside torch in vLLM's engine process, awake or asleep: its CUDA context, CUDA graphs and
-# workspaces (estimate; a CUDA context alone is 0.5-1 GiB)
-VLLM_PROCESS_BYTES = int(1.5 * GIB)
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# Outside torch's allocator, awake or asleep: CUDA graphs, NCCL/cuBLAS workspaces, sampler buffers
+# (an estimate: no GPU measurement yet)
+VLLM_OVERHEAD_BYTES = int(1.5 * GIB)
 
 # The embedded default (ibpo.embedded) is SmolLM2-135M-Instruct, a fixed Llama architecture:
 # planning it needs no download.
@@ -296,10 +298,10 @@ def vllm_budget(
 ) -> tuple[int, int]:
     """(max_model_len, KV-cache bytes) of the vLLM rollout engine (vllm_rollout.py). The KV
     budget holds one generation_batch_size batch at full length (rollout.vllm_kv_cache_gb
-    overrides it); vLLM schedules within it. max_model_len is the most a single request may
-    use: all of that budget (a repair prompt is longer than a rollout prompt), capped by the
-    model's positions and never less than the longest request this run makes. b: bytes per KV
-    element (the compute dtype)."""
+    overrides it); vLLM schedules within it. It is raised, if need be, to hold the longest
+    request this run makes (a repair prompt carries two completions) and rounded up to whole
+    KV blocks. max_model_len is the most a single request may use: all of that budget, capped by
+    the model's positions. b: bytes per KV element (the compute dtype)."""
     ro, P = cfg.rollout, cfg.data.max_prompt_tokens
     longest = P + max(ro.max_new_tokens, ro.eval_max_new_tokens)
     repair = repair_generation(cfg)

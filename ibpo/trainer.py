@@ -242,98 +242,104 @@ def train(cfg: Config) -> dict:
         from ibpo.vllm_rollout import VLLMEngine
 
         engine = VLLMEngine.start(cfg, parts.model, tokenizer)
-    if tr.log_with:
-        accelerator.init_trackers("ibpo", config=cfg.to_dict())
-    reward_fn = REWARDS[cfg.objective.reward]
-
-    def held_out() -> dict | None:
-        if not eval_examples:
-            return None
-        with generating(parts.model, cfg, accelerator.device, engine) as generator:
-            return evaluate_accuracy(
-                generator, tokenizer, eval_examples, cfg.data, reward_fn,
-                cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
-            )  # fmt: skip
-
-    metrics_path = out / "metrics.jsonl"
-    state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, tr.eval_before)
-    prior = state.wall_seconds
-
-    def checkpoint() -> Path:
-        state.wall_seconds = prior + time.time() - start
-        return ckpt.save_checkpoint(accelerator, out / ckpt.CHECKPOINTS, parts, state,
-                                    metrics_path, tr.keep_checkpoints)  # fmt: skip
-
-    metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
-    bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
-               disable=not (main and tr.progress))  # fmt: skip
-    status, message, last = "completed", None, resume  # last: the newest checkpoint
-    cut_short = False  # stopped mid-step: the live adapter is not saved
     try:
-        with ckpt.GracefulStop() as stop:
-            while state.step < tr.steps:
-                m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler, accelerator,
-                            parts.stream, cfg, objective, parts.rng, engine)  # fmt: skip
-                state.step += 1
-                state.count_step(m["skipped_nonfinite"] > 0)
-                log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
-                if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
-                    status = "nonfinite"
-                    break
-                if stop.requested(accelerator):
-                    status = "interrupted"
-                    break
-                if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
-                    log_eval(held_out(), state.step, bar, metrics_file, accelerator, tr.log_with)
-                if tr.save_every and state.step % tr.save_every == 0:
+        if tr.log_with:
+            accelerator.init_trackers("ibpo", config=cfg.to_dict())
+        reward_fn = REWARDS[cfg.objective.reward]
+
+        def held_out() -> dict | None:
+            if not eval_examples:
+                return None
+            with generating(parts.model, cfg, accelerator.device, engine) as generator:
+                return evaluate_accuracy(
+                    generator, tokenizer, eval_examples, cfg.data, reward_fn,
+                    cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
+                )  # fmt: skip
+
+        metrics_path = out / "metrics.jsonl"
+        state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, tr.eval_before)
+        prior = state.wall_seconds
+
+        def checkpoint() -> Path:
+            state.wall_seconds = prior + time.time() - start
+            return ckpt.save_checkpoint(accelerator, out / ckpt.CHECKPOINTS, parts, state,
+                                        metrics_path, tr.keep_checkpoints)  # fmt: skip
+
+        metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
+        bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
+                   disable=not (main and tr.progress))  # fmt: skip
+        status, message, last = "completed", None, resume  # last: the newest checkpoint
+        cut_short = False  # stopped mid-step: the live adapter is not saved
+        try:
+            with ckpt.GracefulStop() as stop:
+                while state.step < tr.steps:
+                    m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler,
+                                accelerator, parts.stream, cfg, objective, parts.rng,
+                                engine)  # fmt: skip
+                    state.step += 1
+                    state.count_step(m["skipped_nonfinite"] > 0)
+                    log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
+                    if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
+                        status = "nonfinite"
+                        break
+                    if stop.requested(accelerator):
+                        status = "interrupted"
+                        break
+                    if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
+                        log_eval(
+                            held_out(), state.step, bar, metrics_file, accelerator, tr.log_with
+                        )
+                    if tr.save_every and state.step % tr.save_every == 0:
+                        last = checkpoint()
+                if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
                     last = checkpoint()
-            if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
-                last = checkpoint()
-    except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
-        # under FSDP saving would gather shards from processes caught at other points: no saving
-        status, cut_short = "interrupted", is_fsdp(parts.model)
-    except Exception as e:
-        if not ckpt.is_oom(e):
-            raise
-        status, message = "out_of_memory", ckpt.oom_message(cfg, state.step + 1, e, last)
-        cut_short = True
-    finally:
-        bar.close()
-        if metrics_file:
-            metrics_file.close()
-    if status == "nonfinite":
-        message = ckpt.nonfinite_message(state, last)
-    # Out of memory with several processes: the others may be inside a collective of this step
-    # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
-    # the others' collective then fails and the launcher stops the run, instead of everyone
-    # waiting for a collective timeout.
-    alone = status == "out_of_memory" and accelerator.num_processes > 1
-    if message and (main or alone):
-        who = f"process {accelerator.process_index}: " if alone else ""
-        print(f"ibpo: {who}{message}", file=sys.stderr)
-    adapter = out / "adapter"
-    if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-        adapter = last / "adapter" if last else None
-    else:
-        save_adapter(accelerator, parts.model, adapter)
+        except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
+            # under FSDP saving would gather shards from processes caught at other points: no saving
+            status, cut_short = "interrupted", is_fsdp(parts.model)
+        except Exception as e:
+            if not ckpt.is_oom(e):
+                raise
+            status, message = "out_of_memory", ckpt.oom_message(cfg, state.step + 1, e, last)
+            cut_short = True
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+        if status == "nonfinite":
+            message = ckpt.nonfinite_message(state, last)
+        # Out of memory with several processes: the others may be inside a collective of this step
+        # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
+        # the others' collective then fails and the launcher stops the run, instead of everyone
+        # waiting for a collective timeout.
+        alone = status == "out_of_memory" and accelerator.num_processes > 1
+        if message and (main or alone):
+            who = f"process {accelerator.process_index}: " if alone else ""
+            print(f"ibpo: {who}{message}", file=sys.stderr)
+        adapter = out / "adapter"
+        if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
+            adapter = last / "adapter" if last else None
+        else:
+            save_adapter(accelerator, parts.model, adapter)
+            if main:
+                tokenizer.save_pretrained(adapter)
+        eval_after = held_out() if status == "completed" else None
+        if not alone:
+            accelerator.wait_for_everyone()
+        summary = {
+            "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,
+            "objective": objective.name, "model": cfg.model.name,
+            "quantization": cfg.model.quantization, "dataset": cfg.data.dataset,
+            "status": status, "message": message, "nonfinite_steps": state.nonfinite_total,
+            "resumed_from": resume and str(resume), "checkpoint": last and str(last),
+            "wall_seconds": round(prior + time.time() - start, 1),
+            "adapter": adapter and str(adapter),
+        }  # fmt: skip
         if main:
-            tokenizer.save_pretrained(adapter)
-    eval_after = held_out() if status == "completed" else None
-    if engine is not None:
-        engine.close()
-    if not alone:
-        accelerator.wait_for_everyone()
-    summary = {
-        "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,
-        "objective": objective.name, "model": cfg.model.name,
-        "quantization": cfg.model.quantization, "dataset": cfg.data.dataset,
-        "status": status, "message": message, "nonfinite_steps": state.nonfinite_total,
-        "resumed_from": resume and str(resume), "checkpoint": last and str(last),
-        "wall_seconds": round(prior + time.time() - start, 1), "adapter": adapter and str(adapter),
-    }  # fmt: skip
-    if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        finish_run(out, cfg, status)
-    if tr.log_with and not alone:
-        accelerator.end_training()
-    return summary
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            finish_run(out, cfg, status)
+        if tr.log_with and not alone:
+            accelerator.end_training()
+        return summary
+    finally:  # however the run ends: the engine holds GPU memory and a process-wide state
+        if engine is not None:
+            engine.close()

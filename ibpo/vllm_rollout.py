@@ -28,8 +28,10 @@ LoRA adapter).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
+import os
 import shutil
 import tempfile
 import weakref
@@ -46,7 +48,7 @@ from ibpo.modeling import compute_dtype, resolve_model_path
 from ibpo.rollout import Generator, Rollout, assemble, encode_prompts, eos_ids
 from ibpo.sizes import (
     VLLM_BATCHED_TOKENS,
-    VLLM_PROCESS_BYTES,
+    VLLM_OVERHEAD_BYTES,
     ModelShape,
     vllm_budget,
     vllm_slot_rank,
@@ -109,8 +111,8 @@ class VLLMEngine:
         shape = ModelShape.from_dict(base_config.to_dict())
         device = next(model.parameters()).device
         dtype = compute_dtype(mc.dtype, device)
-        length, kv_bytes = vllm_budget(shape, cfg, dtype.itemsize,
-                                       base_config.max_position_embeddings)  # fmt: skip
+        positions = getattr(base_config, "max_position_embeddings", None)
+        length, kv_bytes = vllm_budget(shape, cfg, dtype.itemsize, positions)
         kwargs = engine_kwargs(vllm, mc.quantization, mc.lora_r)
         if cfg.rollout.vllm_sleep:
             kwargs["enable_sleep_mode"] = True
@@ -119,14 +121,27 @@ class VLLMEngine:
             # its own CUDA context; what it takes is set by its weights and the KV budget below
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
-            kwargs["gpu_memory_utilization"] = max(0.01, (free - VLLM_PROCESS_BYTES) / total)
-        llm = vllm.LLM(
-            model=resolve_model_path(mc.name), revision=mc.revision, seed=cfg.train.seed,
-            dtype=str(dtype).removeprefix("torch."),
-            trust_remote_code=mc.trust_remote_code, max_model_len=length,
-            kv_cache_memory_bytes=kv_bytes, max_num_seqs=cfg.rollout.generation_batch_size,
-            max_num_batched_tokens=VLLM_BATCHED_TOKENS, **kwargs,
-        )  # fmt: skip
+            kwargs["gpu_memory_utilization"] = max(0.01, (free - VLLM_OVERHEAD_BYTES) / total)
+        # the engine in this process, not a child: a child shares the terminal's process group
+        # and exits on the first Ctrl-C / SIGTERM, which the trainer answers by finishing the
+        # step and saving (checkpoint.GracefulStop), generation included
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            llm = vllm.LLM(
+                model=resolve_model_path(mc.name), revision=mc.revision, seed=cfg.train.seed,
+                dtype=str(dtype).removeprefix("torch."),
+                trust_remote_code=mc.trust_remote_code, max_model_len=length,
+                kv_cache_memory_bytes=kv_bytes, max_num_seqs=cfg.rollout.generation_batch_size,
+                max_num_batched_tokens=VLLM_BATCHED_TOKENS, **kwargs,
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as e:  # vLLM's own advice names knobs set here
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ConfigError(
+                f"vLLM did not start: {first}\n  Fix: check the fit with `ibpo plan RECIPE "
+                f"rollout.backend=vllm`; lower rollout.vllm_kv_cache_gb (the engine's KV cache, "
+                f"{kv_bytes / 2**30:.2f} GiB now) or rollout.generation_batch_size, or use "
+                "rollout.backend=hf."
+            ) from e
         engine = cls(llm, lora_request, eos_ids(tokenizer, model), device, cfg.rollout.vllm_sleep)
         engine.sleep()
         return engine
@@ -152,14 +167,19 @@ class VLLMEngine:
         self.wake()
         try:
             yield partial(self.generate, self._sync(model))
-        finally:
-            self.sleep()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the engine may be what failed: the original
+                self.sleep()  # exception (a Ctrl-C, say) is what the caller must see
+            raise
+        self.sleep()
 
     def _sync(self, model: nn.Module):
         """The adapter as it is now, saved where the engine can load it, as a LoRA request."""
         version = next(self._ids)
         path = self.workdir / f"adapter-{version}"
-        getattr(model, "module", model).save_pretrained(path)  # PEFT: adapter weights + config
+        # PEFT format; save_embedding_layers=False: the vocabulary is never resized here, and
+        # "auto" would look the base model up on the Hub at every save
+        getattr(model, "module", model).save_pretrained(path, save_embedding_layers=False)
         previous, self._served = self._served, path
         if previous is not None:  # the engine loaded it already; the new id replaces it
             shutil.rmtree(previous, ignore_errors=True)
@@ -181,19 +201,14 @@ class VLLMEngine:
                 zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())]  # fmt: skip
         # vLLM seeds sample j of a request with seed + j: requests get disjoint seed ranges
         n = num_samples if do_sample else 1  # greedy samples are all the same (vLLM wants n=1)
-        seed = int(torch.randint(0, 2**31 - len(rows) * n, ()).item())
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {
-            "temperature": 0.0}  # fmt: skip
-        params = [
-            vllm.SamplingParams(
-                n=n,
-                max_tokens=max_new_tokens,
-                seed=seed + i * n,
-                stop_token_ids=self.eos,
-                **sampling,
-            )  # fmt: skip
-            for i in range(len(rows))
-        ]
+        sampling = [{"temperature": 0.0}] * len(rows)
+        if do_sample:  # greedy calls (evaluation) leave torch's RNG alone, as generate() does
+            seed = int(torch.randint(0, 2**31 - len(rows) * n, ()).item())
+            sampling = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i * n)
+                        for i in range(len(rows))]  # fmt: skip
+        # detokenize=False: the texts come from rollout.assemble, as for the hf backend
+        params = [vllm.SamplingParams(n=n, max_tokens=max_new_tokens, stop_token_ids=self.eos,
+                                      detokenize=False, **kw) for kw in sampling]  # fmt: skip
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params,
                                     lora_request=lora, use_tqdm=False)  # fmt: skip
         # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)

@@ -465,7 +465,7 @@ def test_vllm_backend_moves_generation_into_the_engine():
     assert sizes.vllm_budget(shape, cfg, 2)[1] == kv  # already whole 256-token blocks
     slot = sizes.lora_parameter_count(shape, 16, "all-linear") * 2  # r=16 -> a rank-16 slot
     assert math.isclose(gen["vLLM LoRA slot"], slot / 2**30)
-    process = "vLLM process (CUDA context, graphs)"
+    process = "vLLM CUDA graphs, buffers (estimate)"
     assert v["training"] == {**hf["training"], process: gen[process]}
     awake = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_sleep=false"),
                           1, 24.0).phases["training"]  # fmt: skip

@@ -114,6 +114,28 @@ def test_sampling_seeds_follow_torch_rng(fake_vllm, tiny_model_dir):
             runs.append(gen(tok, ["a", "a"], 3, 6, 4, temperature=1.0))
     assert torch.equal(runs[0].input_ids, runs[1].input_ids)
     assert runs[0].texts[:3] != runs[0].texts[3:]  # same prompt twice, different seeds
+    torch.manual_seed(8)
+    with engine.serving(model) as gen:
+        assert gen(tok, ["a", "a"], 3, 6, 4, temperature=1.0).texts != runs[0].texts
+    # greedy calls (evaluation) draw nothing from torch's RNG, as the hf backend's do not
+    torch.manual_seed(7)
+    with engine.serving(model) as gen:
+        gen(tok, PROMPTS, 1, 6, 4, do_sample=False)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state())
+
+
+def test_sampled_rows_are_grouped_prompt_major(fake_vllm, tiny_model_dir):
+    """Row b * G + j is sample j of prompt b: at a temperature near 0 every sample of a prompt
+    is that prompt's greedy completion, and the prompts' completions differ."""
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+    engine = VLLMEngine.start(cfg, model, tok)
+    with engine.serving(model) as gen:
+        sampled = gen(tok, PROMPTS, 3, 6, 4, temperature=1e-4)
+    greedy = generate(model, tok, PROMPTS, 1, 6, 4, do_sample=False).texts
+    assert sampled.texts == [t for t in greedy for _ in range(3)]
+    assert len(set(greedy)) == len(PROMPTS)
 
 
 def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
@@ -177,6 +199,43 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
     assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0
 
 
+def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM refusing to start is a ConfigError naming the knobs; an error in the middle of a run
+    still shuts the engine down and removes its files."""
+    import ibpo.trainer as trainer
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Free memory on device is less than desired GPU memory utilization")
+
+    with monkeypatch.context() as m:
+        m.setattr(fake_vllm, "LLM", refuse)
+        with pytest.raises(ConfigError, match="rollout.vllm_kv_cache_gb"):
+            VLLMEngine.start(cfg, model, tok)
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(trainer, "rl_step", broken_step)
+    started, start = [], VLLMEngine.start.__func__
+
+    def recording_start(cls, *args):
+        started.append(start(cls, *args))
+        return started[-1]
+
+    monkeypatch.setattr(VLLMEngine, "start", classmethod(recording_start))
+    run = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
+                             "rollout.backend=vllm", "data.eval_size=0", "train.steps=1",
+                             f"train.output_dir={tmp_path / 'run'}",
+                             "train.progress=false"])  # fmt: skip
+    with pytest.raises(RuntimeError, match="a bug"):
+        trainer.train(run)
+    assert len(started) == 1 and started[0].llm is None  # closed
+    assert not started[0].workdir.exists()
+
+
 def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
     from ibpo.vllm_rollout import import_vllm
 
@@ -184,6 +243,12 @@ def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
         load_config(None, ["rollout.backend=sglang"])
     with pytest.raises(ConfigError, match="vllm_kv_cache_gb"):
         load_config(None, ["rollout.vllm_kv_cache_gb=0"])
+    with pytest.raises(ConfigError, match="<= 8192"):
+        load_config(None, ["rollout.backend=vllm", "rollout.generation_batch_size=9000"])
+    from ibpo.plan import estimate
+
+    with pytest.raises(ConfigError, match="--gpus 1"):
+        estimate("Qwen/Qwen3-1.7B", load_config(None, ["rollout.backend=vllm"]), gpus=2)
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
     with pytest.raises(ConfigError, match=r"ibpo\[vllm\]"):
         import_vllm()

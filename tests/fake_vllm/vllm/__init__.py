@@ -17,11 +17,12 @@ ENGINES: list = []  # every LLM made, newest last: tests inspect what ibpo asked
 
 class SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None,
-                 stop_token_ids=None):  # fmt: skip
+                 stop_token_ids=None, detokenize=True):  # fmt: skip
         if temperature == 0 and n > 1:
             raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.stop_token_ids = max_tokens, seed, stop_token_ids or []
+        self.detokenize = detokenize
 
 
 class _Completion:
@@ -59,7 +60,9 @@ class LLM:
         if lora.lora_int_id not in self.adapters:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(copy.deepcopy(self.base), lora.lora_path)
+            with torch.random.fork_rng():  # PEFT's random LoRA init before loading must
+                # not move the caller's RNG (the engine stands for another program)
+                model = PeftModel.from_pretrained(copy.deepcopy(self.base), lora.lora_path)
             self.adapters[lora.lora_int_id] = model.eval()
         return self.adapters[lora.lora_int_id]
 
@@ -95,5 +98,5 @@ class LLM:
         done = tokens[-1] in p.stop_token_ids or tokens[-1] == self.tokenizer.eos_token_id
         reason = None if tokens[-1] == self.tokenizer.eos_token_id else tokens[-1]
         out = _Completion(index, tokens, "stop" if done else "length", reason if done else None)
-        out.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        out.text = self.tokenizer.decode(tokens, skip_special_tokens=True) if p.detokenize else ""
         return out
