@@ -278,3 +278,22 @@ def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_p
     llm = fake_vllm.ENGINES[-1]
     assert llm.kwargs["enable_lora"] and llm.kwargs["max_model_len"] == 200
     assert sorted(llm.adapters) == [1]
+
+
+def test_bench_vllm_smoke_through_the_stand_in():
+    """scripts/bench_vllm.py (the checks a real engine needs) runs end to end on the stand-in,
+    and its checks hold there: adapter served, the same after sleep / wake, greedy agreement."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": FAKE, "HF_HUB_OFFLINE": "1"}
+    script = str(root / "scripts" / "bench_vllm.py")
+    proc = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["adapter_served"] and result["same_after_wake"]
+    assert result["greedy_identical_share"] == 1.0 and result["greedy_identical_to_base_share"] < 1
+    assert result["vllm_tokens_per_s"] > 0 and result["plan_generation_gb"] > 0
