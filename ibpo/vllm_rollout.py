@@ -12,6 +12,8 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
   update has the GPU; rollout.vllm_sleep=false keeps both models resident instead.
 * Its KV cache is a fixed budget (sizes.vllm_budget: one generation batch at full length unless
   rollout.vllm_kv_cache_gb says otherwise), so memory is planned, not "90% of the card".
+* It runs in the training process, not in vLLM's default child process, which would exit on the
+  first Ctrl-C or SIGTERM instead of letting the trainer finish the step and save.
 * Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
   rollout.generate's (rollout.assemble), the completion ending at its first EOS. Sampling seeds are
   drawn from torch's RNG, which checkpoints restore, so a resumed run draws the same seeds; only
@@ -117,8 +119,8 @@ class VLLMEngine:
         if cfg.rollout.vllm_sleep:
             kwargs["enable_sleep_mode"] = True
         if torch.cuda.is_available():
-            # vLLM refuses to start unless this fraction of the card is free once its process has
-            # its own CUDA context; what it takes is set by its weights and the KV budget below
+            # vLLM refuses to start unless this fraction of the card is free (less what it sets
+            # up first); what it takes is set by its weights and the KV budget below
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             kwargs["gpu_memory_utilization"] = max(0.01, (free - VLLM_OVERHEAD_BYTES) / total)
@@ -154,8 +156,8 @@ class VLLMEngine:
     def wake(self) -> None:
         if self.asleep:
             if torch.cuda.is_available():
-                # the engine allocates outside this process's caching allocator: blocks the
-                # update freed but torch still holds would be out of its reach
+                # the engine allocates outside torch's caching allocator (its own pool, for
+                # sleeping): blocks the update freed but torch still holds are out of its reach
                 torch.cuda.empty_cache()
             self.llm.wake_up()
             self.asleep = False
