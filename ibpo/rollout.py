@@ -78,9 +78,9 @@ def set_kv_cache(model: nn.Module, kind: str) -> None:
 
 
 # Logit processing a model's own generation_config can switch on beyond what is asked for here
-# (Qwen2.5-Instruct ships repetition_penalty=1.05; others min_p, no_repeat_ngram_size...): all off,
-# so that rollouts come from the policy's distribution at the configured temperature / top-p /
-# top-k, the one the update trains, and the vllm backend (which ignores them) samples the same way.
+# (a repetition penalty, min_p, no_repeat_ngram_size...): all off, so that rollouts come from the
+# policy's distribution at the configured temperature / top-p / top-k, the one the update trains,
+# and the vllm backend (which ignores them) samples the same way.
 NEUTRAL_PROCESSING = (
     "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "min_p",
     "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "sequence_bias", "bad_words_ids",
@@ -197,4 +197,5 @@ Generator = Callable[..., Rollout]
 
 
 def hf_generator(model: nn.Module) -> Generator:
+    """The policy's own generate() as a Generator (rollout.backend=hf)."""
     return partial(generate, model)

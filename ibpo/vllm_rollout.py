@@ -215,13 +215,11 @@ class VLLMEngine:
                                     lora_request=lora, use_tqdm=False)  # fmt: skip
         # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)
         completions = [
-            torch.tensor(list(c.token_ids), dtype=torch.long)
+            torch.tensor([list(c.token_ids)], dtype=torch.long)
             for out in outputs
             for c in sorted(out.outputs, key=lambda c: c.index) * (num_samples // n)
         ]
-        pieces = nn.utils.rnn.pad_sequence(completions, batch_first=True,
-                                           padding_value=tokenizer.pad_token_id)  # fmt: skip
-        return assemble(prompt_ids, prompt_mask, [pieces], tokenizer, self.eos)
+        return assemble(prompt_ids, prompt_mask, completions, tokenizer, self.eos)
 
     def close(self) -> None:
         """Shut the engine down (its process and GPU memory) and delete the saved adapters."""
