@@ -1,15 +1,15 @@
 """What a model holds, in bytes: architecture shapes and exact or per-token sizes.
 
-The arithmetic under the memory planner (plan.py): a dense decoder's dimensions (ModelShape, from a
-config.json, a Hub id's config or the tabulated Qwen3 models in KNOWN_ARCHITECTURES), exact byte
-counts of the NF4 weights and their quantisation state, LoRA parameters and the KV cache
-(tests/test_plan.py checks them against bitsandbytes, PEFT and a transformers cache), and the
-activation terms per token that the decoder layer, PEFT's LoRA forward and logprobs.py keep
-(checked on CPU against live-tensor accounting).
+The arithmetic under the memory planner (phases.py, plan.py): a dense decoder's dimensions
+(ModelShape, from a config.json, a Hub id's config or the tabulated Qwen3 models in
+KNOWN_ARCHITECTURES), exact byte counts of the NF4 weights and their quantisation state, LoRA
+parameters and the KV cache (tests/test_plan.py checks them against bitsandbytes, PEFT and a
+transformers cache), and the activation terms per token that the decoder layer, PEFT's LoRA
+forward and logprobs.py keep (checked on CPU against live-tensor accounting).
 
 Also the request sizes a run's generation calls imply (repair_generation, vllm_budget: the vLLM
 engine's KV budget and longest request). Not here: which of these a phase of a step holds at
-once, or whether it fits (plan.py).
+once (phases.py), or whether it fits (plan.py).
 """
 
 from __future__ import annotations

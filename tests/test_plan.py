@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ibpo import plan, sizes
+from ibpo import phases, plan, sizes
 from ibpo.cli import main
 from ibpo.config import ConfigError, load_config
 from ibpo.memtrack import LiveTensorBytes
@@ -162,7 +162,7 @@ def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
     with LiveTensorBytes() as mem:
         logp, _ = completion_logprobs(model, ids, att, P, torch.ones(N, T), chunk)
         logp.sum().backward()
-    predicted = _transient(plan.phase_bytes(shape, cfg)["training"])
+    predicted = _transient(phases.phase_bytes(shape, cfg)["training"])
     assert 0.95 <= predicted / mem.peak <= 1.3  # a conservative estimate, but not a loose one
 
 
@@ -184,7 +184,7 @@ def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
     with torch.no_grad(), LiveTensorBytes() as mem:
         model.generate(input_ids=ids, attention_mask=att, max_new_tokens=T, min_new_tokens=T,
                        do_sample=True, top_k=None, eos_token_id=1, pad_token_id=0)  # fmt: skip
-    parts = plan.phase_bytes(dims, cfg)["generation"]
+    parts = phases.phase_bytes(dims, cfg)["generation"]
     assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
     predicted = _transient(parts)
     assert 0.9 <= predicted / mem.peak <= 1.3
@@ -213,7 +213,7 @@ def test_more_tokens_and_bigger_batches_need_more_memory():
 def test_training_phase_arithmetic_by_hand():
     cfg = _cfg("rollout.group_size=8", "rollout.max_new_tokens=1024", "data.max_prompt_tokens=512",
                "train.micro_batch_groups=1", "model.lora_r=16")  # fmt: skip
-    train = plan.phase_bytes(_shape(QWEN3_8B), cfg)["training"]
+    train = phases.phase_bytes(_shape(QWEN3_8B), cfg)["training"]
     # 36 checkpointed layer inputs [8 x 1536, 4096] bf16 + RoPE + the bool padding mask
     S = 8 * 1536
     assert train["activations: layer inputs"] == 36 * S * 4096 * 2 + 2 * S * 128 * 2 + 8 * 1536**2
@@ -353,9 +353,9 @@ def test_fsdp_on_one_gpu_equals_ddp():
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
     shape, cfg = _shape(QWEN3_8B), _cfg(*FSDP_CFG)
-    one = plan.phase_bytes(shape, cfg, 1)
-    ddp = plan.phase_bytes(shape, cfg, gpus, "ddp")
-    fsdp = plan.phase_bytes(shape, cfg, gpus, "fsdp")
+    one = phases.phase_bytes(shape, cfg, 1)
+    ddp = phases.phase_bytes(shape, cfg, gpus, "ddp")
+    fsdp = phases.phase_bytes(shape, cfg, gpus, "fsdp")
     state = 36 * sum(sizes.nf4_state_bytes(a * b) for a, b in shape.linears().values())
     for phase in fsdp:
         f, d = fsdp[phase], ddp[phase]

@@ -1,0 +1,261 @@
+"""What each phase of a step holds on a GPU, component by component (bytes), for the planner.
+
+From the model's shape (sizes.py) and a recipe, the peak of each phase of a step is estimated by
+counting the tensors the package's own code path holds:
+  * generation (and repair generation, evaluation): 4-bit weights + LoRA + optimizer state + the
+    KV cache of one `generate` call at full length + one step's sampling logits, or the prompt
+    prefill if that is larger;
+  * training: the same persistent state + LoRA grads + one micro-batch under gradient
+    checkpointing: every layer's input, then either the log-prob head chunk (logprobs.py) or one
+    layer recomputed in backward, whichever is larger.
+Weights, LoRA and KV-cache bytes are exact (tests/test_plan.py checks them against bitsandbytes,
+PEFT and a transformers cache). Activation terms come from reading what the decoder layer,
+PEFT's LoRA forward and logprobs.py keep, and are checked on CPU against live-tensor accounting;
+the CUDA kernels and allocator are what scripts/bench_gpu.py measures. Bytes here (plan.py
+reports GiB). Worst case throughout: every prompt at data.max_prompt_tokens, every completion at
+full length, paged optimizer state resident.
+
+Several GPUs (`gpus` > 1), two ways (`sharding`):
+  * ddp: every GPU holds a full replica of all of the above, plus DDP's gradient buckets (a copy
+    of the LoRA grads); evaluation is split across GPUs.
+  * fsdp (full shard, as recipes/accelerate/fsdp_qlora_2gpu.yaml sets it up): the packed 4-bit
+    weights (stored in the compute dtype, see modeling._quantization_config, so FSDP shards them
+    like any parameter), the other base parameters, the LoRA weights, their grads and the
+    optimizer state are divided by `gpus`. Not divided: bitsandbytes' quantisation state (absmax
+    and codes hang off each weight and are not parameters, so every GPU keeps all of it), and
+    what FSDP all-gathers. In training that is the parameters outside the decoder layers
+    (embeddings, lm_head, final norm, kept gathered after their forward) and two decoder layers
+    (the one computing and the one prefetched in backward). Generation, repairs and evaluation
+    run on a whole gathered copy (distributed.gathered: one all-gather per rollout instead of
+    one per token), so there a GPU holds its shards plus a full replica (and ranks need not
+    generate in lock-step: no collective runs while generating). Activations, KV cache and
+    logits are per GPU as under DDP. So FSDP lowers the training peak, not the
+    generation one; for a small model with a large vocabulary it can cost more than DDP, and the
+    estimate shows it. With one GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
+
+Options the estimate follows: rollout.kv_cache=static (the cache at full length from the prefill,
+no regrowth), model.offload_activations (layer inputs in host memory during the update).
+
+Not modelled: mixture-of-experts layers, CPU offload (fsdp_offload_params), DDP/FSDP
+communication buffers beyond the gradient buckets.
+
+With rollout.backend=vllm the generation phases hold the policy's state plus the engine's own
+(vllm_rollout.py): its copy of the base, a LoRA slot, its KV budget, a workspace and an estimate
+for its CUDA graphs and buffers; while it sleeps, training adds only that estimate.
+
+Not here: whether it fits, suggestions, or printing (plan.py); the byte counts themselves
+(sizes.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ibpo.config import Config, ModelConfig
+from ibpo.sizes import (
+    ADAMW8_BYTES,
+    ADAMW32_BYTES,
+    F32,
+    HEAD_CHUNK_BYTES,
+    HEAD_CHUNK_BYTES_CHECKPOINTED,
+    VLLM_BATCHED_TOKENS,
+    VLLM_OVERHEAD_BYTES,
+    ModelShape,
+    kv_cache_bytes,
+    layer_saved_per_token,
+    layer_transient_per_token,
+    lora_parameter_count,
+    lora_targets,
+    mask_bytes,
+    nf4_state_bytes,
+    prefill_per_token,
+    repair_generation,
+    sampling_bytes,
+    vllm_budget,
+    vllm_slot_rank,
+    weight_bytes,
+)
+
+
+def dtype_bytes(model: ModelConfig) -> int:
+    return 4 if model.dtype == "float32" else 2  # auto is bf16 (or fp16) on CUDA
+
+
+def _dequant_bytes(shape: ModelShape, model: ModelConfig, b: int) -> int:
+    """A 4-bit matmul over many rows first dequantises its whole weight to the compute dtype."""
+    return max(a * o for a, o in shape.linears().values()) * b if model.quantization == "nf4" else 0
+
+
+def _persistent(shape: ModelShape, cfg: Config, b: int, shards: int = 1) -> dict[str, int]:
+    """Held from load to exit: the frozen base, the LoRA weights and the optimizer state, each
+    divided over `shards` GPUs (FSDP) except the 4-bit quantisation state."""
+    mc = cfg.model
+    n = lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules)
+    # auto = paged 8-bit AdamW on CUDA, torch AdamW under FSDP (trainer.build_optimizer)
+    fp32 = cfg.train.optimizer == "adamw" or (cfg.train.optimizer == "auto" and shards > 1)
+    base = weight_bytes(shape, mc.quantization, b)
+    state = shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
+    state = state if mc.quantization == "nf4" else 0
+    parts = {
+        f"base weights ({mc.quantization})": math.ceil((base - state) / shards) + state,
+        "LoRA weights (fp32)": math.ceil(F32 * n / shards),
+        "optimizer state": math.ceil((ADAMW32_BYTES if fp32 else ADAMW8_BYTES) * n / shards),
+    }
+    if shards > 1:
+        parts["FSDP all-gathered parameters"] = _fsdp_gathered(shape, mc, b)
+    return parts
+
+
+def _fsdp_gathered(shape: ModelShape, model: ModelConfig, b: int) -> int:
+    """Full-size copies FSDP holds beside the shards: the root unit (embeddings, lm_head, final
+    norm), kept gathered after its forward, and two decoder layers (computing + prefetched)."""
+    root = shape.vocab * shape.hidden * (1 if shape.tied else 2) * b + shape.hidden * b
+    packed = sum(
+        math.ceil(a * o / 2) if model.quantization == "nf4" else a * o * b
+        for a, o in shape.linears().values()
+    )
+    norms = (2 * shape.hidden + (2 * shape.head_dim if shape.qk_norm else 0)) * b
+    lora = F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
+    layer = packed + norms + shape.bias_params() * b + lora // shape.layers
+    return root + 2 * layer
+
+
+def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
+    """Every parameter gathered whole beside its shard (the 4-bit codes and the LoRA weights);
+    the quantisation state is not a parameter: never sharded, never gathered."""
+    base = weight_bytes(shape, model.quantization, b)
+    if model.quantization == "nf4":
+        base -= shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
+    return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
+
+
+def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> dict[str, int]:
+    """One generate() call: the larger of the prefill (short cache, wide working set) and the
+    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
+    A static cache (rollout.kv_cache) is allocated at full length before the prefill and never
+    regrown."""
+    deq = _dequant_bytes(shape, model, b)
+    full = kv_cache_bytes(shape, batch, prompt + new, b)
+    decode = {"KV cache": full, "KV regrowth (one layer)": full // shape.layers,
+              "sampling logits": sampling, "4-bit dequant buffer": deq}  # fmt: skip
+    if static:
+        del decode["KV regrowth (one layer)"]
+    prefill = {
+        "KV cache": full if static else kv_cache_bytes(shape, batch, prompt, b),
+        "prefill working set": int(batch * prompt * prefill_per_token(shape, b))
+        + sum(mask_bytes(batch, prompt, b)),
+        "4-bit dequant buffer": deq,
+    }
+    return decode if sum(decode.values()) >= sum(prefill.values()) else prefill
+
+
+def _vllm_engine(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
+    """What the vLLM engine (vllm_rollout.py) holds while it generates: its own copy of the base,
+    quantised as the policy's; one LoRA slot at vLLM's rank (every linear, compute dtype); its
+    fixed KV budget; a prefill chunk's activations and the sampler's logits (as HF's); and, outside
+    torch, its CUDA graphs and buffers (an estimate, sizes.VLLM_OVERHEAD_BYTES)."""
+    q, slot = cfg.model.quantization, vllm_slot_rank(cfg.model.lora_r)
+    seqs = min(cfg.rollout.generation_batch_size, VLLM_BATCHED_TOKENS)
+    return {
+        f"vLLM base weights ({q})": weight_bytes(shape, q, b),
+        "vLLM LoRA slot": lora_parameter_count(shape, slot, "all-linear") * b,
+        "vLLM KV cache": vllm_budget(shape, cfg, b)[1],
+        "vLLM workspace (prefill chunk, sampler)": int(
+            VLLM_BATCHED_TOKENS * prefill_per_token(shape, b)
+            + sampling_bytes(seqs, shape.vocab, b, cfg.rollout.top_p, sample=True)
+        ),
+        "vLLM CUDA graphs, buffers (estimate)": VLLM_OVERHEAD_BYTES,
+    }
+
+
+def offloaded_bytes(shape: ModelShape, cfg: Config, b: int) -> int:
+    """The layer inputs of one micro-batch, all full length: what offloading moves to the host."""
+    seqs = min(cfg.train.micro_batch_groups, cfg.train.prompts_per_step) * cfg.rollout.group_size
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    return shape.layers * seqs * length * shape.hidden * b
+
+
+def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
+    """LoRA grads + the activations of one micro-batch of whole groups, all full length."""
+    tr, mc, G = cfg.train, cfg.model, cfg.rollout.group_size
+    seqs = min(tr.micro_batch_groups, tr.prompts_per_step) * G
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    S, M = seqs * length, seqs * cfg.rollout.max_new_tokens  # positions, completion tokens
+    saved = layer_saved_per_token(shape, lora_targets(shape, mc.lora_target_modules),
+                                  mc.lora_r, b)  # fmt: skip
+    bool_mask, float_mask = mask_bytes(seqs, length, b)
+    shared = bool_mask + 2 * S * shape.head_dim * b  # padding mask, RoPE cos/sin
+    transient = S * layer_transient_per_token(shape) + float_mask
+    if mc.gradient_checkpointing:  # keep each layer's input, recompute one layer at a time
+        kept = shape.layers * S * shape.hidden * b + shared
+        layer = S * saved + float_mask + transient
+        if mc.offload_activations:  # inputs in host memory; one comes back per layer in backward
+            kept, layer = shared, layer + S * shape.hidden * b
+    else:
+        kept = shape.layers * (S * saved + float_mask) + shared
+        layer = transient
+    # final norm (fp32 input saved, b output), the completion hidden states, one head chunk
+    head = S * (F32 + b) * shape.hidden + M * shape.hidden * b
+    targets = mc.lora_target_modules
+    fused = not (isinstance(targets, list) and "lm_head" in targets)
+    if fused:  # the saved gradient directions, [M, hidden] fp32
+        head += M * shape.hidden * F32
+    per = HEAD_CHUNK_BYTES if fused else HEAD_CHUNK_BYTES_CHECKPOINTED
+    head += int(per * min(tr.logprob_chunk_tokens, M) * shape.vocab)
+    top = ("log-prob head chunk", head) if head >= layer else ("one layer in backward", layer)
+    return {
+        "LoRA grads (fp32)": F32 * lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules),
+        "activations: layer inputs" if mc.gradient_checkpointing else "activations": kept,
+        f"activations: {top[0]}": top[1],
+        "4-bit dequant buffer": _dequant_bytes(shape, mc, b),
+        # ids and attention mask (int64), completion mask and advantages (fp32) of the step
+        "rollout tensors": tr.prompts_per_step * G * length * 24,
+    }
+
+
+def phase_bytes(
+    shape: ModelShape, cfg: Config, gpus: int = 1, sharding: str = "ddp"
+) -> dict[str, dict[str, int]]:
+    """Bytes per component at the peak of each phase of a step (torch allocations only)."""
+    b, ro, V = dtype_bytes(cfg.model), cfg.rollout, shape.vocab
+    shards = gpus if sharding == "fsdp" else 1  # FSDP on one GPU does not shard (NO_SHARD)
+    P = cfg.data.max_prompt_tokens
+    n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
+    sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
+    static = ro.kv_cache != "dynamic"
+    phases = {
+        "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, static)
+    }
+    repair = repair_generation(cfg)
+    if repair:
+        n, p, t = repair
+        sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
+        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling, static)
+    train = phases["training"] = _training(shape, cfg, b)
+    train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
+    if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
+        train["DDP grad buckets"] = train["LoRA grads (fp32)"]
+    if cfg.data.eval_size > 0:
+        n = min(ro.eval_batch_size, math.ceil(cfg.data.eval_size / gpus))
+        sampling = sampling_bytes(n, V, b, 1.0, sample=False)
+        phases["evaluation"] = _generation(
+            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling, static
+        )
+    base = _persistent(shape, cfg, b, shards)
+    out = {name: {**base, **parts} for name, parts in phases.items()}
+    if ro.backend == "vllm":  # the engine generates; the policy only holds its state meanwhile
+        engine = _vllm_engine(shape, cfg, b)
+        for name in out:
+            if name != "training":
+                out[name] = {**base, **engine}
+            elif not ro.vllm_sleep:  # awake throughout: weights and KV budget stay
+                out[name].update({k: v for k, v in engine.items() if "workspace" not in k})
+            else:  # asleep: weights in host memory, KV cache released
+                out[name]["vLLM CUDA graphs, buffers (estimate)"] = VLLM_OVERHEAD_BYTES
+    if shards > 1:  # generation on a gathered copy of everything (distributed.gathered)
+        whole = _fsdp_whole(shape, cfg.model, b)
+        for name, parts in out.items():
+            if name != "training":
+                del parts["FSDP all-gathered parameters"]
+                parts["FSDP gathered weights (generation)"] = whole
+    return out
