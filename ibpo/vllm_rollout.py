@@ -198,6 +198,8 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: generate inside engine.serving(model)")
         vllm, _ = import_vllm()
+        # the hf backend's prompt tensors (the Rollout keeps them); vLLM gets each prompt's
+        # tokens once, unpadded
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, self.device)
         rows = [ids[m.bool()].tolist() for ids, m in
                 zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())]  # fmt: skip
