@@ -1,10 +1,11 @@
 """Run untrusted generated Python against test cases, one throwaway sandbox per test.
 
-Test kinds: "stdin" (feed `input`, compare stdout with `expected` via `stdout_matches`), "call"
-(call `fn_name(*input)`, a method of `class Solution` when the code defines one, and compare the
-JSON-encoded return value with `expected`) and "script" (passes when the program runs to its
-end, e.g. HumanEval's `check(entry_point)`). Statuses: passed, failed (wrong answer, assertion),
-timeout, error (exception, crash, output limit, exit code), skipped (stop_on_first_failure).
+Test kinds: "stdin" (feed `input`, compare stdout with `expected` via
+`sandbox_verdict.stdout_matches`), "call" (call `fn_name(*input)`, a method of `class Solution`
+when the code defines one, and compare the JSON-encoded return value with `expected`) and
+"script" (passes when the program runs to its end, e.g. HumanEval's `check(entry_point)`).
+Statuses: passed, failed (wrong answer, assertion), timeout, error (exception, crash, output
+limit, exit code), skipped (stop_on_first_failure).
 
 Each test runs in a fresh interpreter (`python -S -s -B`: no site-packages; an environment built
 from scratch: no tokens, no PYTHONPATH) with rlimits on CPU time, address space, open files,
@@ -28,12 +29,12 @@ Cost: about 35 ms of CPU per test (interpreter start ~20 ms; unshare, ctypes, mo
 Limits: the sandbox protects the machine, not the grade from a program written to forge it
 (the result channel is written from inside the same interpreter as the tested code).
 
-Not here: grading policy and test specs (rewards/code.py), languages other than Python.
+Not here: judging a finished test's output (sandbox_verdict.py), grading policy and test specs
+(rewards/code.py), languages other than Python.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import marshal
 import math
@@ -54,10 +55,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from ibpo.sandbox_verdict import classify
+
 log = logging.getLogger(__name__)
 
 STATUSES = ("passed", "failed", "timeout", "error", "skipped")
-_SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox
 _MAX_SLOTS = max(1, min(os.cpu_count() or 1, 64))
 _SLOTS: queue.Queue[int] = queue.Queue()
 for _i in range(_MAX_SLOTS):
@@ -205,7 +207,7 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
         os.close(keep_alive)
     cap = limits.max_output_bytes
     out, err, res = (_read_capped(path(n), cap) for n in ("stdout", "stderr", "result"))
-    st, reason = _classify(test, limits, status, cpu, wall_killed, out, err, res)
+    st, reason = classify(test, limits, status, cpu, wall_killed, out, err, res)
     return TestResult(st, reason, round(cpu, 4), mode)
 
 
@@ -386,98 +388,3 @@ def _killpg(pgid: int) -> None:
 def _read_capped(path: str, cap: int) -> bytes:
     with open(path, "rb") as f:
         return f.read(cap + 1)
-
-
-def _short(value: Any, n: int = 80) -> str:
-    try:
-        s = repr(value) if isinstance(value, str) else json.dumps(value)
-    except (TypeError, ValueError):
-        s = repr(value)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _last_line(err: bytes) -> str:
-    lines = [ln.strip() for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
-    return _short(lines[-1], 200).strip("'\"") if lines else ""
-
-
-def _classify(test, limits, status, cpu, wall_killed, out, err, res) -> tuple[str, str]:
-    cap = limits.max_output_bytes
-    records = res.decode("utf-8", "replace").splitlines()
-    last = records[-1] if records else ""
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _SETUP_FAILED and not records:
-        return "error", _last_line(err) or "sandbox setup failed"
-    if cpu > limits.time_s:
-        # Over the limit, or killed by RLIMIT_CPU (unshare reports a SIGKILLed child as exit
-        # code 1, not as a signal).
-        return "timeout", f"time limit {limits.time_s:g}s"
-    if wall_killed:
-        return "timeout", f"wall-clock limit {limits.wall_s:g}s"
-    if os.WIFSIGNALED(status):
-        return "error", f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
-        return "error", f"output limit {cap} bytes exceeded"
-    if last.startswith("E "):
-        failed = test.kind == "script" and last.startswith("E AssertionError")
-        return ("failed" if failed else "error"), last[2:]
-    code = os.WEXITSTATUS(status)
-    if last.startswith("X ") or code != 0:
-        detail = f": {_last_line(err)}" if _last_line(err) else ""
-        early = " before the end" if last.startswith("X ") else ""
-        return "error", f"exit code {last[2:] if early else code}{early}{detail}"
-    return _compare(test, out, last)
-
-
-def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
-    if test.kind == "script":
-        return ("passed", "") if last == "D" else ("failed", "program stopped before the end")
-    if test.kind == "stdin":
-        got = out.decode("utf-8", "replace")
-        if last != "D":
-            return "failed", "program stopped before the end"
-        if stdout_matches(got, test.expected):
-            return "passed", ""
-        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
-    if last.startswith("V "):
-        try:  # written by the child: untrusted, may be anything
-            got = json.loads(last[2:])
-        except (ValueError, RecursionError):
-            return "error", "unreadable return value"
-        if got == test.expected:
-            return "passed", ""
-        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
-    if last.startswith("R "):
-        return "failed", f"wrong answer: expected {_short(test.expected)} got {last[2:]}"
-    return "error", "no return value reported"
-
-
-def stdout_matches(got: str, expected: str) -> bool:
-    """Line-by-line comparison ignoring trailing whitespace, blank trailing lines, and spacing
-    between tokens; tokens with a decimal point or exponent compare as floats within 1e-6."""
-    g, e = _lines(got), _lines(expected)
-    if len(g) != len(e):
-        return False
-    return all(a == b or _tokens_match(a.split(), b.split()) for a, b in zip(g, e))
-
-
-def _lines(text: str) -> list[str]:
-    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
-def _tokens_match(got: list[str], exp: list[str]) -> bool:
-    if len(got) != len(exp):
-        return False
-    for a, b in zip(got, exp):
-        if a == b:
-            continue
-        if not any(c in b for c in ".eE"):
-            return False
-        try:
-            if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6):
-                return False
-        except ValueError:
-            return False
-    return True

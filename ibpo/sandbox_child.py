@@ -37,7 +37,7 @@ def _child_die(what):
     import os
 
     os.write(2, f"sandbox setup failed: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
-    os._exit(121)  # _SETUP_FAILED
+    os._exit(121)  # sandbox_verdict.SETUP_FAILED
 
 
 def _child_sandbox(job, libc):

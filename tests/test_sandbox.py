@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from ibpo import sandbox
-from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests, stdout_matches
+from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox_verdict import stdout_matches
 
 FAST = Limits(time_s=0.5)  # wall-clock limit 2 s
 NAMESPACES = isolation_mode() == "namespaces"

@@ -20,7 +20,7 @@ r"""Code grading: extract the program from a completion, run it against tests in
 
 Functional tests follow LiveCodeBench: "input" is one JSON value per line, one line per
 argument ("[2,7,11,15]\n9"), or a JSON list of arguments given as a list; "output" is the JSON
-of the expected return value. Stdin tests compare stdout as `sandbox.stdout_matches` does.
+of the expected return value. Stdin tests compare stdout as `sandbox_verdict.stdout_matches` does.
 `humaneval_spec` and `livecodebench_spec` build specs from those benchmarks' rows; the
 LiveCodeBench spec carries LCB_PRELUDE, the imports that benchmark's harness makes available.
 

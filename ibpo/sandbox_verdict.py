@@ -1,0 +1,129 @@
+"""A finished sandboxed test's verdict: its exit status and output turned into (status, reason).
+
+The child (sandbox_child.py) reports on a result channel, one record per line: "D" (the program
+ran to its end), "V <json>" (a call test's return value), "R <repr>" (a return value that is not
+JSON), "E <exception>" and "X <code>" (an exit before the end). Limits are judged before the
+answer: over the CPU or wall-clock limit is a timeout whatever was printed. Stdin tests compare
+stdout with `stdout_matches`; call tests compare decoded JSON values exactly.
+
+Not here: running the test (sandbox.py), grading policy (rewards/code.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ibpo.sandbox import Limits, TestCase
+
+SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox (sandbox_child)
+
+
+def _short(value: Any, n: int = 80) -> str:
+    try:
+        s = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):
+        s = repr(value)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _last_line(err: bytes) -> str:
+    lines = [ln.strip() for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return _short(lines[-1], 200).strip("'\"") if lines else ""
+
+
+def classify(
+    test: TestCase,
+    limits: Limits,
+    status: int,
+    cpu: float,
+    wall_killed: bool,
+    out: bytes,
+    err: bytes,
+    res: bytes,
+) -> tuple[str, str]:
+    """(status, reason) of one finished test: its wait status, CPU seconds, whether the wall
+    clock killed it, and its capped stdout, stderr and result channel."""
+    cap = limits.max_output_bytes
+    records = res.decode("utf-8", "replace").splitlines()
+    last = records[-1] if records else ""
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED and not records:
+        return "error", _last_line(err) or "sandbox setup failed"
+    if cpu > limits.time_s:
+        # Over the limit, or killed by RLIMIT_CPU (unshare reports a SIGKILLed child as exit
+        # code 1, not as a signal).
+        return "timeout", f"time limit {limits.time_s:g}s"
+    if wall_killed:
+        return "timeout", f"wall-clock limit {limits.wall_s:g}s"
+    if os.WIFSIGNALED(status):
+        return "error", f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
+        return "error", f"output limit {cap} bytes exceeded"
+    if last.startswith("E "):
+        failed = test.kind == "script" and last.startswith("E AssertionError")
+        return ("failed" if failed else "error"), last[2:]
+    code = os.WEXITSTATUS(status)
+    if last.startswith("X ") or code != 0:
+        detail = f": {_last_line(err)}" if _last_line(err) else ""
+        early = " before the end" if last.startswith("X ") else ""
+        return "error", f"exit code {last[2:] if early else code}{early}{detail}"
+    return _compare(test, out, last)
+
+
+def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
+    if test.kind == "script":
+        return ("passed", "") if last == "D" else ("failed", "program stopped before the end")
+    if test.kind == "stdin":
+        got = out.decode("utf-8", "replace")
+        if last != "D":
+            return "failed", "program stopped before the end"
+        if stdout_matches(got, test.expected):
+            return "passed", ""
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
+    if last.startswith("V "):
+        try:  # written by the child: untrusted, may be anything
+            got = json.loads(last[2:])
+        except (ValueError, RecursionError):
+            return "error", "unreadable return value"
+        if got == test.expected:
+            return "passed", ""
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
+    if last.startswith("R "):
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {last[2:]}"
+    return "error", "no return value reported"
+
+
+def stdout_matches(got: str, expected: str) -> bool:
+    """Line-by-line comparison ignoring trailing whitespace, blank trailing lines, and spacing
+    between tokens; tokens with a decimal point or exponent compare as floats within 1e-6."""
+    g, e = _lines(got), _lines(expected)
+    if len(g) != len(e):
+        return False
+    return all(a == b or _tokens_match(a.split(), b.split()) for a, b in zip(g, e))
+
+
+def _lines(text: str) -> list[str]:
+    lines = [ln.rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _tokens_match(got: list[str], exp: list[str]) -> bool:
+    if len(got) != len(exp):
+        return False
+    for a, b in zip(got, exp):
+        if a == b:
+            continue
+        if not any(c in b for c in ".eE"):
+            return False
+        try:
+            if not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6):
+                return False
+        except ValueError:
+            return False
+    return True
