@@ -163,6 +163,13 @@ def optimizer_state(model: nn.Module, optimizer) -> dict:
     """What to save on the main process; under FSDP a collective (the full state, gathered)."""
     if not is_fsdp(model):
         return optimizer.state_dict()
+    if not _plain(optimizer).state:
+        # No optimizer step yet (a checkpoint before the first step, or after skipped ones).
+        # get_optimizer_state_dict would first run a zero-gradient step to create the state,
+        # on the live optimizer too: its step count would become 1, shifting AdamW's bias
+        # correction for the rest of the run and after resume. Nothing to save instead; the
+        # same on every process (they step together), so the collective is skipped by all.
+        return {"state": {}, "param_groups": []}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -173,6 +180,8 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
     """The inverse of optimizer_state; every process calls it with the same full state."""
     if not is_fsdp(model):
         optimizer.load_state_dict(state)
+        return
+    if not state["state"]:  # saved before any step: a fresh optimizer is what was saved
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

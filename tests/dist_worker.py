@@ -113,7 +113,7 @@ def make_policy(model_dir: str, objective: str, device):
 
 def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     """Two updates (off-policy on the second) of update_policy on the fixed batch's groups."""
-    from ibpo.distributed import is_fsdp
+    from ibpo.distributed import is_fsdp, load_optimizer_state, optimizer_state
     from ibpo.objectives import resolve_params
     from ibpo.trainer import build_optimizer, update_policy
 
@@ -122,6 +122,9 @@ def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     model, opt, sched = accelerator.prepare(model, opt, sched)
     assert is_fsdp(model) == FSDP, type(model)  # the wrapping the test asked for
+    # a checkpoint before any step, saved and restored, must leave the optimizer as it was (a
+    # step count moved to 1 would change AdamW's bias correction and so the result)
+    load_optimizer_state(model, opt, optimizer_state(model, opt))
     batch = fixed_batch(tok, groups)
     update_policy(model, opt, sched, accelerator, batch, cfg, resolve_params(cfg.objective))
     return lora_state(model)
