@@ -2,8 +2,9 @@
 
 * `group_advantages`: A_i = R_i - mean_G(R) (optionally / (std_G(R) + eps)); a group whose rewards
   are all equal gets exactly zero advantage.
-* `shape_rewards`: R'_i = R_i + lambda * phi_i, phi only on incorrect members (the counterfactual
+* `shape_rewards`: R'_i = R_i + lambda * phi_i, phi only on failed members (the counterfactual
   repair bonus; phi itself comes from repair generations, which this module does not run).
+* `overlong_penalty`: DAPO's soft length penalty, a reward term added before centring.
 * `edited_tokens`: which tokens of an attempt its repair changed, from a token-level Levenshtein
   alignment (rapidfuzz's C implementation over token ids).
 * `token_advantages`: broadcast A_i over tokens, and where an edit mask is given, reduce the blame
@@ -22,10 +23,32 @@ from torch import Tensor
 def group_advantages(rewards: Tensor, scale: bool, eps: float = 1e-6) -> Tensor:
     """rewards [B, G] -> advantages [B, G] centred within each group."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
+    # A flat group is zero by definition, not by rounding: 8 rewards of 0.3 have a float32 mean
+    # off by 2e-8 and a std of 3e-8, which std scaling would turn into A = 0.03 for every member.
+    centred = torch.where(flat_groups(rewards).unsqueeze(1), 0.0, centred)
     if not scale:
         return centred
     # unbiased=False keeps G=2 groups finite and matches the population std of the group
     return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+
+
+def flat_groups(rewards: Tensor) -> Tensor:
+    """rewards [B, G] -> [B] bool: every member of the group has the same reward (no signal)."""
+    return rewards.amax(dim=1) == rewards.amin(dim=1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: float, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment: lengths (completion tokens) -> a reward term <= 0.
+
+    0 up to (1 - buffer) x max_len tokens, then falling linearly to -penalty at max_len (where
+    generation stops, truncated): long answers are discouraged before they are cut off, without
+    the cliff that scoring a truncated completion as plain wrong would be.
+    """
+    cache = buffer * max_len
+    if cache <= 0 or penalty == 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_len - cache)).clamp(0, cache)
+    return -penalty * over / cache
 
 
 def shape_rewards(rewards: Tensor, phi: Tensor, lam: float, correct: Tensor) -> Tensor:

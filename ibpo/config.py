@@ -120,6 +120,11 @@ class ObjectiveConfig:
     scale_rewards: bool | None = None  # divide group-centred rewards by the group std
     aggregation: str | None = None  # token_mean | token_sum | seq_mean
     kl_coef: float = 0.0  # k3 KL to the reference (the base with the adapter disabled)
+    # DAPO's soft overlong punishment, for any objective (dapo's default: 0.2 and 0.5; others 0):
+    # completions longer than (1 - overlong_buffer) x rollout.max_new_tokens lose reward linearly,
+    # up to overlong_penalty at full length
+    overlong_buffer: float | None = None
+    overlong_penalty: float | None = None
     reward: str = "math"  # reward function name (ibpo.rewards.REWARDS)
 
 

@@ -96,9 +96,12 @@ def exchangeable(
         w_t = WEIGHT_TRANSFORMS[weights](w, seq_adv.view_as(w))
         keep = torch.ones_like(mask)
         if gate == "group":
-            # Drop the whole group when any member's ratio leaves the band: a decision that is
-            # the same for every member, so it cannot break exchangeability (and ignores sign(A)).
-            inside = ((w >= 1 - eps_low) & (w <= 1 + eps_high)).all(1, keepdim=True)
+            # Drop the whole group when its group-constant weight (Min-Replace's w~) leaves the
+            # band: one decision for every member, so it cannot break exchangeability, and
+            # blind to sign(A). Adv-Orthogonal's w~ differs per member: there every member's
+            # ratio must lie inside.
+            g = w_t[:, :1] if weights == "min_replace" else w
+            inside = ((g >= 1 - eps_low) & (g <= 1 + eps_high)).all(1, keepdim=True)
             keep = keep * inside.expand_as(w).reshape(n, 1).to(mask.dtype)
         elif gate == "token":
             # A token's ratio depends only on its context and the token: identical contexts are
@@ -211,6 +214,10 @@ class Objective:
     scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
     defaults: dict[str, Any] = field(default_factory=dict)  # surrogate keyword arguments
     counterfactual: bool = False  # uses IBPO.md Part 2 shaped rewards (advantages.py seam)
+    # DAPO's soft overlong punishment (advantages.overlong_penalty): the buffer as a share of
+    # rollout.max_new_tokens and the penalty at full length; 0 = off
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 0.0
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -229,7 +236,15 @@ OBJECTIVES: dict[str, Objective] = {
     ),
     "grpo": Objective(clipped_token, "seq_mean", True, {"eps_low": 0.2, "eps_high": 0.2}),
     "dr_grpo": Objective(clipped_token, "token_sum", False, {"eps_low": 0.2, "eps_high": 0.2}),
-    "dapo": Objective(clipped_token, "token_mean", True, {"eps_low": 0.2, "eps_high": 0.28}),
+    # DAPO's buffer 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1
+    "dapo": Objective(
+        clipped_token,
+        "token_mean",
+        True,
+        {"eps_low": 0.2, "eps_high": 0.28},
+        overlong_buffer=0.2,
+        overlong_penalty=0.5,
+    ),
     "gspo": Objective(gspo_sequence, "seq_mean", True, {"eps_low": 3e-4, "eps_high": 4e-4}),
 }
 
@@ -243,6 +258,8 @@ class ResolvedObjective:
     scale_rewards: bool
     counterfactual: bool
     kl_coef: float
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 0.0
 
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
@@ -276,6 +293,14 @@ def resolve_params(cfg: Any) -> ResolvedObjective:
     if cfg.kl_coef < 0:
         raise ConfigError("objective.kl_coef must be >= 0")
     scale = obj.scale_rewards if cfg.scale_rewards is None else cfg.scale_rewards
+    buffer = obj.overlong_buffer if cfg.overlong_buffer is None else cfg.overlong_buffer
+    penalty = obj.overlong_penalty if cfg.overlong_penalty is None else cfg.overlong_penalty
+    if not 0.0 <= buffer < 1.0:
+        raise ConfigError("objective.overlong_buffer must lie in [0, 1): a share of "
+                          "rollout.max_new_tokens (0 = no overlong penalty)")  # fmt: skip
+    if penalty < 0:
+        raise ConfigError("objective.overlong_penalty must be >= 0 (it is subtracted)")
     return ResolvedObjective(
-        cfg.name, obj.surrogate, kwargs, aggregation, scale, obj.counterfactual, cfg.kl_coef
-    )
+        cfg.name, obj.surrogate, kwargs, aggregation, scale, obj.counterfactual, cfg.kl_coef,
+        buffer, penalty,
+    )  # fmt: skip

@@ -1,17 +1,20 @@
 """Counterfactual repairs (IBPO.md Part 2): the group's own members as counterfactuals.
 
-For each incorrect completion y_i of a group (at most `max_repairs_per_group` per group), K - 1
-sibling references are chosen (correct siblings first by default) and the policy is asked, through
+For each failed completion y_i of a group (reward 0; at most `max_repairs_per_group` per group),
+K - 1 sibling references are chosen (correct siblings, reward 1, first by default) and the policy
+is asked, through
 a documented template, to repair y_i *locally* given the question and the reference. All repairs of
 a step are generated in one batched call (adapter on, no gradient) and graded with the training
 grader. From them:
 
-    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 for correct y_i)
+    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 unless R_i = 0)
     edited[i, t] = token t of y_i was changed by its most local successful repair
                    (token-level Levenshtein alignment; all True when no repair succeeded)
 
 `advantages.shape_rewards` and `advantages.token_advantages` turn these into R' and token
-advantages. Repairs are scored, never trained on.
+advantages. Repairs are scored, never trained on. A partly correct completion (0 < R < 1, e.g. a
+fraction of a problem's code tests) is neither repaired nor a preferred reference: IBPO.md's phi
+needs R_i = 0, and a bonus on R_i = 0.9 could lift it above a fully correct sibling.
 
 Not here: the reward shaping arithmetic (advantages.py) or the loss.
 """
@@ -33,7 +36,7 @@ from ibpo.rollout import Generator, Rollout
 @dataclass(frozen=True)
 class RepairJob:
     group: int  # b in [0, B)
-    member: int  # i in [0, G): the incorrect attempt
+    member: int  # i in [0, G): the failed attempt (reward 0)
     reference: int  # j in [0, G): the sibling shown as a reference
 
 
@@ -52,16 +55,18 @@ def choose_references(
 
 
 def plan_repairs(
-    correct: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
+    rewards: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
 ) -> list[RepairJob]:
-    """correct [B, G] bool -> the repair generations of a step (at most max_per_group x K-1 per
-    group). Which incorrect members are repaired when the cap binds is random, not positional."""
+    """rewards [B, G] -> the repair generations of a step (at most max_per_group x K-1 per
+    group): failed members (R = 0) get references, correct ones (R >= 1) first. Which failed
+    members are repaired when the cap binds is random, not positional."""
     jobs = []
-    for b, row in enumerate(correct.tolist()):
-        wrong = [i for i, ok in enumerate(row) if not ok]
-        rng.shuffle(wrong)
-        for i in wrong[:max_per_group]:
-            for j in choose_references(row, i, references, selection, rng):
+    for b, row in enumerate(rewards.tolist()):
+        correct = [r >= 1.0 for r in row]
+        failed = [i for i, r in enumerate(row) if r <= 0.0]
+        rng.shuffle(failed)
+        for i in failed[:max_per_group]:
+            for j in choose_references(correct, i, references, selection, rng):
                 jobs.append(RepairJob(b, i, j))
     return jobs
 
@@ -134,11 +139,10 @@ def run_repairs(
     """Generate and grade the repairs of one step. `gen`: max_new_tokens, batch_size,
     temperature, top_p, top_k for the repair generations (already resolved)."""
     B, G = rewards.shape
-    correct = rewards >= 1.0
-    jobs = plan_repairs(correct, rep.references, rep.max_repairs_per_group,
+    jobs = plan_repairs(rewards, rep.references, rep.max_repairs_per_group,
                         rep.reference_selection, rng)  # fmt: skip
     width = rollout.completion_mask.shape[1]
-    n_wrong = int((~correct).sum().item())
+    n_wrong = int((rewards <= 0.0).sum().item())
     stats = {"repairs": float(len(jobs)), "repair_tokens": 0.0, "repair_rate": 0.0,
              "repair_success_rate": 0.0, "edited_token_fraction": 0.0}  # fmt: skip
     if not jobs:

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ibpo.advantages import group_advantages, shape_rewards, token_advantages
+from ibpo.advantages import (
+    flat_groups,
+    group_advantages,
+    overlong_penalty,
+    shape_rewards,
+    token_advantages,
+)
 from ibpo.config import Config
 from ibpo.data import PromptStream, render_prompt
 from ibpo.objectives import ResolvedObjective
@@ -96,7 +102,7 @@ def collect_batch(
         )
         _add(stats, st)
         sampled.append(rewards)
-        live = (shaped.max(1).values > shaped.min(1).values).tolist()
+        live = (~flat_groups(shaped)).tolist()
         groups = [b for b, ok in enumerate(live) if ok] if cfg.rollout.dynamic_sampling else []
         if not cfg.rollout.dynamic_sampling:
             groups = list(range(len(live)))
@@ -116,7 +122,12 @@ def collect_batch(
     rewards = torch.cat([k[1] for k in kept])
     shaped = torch.cat([k[2] for k in kept])
     edited = _join_edits([k[3] for k in kept], rollout.completion_mask.shape[1])
-    seq_adv = group_advantages(shaped, objective.scale_rewards).flatten()
+    # DAPO's length penalty joins the rewards the advantages see, after dynamic sampling (which
+    # judges the task's rewards, as DAPO filters on accuracy) and after repairs (graded on R)
+    lengths = rollout.completion_mask.sum(1).view_as(shaped).cpu()
+    long = overlong_penalty(lengths, cfg.rollout.max_new_tokens, objective.overlong_buffer,
+                            objective.overlong_penalty)  # fmt: skip
+    seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten()
     device = rollout.input_ids.device
     seq_adv = seq_adv.to(device)
     adv = token_advantages(seq_adv, rollout.completion_mask, edited, cfg.repair.unchanged_weight)
@@ -124,7 +135,8 @@ def collect_batch(
     stats.update(
         sampled_reward=all_rewards.mean().item(),
         sampled_accuracy=(all_rewards >= 1.0).float().mean().item(),
-        sampled_zero_variance_groups=(all_rewards.std(1) == 0).float().mean().item(),
+        sampled_zero_variance_groups=flat_groups(all_rewards).float().mean().item(),
+        overlong_penalty=long.mean().item(),
         dropped_groups=float(dropped),
         resample_rounds=float(rounds),
     )

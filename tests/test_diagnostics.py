@@ -157,3 +157,70 @@ def test_without_dynamic_sampling_flat_groups_stay(monkeypatch):
     _fake_rounds(monkeypatch, [[FLAT, LIVE, FLAT]])
     b, stream = _collect(_cfg(False, 3))
     assert stream.asked == [3] and b.rewards.shape == (3, 2) and b.stats["dropped_groups"] == 0
+
+
+# --- DAPO's soft overlong punishment ----------------------------------------------------------
+
+
+def test_overlong_penalty_is_zero_before_the_buffer_then_linear_to_the_maximum():
+    from ibpo.advantages import overlong_penalty
+
+    lengths = torch.arange(17)
+    p = overlong_penalty(lengths, max_len=16, buffer=0.25, penalty=0.5)  # buffer: tokens 13..16
+    assert (p[:13] == 0).all()
+    torch.testing.assert_close(p[12:], torch.tensor([0.0, -0.125, -0.25, -0.375, -0.5]))
+    assert (overlong_penalty(lengths, 16, 0.0, 0.5) == 0).all()
+    assert (overlong_penalty(lengths, 16, 0.25, 0.0) == 0).all()
+
+
+def _lengths_round(monkeypatch, rewards, lengths, width=16):
+    """One round of `collect_batch` whose completions have the given lengths (tokens)."""
+    import ibpo.scoring as scoring
+    from ibpo.rollout import Rollout
+
+    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng):
+        r = torch.tensor(rewards[: len(examples)], dtype=torch.float32)
+        n = r.numel()
+        mask = (torch.arange(width) < torch.tensor(lengths).view(n, 1)).float()
+        ids = torch.ones(n, 5 + width, dtype=torch.long)
+        none = torch.zeros(n, dtype=torch.bool)
+        ro = Rollout(ids, torch.ones_like(ids), mask, 5, ["x"] * n, none)
+        return ro, r, r, None, {"generated_tokens": float(mask.sum())}
+
+    monkeypatch.setattr(scoring, "_score_round", fake_round)
+
+
+@pytest.mark.parametrize("objective", ["dapo", "dfpo"])
+def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatch, objective):
+    """An all-correct group (no task signal) whose members are 4 and 16 tokens long, with
+    max_new_tokens 16: DAPO's default (20% buffer) gives the short one the positive advantage;
+    objectives without the penalty, or dapo with it off, leave the group at zero."""
+    from ibpo.config import load_config
+
+    def collect(extra):
+        _lengths_round(monkeypatch, [[1.0, 1.0]], [4, 16])
+        cfg = load_config(None, ["rollout.group_size=2", "train.prompts_per_step=1",
+                                 "rollout.max_new_tokens=16", f"objective.name={objective}",
+                                 *extra])  # fmt: skip
+        return _collect(cfg)[0]
+
+    b = collect([])
+    if objective == "dapo":
+        assert b.seq_adv[0] > 0 > b.seq_adv[1]
+        assert b.stats["overlong_penalty"] == pytest.approx(-0.25)  # (0 - 0.5) / 2
+    else:
+        assert (b.seq_adv == 0).all() and b.stats["overlong_penalty"] == 0
+    assert (collect(["objective.overlong_buffer=0"]).seq_adv == 0).all()
+    # on for any objective; dynamic sampling still sees a flat group (equal task rewards)
+    b = collect(["objective.overlong_buffer=0.5", "objective.overlong_penalty=1.0",
+                 "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=0"])  # fmt: skip
+    assert b.stats["dropped_groups"] == 1 and b.seq_adv[0] > 0 > b.seq_adv[1]
+
+
+@pytest.mark.parametrize("bad", ["objective.overlong_buffer=1.0", "objective.overlong_buffer=-0.1",
+                                 "objective.overlong_penalty=-1"])  # fmt: skip
+def test_overlong_settings_are_checked(bad):
+    from ibpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="overlong"):
+        load_config(None, [bad])

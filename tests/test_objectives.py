@@ -127,14 +127,28 @@ def test_weight_transforms():
     assert torch.equal(adv_orthogonal(w, torch.zeros_like(w)), w)
 
 
-def test_group_gate_drops_whole_group_whatever_the_sign():
-    theta, logp, old, adv, mask, seq_adv = shared_token_case(old_shift=[0.0, 0.0, 0.0, 0.5])
-    per_tok, _, info = exchangeable(
-        logp, old, adv, mask, seq_adv, G, weights="min_replace", gate="group",
-        eps_low=0.2, eps_high=0.28,
-    )  # fmt: skip
-    assert info["gate_fraction"] == 1.0
-    assert torch.count_nonzero(per_tok.detach()) == 0
+@pytest.mark.parametrize("rewards", [(1.0, 0.0, 1.0, 0.0), (0.0, 1.0, 0.0, 1.0)])
+def test_group_gate_drops_whole_group_whatever_the_sign(rewards):
+    """IBPO.md: the group is dropped when its group-constant weight (Min-Replace: the minimum
+    ratio) leaves [1 - eps_low, 1 + eps_high], whatever the sign of the out-of-band member's
+    advantage; Adv-Orthogonal has no group-constant weight, so any member's ratio decides."""
+
+    def gated(weights, shift):
+        _, logp, old, adv, mask, seq_adv = shared_token_case(old_shift=shift, rewards=rewards)
+        per_tok, _, info = exchangeable(
+            logp, old, adv, mask, seq_adv, G, weights=weights, gate="group",
+            eps_low=0.2, eps_high=0.28,
+        )  # fmt: skip
+        assert info["gate_fraction"] in (0.0, 1.0)  # all or nothing
+        assert (torch.count_nonzero(per_tok.detach()) == 0) == (info["gate_fraction"] == 1.0)
+        return info["gate_fraction"] == 1.0
+
+    low, high = [0.0, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.5]  # one member's ratio 0.61 or 1.65
+    assert gated("min_replace", low)  # w~ = 0.61 < 0.8
+    assert not gated("min_replace", high)  # w~ = min = 1: the weight applied is inside
+    assert gated("adv_orthogonal", low) and gated("adv_orthogonal", high)
+    assert not gated("min_replace", [0.0, 0.1, -0.1, 0.2])
+    assert not gated("adv_orthogonal", [0.0, 0.1, -0.1, 0.2])
 
 
 def test_clip_fraction_reported_and_k3_nonnegative():

@@ -23,7 +23,7 @@ from ibpo.rollout import Rollout
 def test_shaping_touches_only_incorrect_members_and_phi_is_bounded_by_rho():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     correct = rewards >= 1
-    jobs = plan_repairs(correct, references=2, max_per_group=4, selection="correct_first",
+    jobs = plan_repairs(rewards, references=2, max_per_group=4, selection="correct_first",
                         rng=random.Random(0))  # fmt: skip
     success = [k % 2 == 0 for k in range(len(jobs))]
     phi = phi_from_repairs(jobs, success, (2, 4), rho=0.5)
@@ -40,16 +40,41 @@ def test_all_equal_groups_give_zero_advantage():
         assert (group_advantages(ones, scale) == 0).all()
         assert (group_advantages(zeros, scale) == 0).all()
     # an all-correct group plans no repair at all, so shaping keeps it flat
-    assert plan_repairs(ones.bool(), 1, 4, "correct_first", random.Random(0)) == []
+    assert plan_repairs(ones, 1, 4, "correct_first", random.Random(0)) == []
     # all-wrong with no successful repair: phi = 0, still flat
-    jobs = plan_repairs(zeros.bool(), 1, 8, "correct_first", random.Random(0))
+    jobs = plan_repairs(zeros, 1, 8, "correct_first", random.Random(0))
     phi = phi_from_repairs(jobs, [False] * len(jobs), (3, 8), 0.5)
     assert (group_advantages(shape_rewards(zeros, phi, 0.6, zeros.bool()), True) == 0).all()
 
 
+@pytest.mark.parametrize("G", [7, 8, 16])
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1 / 3])
+def test_flat_groups_of_partial_credit_give_exactly_zero_advantage(G, value):
+    """Equal rewards that are not exact in binary (partial credit, e.g. a fraction of code tests):
+    float32 rounding gives a mean off by ~1e-8 and a std of ~1e-8, which std scaling would blow
+    up into one equal, non-zero advantage for every member."""
+    rewards = torch.tensor([[value] * G, [0.0] * (G - 1) + [1.0]])
+    for scale in (True, False):
+        adv = group_advantages(rewards, scale)
+        assert (adv[0] == 0).all()
+        assert adv[1].abs().max() > 0.1  # a group with signal keeps it
+
+
+def test_partly_correct_members_are_neither_repaired_nor_preferred_references():
+    """IBPO.md: phi needs R_i = 0. A bonus on a 0.9 member could lift it above the correct one
+    (R' = 0.9 + 0.6 * 0.5 = 1.2 > 1), so only the failed members are repaired."""
+    rewards = torch.tensor([[1.0, 0.9, 0.0, 0.0]])
+    jobs = plan_repairs(rewards, 1, 4, "correct_only", random.Random(0))
+    assert sorted(j.member for j in jobs) == [2, 3]
+    assert all(j.reference == 0 for j in jobs)  # the fully correct member, not the 0.9 one
+    phi = phi_from_repairs(jobs, [True] * len(jobs), (1, 4), 0.5)
+    shaped = shape_rewards(rewards, phi, 0.6, rewards >= 1)
+    assert shaped[0, 0] == shaped.max() and shaped[0, 1] == rewards[0, 1]
+
+
 def test_plan_prefers_correct_siblings_respects_cap_and_never_self():
     correct = torch.tensor([[True, False, False, False, True, False]])
-    jobs = plan_repairs(correct, references=2, max_per_group=3, selection="correct_first",
+    jobs = plan_repairs(correct.float(), references=2, max_per_group=3, selection="correct_first",
                         rng=random.Random(1))  # fmt: skip
     members = {j.member for j in jobs}
     assert len(members) == 3 and members <= {1, 2, 3, 5}  # cap, incorrect only
@@ -57,10 +82,10 @@ def test_plan_prefers_correct_siblings_respects_cap_and_never_self():
     for j in jobs:
         assert j.reference != j.member and correct[0, j.reference]  # two correct siblings exist
     one_correct = torch.tensor([[True, False, False]])
-    jobs = plan_repairs(one_correct, 2, 4, "correct_first", random.Random(0))
+    jobs = plan_repairs(one_correct.float(), 2, 4, "correct_first", random.Random(0))
     for m in (1, 2):  # the correct sibling first, then the other incorrect one
         assert [j.reference for j in jobs if j.member == m][0] == 0
-    none_correct = torch.zeros(1, 4, dtype=torch.bool)
+    none_correct = torch.zeros(1, 4)
     assert plan_repairs(none_correct, 1, 4, "correct_only", random.Random(0)) == []
     assert len(plan_repairs(none_correct, 1, 4, "correct_first", random.Random(0))) == 4
 
