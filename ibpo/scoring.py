@@ -116,7 +116,8 @@ def collect_batch(
         if need == 0 or rounds == cfg.rollout.max_resample_rounds:
             break
         rounds += 1
-    if not kept:  # nothing had signal: train on the last round as is (zero advantages)
+    no_signal = not kept
+    if no_signal:  # nothing had signal: train on the last round as is (zero advantages)
         kept = [last]
     rollout = concat_rollouts([k[0] for k in kept], pad) if len(kept) > 1 else kept[0][0]
     rewards = torch.cat([k[1] for k in kept])
@@ -127,6 +128,8 @@ def collect_batch(
     lengths = rollout.completion_mask.sum(1).view_as(shaped).cpu()
     long = overlong_penalty(lengths, cfg.rollout.max_new_tokens, objective.overlong_buffer,
                             objective.overlong_penalty)  # fmt: skip
+    if no_signal:  # dynamic sampling found no task signal: no length-only update either
+        long = torch.zeros_like(long)
     seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten()
     device = rollout.input_ids.device
     seq_adv = seq_adv.to(device)

@@ -211,10 +211,20 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     else:
         assert (b.seq_adv == 0).all() and b.stats["overlong_penalty"] == 0
     assert (collect(["objective.overlong_buffer=0"]).seq_adv == 0).all()
-    # on for any objective; dynamic sampling still sees a flat group (equal task rewards)
-    b = collect(["objective.overlong_buffer=0.5", "objective.overlong_penalty=1.0",
-                 "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=0"])  # fmt: skip
-    assert b.stats["dropped_groups"] == 1 and b.seq_adv[0] > 0 > b.seq_adv[1]
+    on = ["objective.overlong_buffer=0.5", "objective.overlong_penalty=1.0"]
+    b = collect(on)  # any objective can use it
+    assert b.seq_adv[0] > 0 > b.seq_adv[1]
+    # dynamic sampling judges task rewards: an all-correct group is flat, and dropped
+    dynamic = [*on, "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=0"]
+    b = collect(dynamic)
+    assert b.stats["dropped_groups"] == 1 and (b.seq_adv == 0).all()  # nothing had task signal
+    _lengths_round(monkeypatch, [[1.0, 1.0], [1.0, 0.0]], [4, 16, 16, 16])
+    cfg = load_config(None, ["rollout.group_size=2", "train.prompts_per_step=2",
+                             "rollout.max_new_tokens=16", f"objective.name={objective}",
+                             *dynamic])  # fmt: skip
+    b = _collect(cfg)[0]
+    assert b.stats["dropped_groups"] == 1 and b.rewards.tolist() == [[1.0, 0.0]]
+    assert b.seq_adv[0] > 0 > b.seq_adv[1]  # the live group is trained, penalty included
 
 
 @pytest.mark.parametrize("bad", ["objective.overlong_buffer=1.0", "objective.overlong_buffer=-0.1",

@@ -16,14 +16,19 @@ from ibpo.trainer import build_optimizer, rl_step, train
 
 
 class GradRecorder(torch.optim.Optimizer):
-    """An optimizer that only records the gradients it is asked to apply."""
+    """An optimizer that records the gradients it is asked to apply (and applies them as plain
+    SGD when lr > 0, so that a second update on the same rollout is off-policy)."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.0})
+    def __init__(self, params, lr: float = 0.0):
+        super().__init__(params, {"lr": lr})
         self.grads = []
 
+    @torch.no_grad()
     def step(self, closure=None):
         self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-g["lr"])
 
 
 def _setup(tiny_model_dir, overrides):
@@ -102,6 +107,36 @@ def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
             del trainer_mod.REWARDS["alternating"]
         grads.append(opt.grads[0])
     assert any(g.abs().sum() > 0 for g in grads[0])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["ibpo", "grpo"])
+def test_off_policy_update_is_invariant_to_micro_batching(tiny_model_dir, objective):
+    """Two updates per rollout: the second runs with ratios != 1 (Min-Replace weights, GRPO's
+    clip), and its gradient must not depend on how the step is split into micro-batches."""
+    import ibpo.trainer as trainer_mod
+
+    grads = []
+    for batching in (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
+                     ["train.micro_batch_groups=4", "train.micro_batch_tokens=60"]):  # fmt: skip
+        cfg, acc, model, tok = _setup(tiny_model_dir, [*batching, f"objective.name={objective}",
+                                                       "train.updates_per_rollout=2"])  # fmt: skip
+        opt = GradRecorder([p for p in model.parameters() if p.requires_grad], lr=2.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        counter = iter(range(10_000))
+        trainer_mod.REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
+        cfg.objective.reward = "alternating"
+        try:
+            torch.manual_seed(5)
+            _step(model, tok, opt, sched, acc, cfg)
+        finally:
+            del trainer_mod.REWARDS["alternating"]
+        assert len(opt.grads) == 2
+        grads.append(opt.grads[1])
+    # the second update is off-policy: its gradient differs from the first's
+    assert any(not torch.allclose(a, b) for a, b in zip(opt.grads[0], opt.grads[1]))
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
