@@ -130,7 +130,11 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     if cfg.gradient_checkpointing:
         # non-reentrant: it saves each layer's inputs as saved tensors, which is also what lets
         # offloaded_activations move them to the host
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the old name warns: gone in v6
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()
     lora = LoraConfig(
         r=cfg.lora_r,
