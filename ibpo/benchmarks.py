@@ -277,15 +277,35 @@ def hub_rows(bench: Benchmark, revision: str | None, subset: str | None) -> list
     return rows
 
 
+def _by_contest_date(rows: list[dict], dates, source: str) -> list[dict]:
+    import datetime
+
+    first, last = dates
+    for d in (x for x in dates if x):
+        try:
+            datetime.date.fromisoformat(d)
+        except ValueError:
+            raise ConfigError(f"--start-date/--end-date '{d}' is not a YYYY-MM-DD date") from None
+    if rows and "contest_date" not in rows[0]:
+        raise ConfigError(f"{source} has no contest_date column: --start-date/--end-date apply "
+                          "to LiveCodeBench only")  # fmt: skip
+    day = lambda r: str(r.get("contest_date") or "")[:10]  # noqa: E731 ("2024-10-05T00:00:00")
+    return [r for r in rows if (not first or day(r) >= first) and (not last or day(r) <= last)]
+
+
 def load_problems(
     bench: Benchmark,
     data: str | None = None,
     revision: str | None = None,
     subset: str | None = None,
     limit: int | None = None,
+    dates: tuple[str | None, str | None] = (None, None),
 ) -> list[Problem]:
-    """The benchmark's problems (the first `limit`) from `data` or from the Hub."""
+    """The benchmark's problems (the first `limit`) from `data` or from the Hub; `dates`
+    (first, last day, YYYY-MM-DD, inclusive) keeps rows by their contest_date."""
     rows = read_rows_file(data) if data else hub_rows(bench, revision or bench.revision, subset)
+    if any(dates):
+        rows = _by_contest_date(rows, dates, data or bench.dataset)
     if limit is not None:
         rows = rows[:limit]
     source = data or bench.dataset

@@ -229,7 +229,7 @@ def find_eval_results(output_dir: Path, eval_dirs=()) -> list[Path]:
 
 
 def _eval_section(folders: list[Path]) -> str:
-    from ibpo.evaluation import markdown_row
+    from ibpo.eval_cli import markdown_row
 
     rows = []
     for folder in folders:

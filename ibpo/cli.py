@@ -7,7 +7,7 @@ names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus 
 [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config PATH_OR_HUB_ID]` prints the estimated
 peak GPU memory of the recipe per phase (ibpo/plan.py) and settings that fit when it does not.
 `ibpo eval BENCHMARK [options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]`
-(ibpo/evaluation.py).
+(ibpo/eval_cli.py).
 `ibpo report OUTPUT_DIR` prints a run's summary and writes its plots (ibpo/report.py).
 `ibpo push OUTPUT_DIR --repo-id USER/NAME [--public] [--eval-dir DIR ...] [--dry-run]` uploads a
 run's adapter, tokenizer, recipe, metrics and a model card to the Hugging Face Hub (ibpo/hub.py).
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # `ibpo eval BENCHMARK [options]` = scripts/eval_<BENCHMARK>.py
         from ibpo.benchmarks import BENCHMARKS
-        from ibpo.evaluation import main as eval_main
+        from ibpo.eval_cli import main as eval_main
 
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)

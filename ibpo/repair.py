@@ -30,6 +30,7 @@ from torch import Tensor
 from ibpo.advantages import edited_tokens
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import render_user_message, user_message
+from ibpo.rewards.math import as_graded
 from ibpo.rollout import Generator, Rollout
 
 
@@ -165,7 +166,8 @@ def run_repairs(
         tokenizer, prompts, 1, gen["max_new_tokens"], gen["batch_size"],
         temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"],
     )  # fmt: skip
-    success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(out.texts, jobs)]
+    graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
+    success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(graded, jobs)]
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(_token_lists(rollout), width, jobs, _token_lists(out), success, G)
     stats.update(

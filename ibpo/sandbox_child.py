@@ -141,7 +141,9 @@ def _child_run(job):
     kind = job["kind"]
     builtins.exit = builtins.quit = sys.exit  # normally added by site, which -S skips
     sys.argv = ["solution.py"]
-    g = {"__name__": "solution" if kind == "call" else "__main__", "__builtins__": builtins}
+    # Only a stdin program runs as __main__: HumanEval-style script tests (and call tests) do
+    # not run the solution's own `if __name__ == "__main__":` demo, as their harnesses do not.
+    g = {"__name__": "__main__" if kind == "stdin" else "solution", "__builtins__": builtins}
     status = "D"
     try:
         exec(compile(job["code"], "solution.py", "exec"), g)

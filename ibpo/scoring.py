@@ -30,6 +30,7 @@ from ibpo.config import Config
 from ibpo.data import PromptStream, render_prompt
 from ibpo.objectives import ResolvedObjective
 from ibpo.repair import run_repairs
+from ibpo.rewards.math import as_graded
 from ibpo.rollout import Generator, Rollout, concat_rollouts
 
 
@@ -58,7 +59,8 @@ def _score_round(generator: Generator, tokenizer, examples, cfg: Config, repairi
     )  # fmt: skip
     t1 = time.perf_counter()
     answers = [ex.answer for ex in examples]
-    flat = [reward_fn(t, answers[n // G]) for n, t in enumerate(rollout.texts)]
+    flat = [reward_fn(as_graded(prompts[n // G], t), answers[n // G])
+            for n, t in enumerate(rollout.texts)]  # fmt: skip
     rewards = torch.tensor(flat, dtype=torch.float32).view(len(examples), G)
     stats = {"time_generate": t1 - t0, "generated_tokens": rollout.completion_mask.sum().item()}
     if not repairing:

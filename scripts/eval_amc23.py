@@ -1,7 +1,8 @@
 """Evaluate a model, optionally with a LoRA adapter, on AMC 2023.
 
 Data: math-ai/amc23, test split (40 problems).
-Graded with the training grader; reports avg@n, pass@k, maj@n and mean completion length.
+Graded with the training grader; reports avg@n, pass@k, maj@n, mean completion length and the
+share truncated (published reasoning scores use 32k+ new tokens: see --max-new-tokens).
 
     python scripts/eval_amc23.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
     python scripts/eval_amc23.py --data rows.jsonl --limit 20   # local rows, Hub schema
@@ -12,7 +13,7 @@ samples.jsonl (a restarted run resumes from it), summary.json, results.md. Optio
 
 import sys
 
-from ibpo.evaluation import main
+from ibpo.eval_cli import main
 
 
 def run(argv: list[str] | None = None) -> int:

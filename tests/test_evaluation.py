@@ -16,14 +16,15 @@ import pytest
 
 from ibpo.benchmarks import BENCHMARKS, decode_lcb_tests, lcb_files, load_problems
 from ibpo.config import ConfigError
+from ibpo.eval_cli import markdown_row
 from ibpo.evaluation import (
     append_samples,
     majority_correct,
-    markdown_row,
     pass_at_k,
     pass_ks,
     read_samples,
     summarize,
+    vote_clusters,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,57 @@ def test_majority_vote_groups_equal_numbers_and_breaks_ties_by_order():
     assert majority_correct([None, None], [0.0, 0.0]) == 0.0
 
 
+def test_majority_vote_groups_answers_the_grader_calls_equal():
+    """Three ways of writing 1/2 outvote two 3s; the same for thousands separators and units."""
+    answers = ["\\dfrac{1}{2}", "\\frac{1}{2}", "\\tfrac12", "3", "3"]
+    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0]) == 1.0
+    answers = ["1,000", "1{,}000", "1000 \\text{ dollars}", "999", "999"]
+    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0]) == 1.0
+    assert vote_clusters(["2", None, "2.0", "x", "4/2"]) == [0, None, 0, 3, 0]
+
+
+def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answer(tmp_path):
+    """Templates that open <think> in the prompt leave "</think>" alone in the completion: one cut
+    off mid-thought must not be graded on a draft answer inside its thinking."""
+    from ibpo.benchmarks import Problem
+    from ibpo.evaluation import run_benchmark
+    from ibpo.rewards.math import as_graded, extract_answer, math_reward
+
+    class OpensThinking:  # a chat template ending in an open think block
+        chat_template = "(any)"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[-1]["content"] + "\n<|assistant|>\n<think>\n"
+
+    problems = [Problem("p", "What is 200 + 4?", "204")]
+    got = {}
+    for name, text, cut in [("cut", "Maybe \\boxed{204}? Wait, let me check the", True),
+                            ("done", "200 + 4 = 204.\n</think>\n\\boxed{204}", False)]:  # fmt: skip
+        sampler = lambda prompts, t=text, c=cut: [(t, 12, c) for _ in prompts]  # noqa: E731
+        build = lambda s=sampler: (s, OpensThinking())  # noqa: E731
+        (tmp_path / name).mkdir()
+        records = run_benchmark(problems, 1, tmp_path / name, build, math_reward, extract_answer,
+                                None, 4, progress=False)  # fmt: skip
+        got[name] = records[("p", 0)]
+    assert got["cut"]["reward"] == 0.0 and got["cut"]["extracted"] is None
+    assert got["done"]["reward"] == 1.0 and got["done"]["extracted"] == "204"
+    assert as_graded("Q<think>\n\n</think>\n\n", "\\boxed{1}") == "\\boxed{1}"  # closed
+
+
+def test_livecodebench_contest_date_window():
+    bench = BENCHMARKS["livecodebench"]
+    ids = lambda dates: [p.id for p in load_problems(bench, fixture("livecodebench"), dates=dates)]  # noqa: E731
+    assert ids((None, None)) == ["abc900_a", "9901"]
+    assert ids(("2025-01-05", None)) == ["9901"]
+    assert ids((None, "2025-01-04")) == ["abc900_a"]
+    with pytest.raises(ConfigError, match="no problems"):
+        ids(("2025-02-01", "2025-03-01"))
+    with pytest.raises(ConfigError, match="YYYY-MM-DD"):
+        ids(("Jan 2025", None))
+    with pytest.raises(ConfigError, match="LiveCodeBench only"):
+        load_problems(BENCHMARKS["gsm8k"], fixture("gsm8k"), dates=("2025-01-01", None))
+
+
 def test_summarize_by_hand():
     class P:
         def __init__(self, pid):
@@ -96,7 +148,10 @@ def test_summarize_by_hand():
     assert s["mean_length"] == pytest.approx(6.0) and s["truncated"] == pytest.approx(0.25)
     assert summarize([P("a")], records, n=2, vote=False)["maj@2"] is None
     row = markdown_row({**s, "benchmark": "x", "model": "org/m", "adapter": None})
-    assert row.startswith("| x | m | - | 2 | 0.250 | 0.250 | 0.500 | 0.500 | 6 |")
+    assert row == "| x | m | - | 2 | 0.250 | 0.250 | 0.500 | 0.500 | 6 | 0.250 |\n"
+    one = summarize([P("a")], records, n=1, vote=True)
+    head = markdown_row({**one, "benchmark": "x", "model": "m", "adapter": None}, header=True)
+    assert head.splitlines()[0].count("pass@1") == 1  # n = 1: pass@1 is pass@n
 
 
 # --- the resumable sample file -------------------------------------------------------------------
@@ -334,7 +389,7 @@ def test_adapter_is_applied_on_a_4bit_base(smollm2_dir, run_script, cached_loade
 def test_missing_vllm_is_a_clear_error(tmp_path, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed")
-    from ibpo.evaluation import main
+    from ibpo.eval_cli import main
 
     args = ["--data", fixture("gsm8k"), "--backend", "vllm", "--output-dir", str(tmp_path)]
     assert main(args, benchmark="gsm8k") == 2

@@ -29,7 +29,7 @@ def run(tiny_model_dir, tmp_path_factory):
     """A finished run's output_dir (adapter, checkpoints, records, a plot, an evaluation)."""
     import ibpo.trainer as trainer
     from ibpo.config import load_config
-    from ibpo.evaluation import main as eval_main
+    from ibpo.eval_cli import main as eval_main
 
     out = tmp_path_factory.mktemp("hub") / "run"
     cfg = load_config(None, [
@@ -145,7 +145,7 @@ def test_good_repo_ids_pass():
 
 
 def test_card_parses_and_reports_the_run(run):
-    from ibpo.evaluation import markdown_row
+    from ibpo.eval_cli import markdown_row
 
     card = build_model_card(run, "alice/tiny-ibpo")
     data = _card_data(card)

@@ -259,7 +259,7 @@ def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_p
     completions the hf backend gives (greedy), graded and written the same way."""
     import json
 
-    from ibpo.evaluation import main
+    from ibpo.eval_cli import main
 
     _, model, _ = _policy(tiny_model_dir)
     model.save_pretrained(tmp_path / "adapter")

@@ -74,6 +74,15 @@ _NUMBER = re.compile(
 )
 
 
+def as_graded(prompt: str, completion: str) -> str:
+    """The completion as graders must read it: with "<think>" in front when the prompt left a
+    think block open (chat templates that start the model's thinking themselves), so that a
+    completion cut off mid-thought holds no answer, as it would had the model opened the block."""
+    if prompt.rfind("<think>") > prompt.rfind("</think>"):
+        return "<think>" + completion
+    return completion
+
+
 def strip_thinking(text: str) -> str:
     text = _THINK.sub("", text)
     end = text.rfind("</think>")

@@ -1,0 +1,217 @@
+"""The evaluation command line: `scripts/eval_<benchmark>.py` and `ibpo eval` parse their options
+here, build a sampler (HF `generate`, or vLLM with the adapter as a LoRA request), run the
+benchmark (evaluation.run_benchmark) and write summary.json and results.md.
+
+Not here: metrics, the resumable sample file and the generation loop (evaluation.py), benchmark
+schemas and prompts (benchmarks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ibpo.config import ConfigError
+from ibpo.evaluation import Sampler, check_run, run_benchmark, summarize
+from ibpo.rollout import generate
+
+
+def hf_sampler(args) -> tuple[Sampler, object]:
+    from ibpo.modeling import load_for_inference
+
+    model, tok = load_for_inference(
+        args.model, args.adapter, args.quantization, args.dtype, revision=args.model_revision
+    )
+
+    def sample(prompts: list[str]) -> list[tuple[str, int, bool]]:
+        ro = generate(
+            model, tok, prompts, 1, args.max_new_tokens, args.batch_size,
+            do_sample=args.temperature > 0, temperature=args.temperature, top_p=args.top_p,
+        )  # fmt: skip
+        lengths = ro.completion_mask.sum(-1).long().tolist()
+        return list(zip(ro.texts, lengths, ro.truncated.tolist()))
+
+    return sample, tok
+
+
+def vllm_sampler(args) -> tuple[Sampler, object]:
+    """vLLM with the adapter as a LoRA request (never merged into a quantised base)."""
+    from ibpo.modeling import load_tokenizer, resolve_model_path
+    from ibpo.vllm_rollout import engine_kwargs, import_vllm
+
+    vllm, LoRARequest = import_vllm()
+    path = resolve_model_path(args.model)
+    tok = load_tokenizer(path, args.model_revision)
+    lora, rank = None, None
+    if args.adapter:
+        adapter = Path(args.adapter)
+        if not adapter.is_dir():
+            from huggingface_hub import snapshot_download
+
+            adapter = Path(snapshot_download(args.adapter))
+        rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+        lora = LoRARequest("adapter", 1, str(adapter))
+    kwargs = engine_kwargs(vllm, args.quantization, rank)
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    llm = vllm.LLM(model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype,
+                   **kwargs)  # fmt: skip
+    top_p = args.top_p if args.temperature > 0 else 1.0
+    params = vllm.SamplingParams(
+        temperature=args.temperature, top_p=top_p, max_tokens=args.max_new_tokens
+    )
+
+    def sample(prompts: list[str]) -> list[tuple[str, int, bool]]:
+        # token ids, not text: the chat template already holds any BOS the model needs
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, lora_request=lora)
+        done = [o.outputs[0] for o in outs]
+        return [(o.text, len(o.token_ids), o.finish_reason == "length") for o in done]
+
+    return sample, tok
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def _slug(name: str) -> str:
+    return Path(name.rstrip("/")).name or name.replace("/", "_")
+
+
+def default_output_dir(benchmark: str, model: str, adapter: str | None) -> Path:
+    slug = _slug(model) + (f"+{_slug(adapter)}" if adapter else "")
+    return Path("outputs") / "eval" / f"{benchmark}-{slug}"
+
+
+def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
+    from ibpo.benchmarks import BENCHMARKS
+    from ibpo.embedded import EMBEDDED_NAME
+
+    p = argparse.ArgumentParser(
+        prog=f"eval_{benchmark}.py" if benchmark else "ibpo-eval",
+        description=f"Evaluate a model (+ LoRA adapter) on {benchmark or 'a benchmark'}: "
+        "avg@n, pass@k, maj@n, mean completion length.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    if benchmark is None:
+        p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
+    add = p.add_argument
+    add("--model", default=EMBEDDED_NAME, help="Hub id, local folder, or the embedded default")
+    add("--model-revision", help="model commit/branch on the Hub")
+    add("--adapter", help="LoRA adapter: local folder or Hub id (loaded on top, never merged)")
+    add("--quantization", choices=["nf4", "none"], default="none",
+        help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype")  # fmt: skip
+    add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    add("--backend", choices=["hf", "vllm"], default="hf")
+    add("--max-model-len", type=int,
+        help="vllm: the longest prompt + completion it accepts (default: the model's limit, whose "
+        "KV cache may not fit a small card)")  # fmt: skip
+    add("--data", help="local .jsonl/.json/.parquet with rows in the benchmark's Hub schema")
+    add("--revision", help="dataset commit SHA (overrides the pinned one)")
+    add("--subset", help="dataset config; LiveCodeBench: release tag (release_v5, v6, v5_v6)")
+    add("--start-date", help="LiveCodeBench: only problems whose contest_date is on or after this "
+        "YYYY-MM-DD (published scores use date windows, not release tags)")  # fmt: skip
+    add("--end-date", help="LiveCodeBench: only problems whose contest_date is on or before this")
+    add("--n", type=int, default=4, help="samples per problem")
+    add("--temperature", type=float, default=0.6, help="0 = greedy")
+    add("--top-p", type=float, default=0.95)
+    add("--max-new-tokens", type=int, default=1024,
+        help="published reasoning scores use 32k+ with thinking on: a completion cut off "
+        "mid-thought scores 0 (the 'truncated' column)")  # fmt: skip
+    think = p.add_mutually_exclusive_group()
+    on_off = dict(dest="enable_thinking", action="store_const")
+    think.add_argument(
+        "--enable-thinking", const=True, help="Qwen3 templates: thinking on", **on_off
+    )
+    think.add_argument("--no-thinking", const=False, help="Qwen3 templates: thinking off", **on_off)
+    add("--batch-size", type=int, default=16, help="sequences per generate call (and per save)")
+    add("--limit", type=int, help="evaluate only the first LIMIT problems")
+    add("--seed", type=int, default=0)
+    add("--output-dir", help="default: outputs/eval/<benchmark>-<model>[+<adapter>]")
+    add("--overwrite", action="store_true", help="discard samples already in --output-dir")
+    add("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def evaluate(args) -> dict:
+    """Run one benchmark from parsed arguments; -> the summary (also written to disk)."""
+    from ibpo.benchmarks import BENCHMARKS, grader, load_problems
+
+    bench = BENCHMARKS[args.benchmark]
+    grade, extract = grader(bench)
+    if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--n, --batch-size and --max-new-tokens must be >= 1")
+    start = time.time()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    problems = load_problems(bench, args.data, args.revision, args.subset, args.limit,
+                             (args.start_date, args.end_date))  # fmt: skip
+    out_dir = Path(args.output_dir or default_output_dir(bench.name, args.model, args.adapter))
+    fingerprint = {
+        "benchmark": bench.name, "data": args.data or bench.dataset,
+        "revision": None if args.data else args.revision or bench.revision,
+        "subset": args.subset, "model": args.model, "model_revision": args.model_revision,
+        "adapter": args.adapter, "quantization": args.quantization, "dtype": args.dtype,
+        "backend": args.backend, "temperature": args.temperature, "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens, "enable_thinking": args.enable_thinking,
+        "seed": args.seed, "start_date": args.start_date, "end_date": args.end_date,
+    }  # fmt: skip
+    check_run(out_dir, fingerprint, args.overwrite)
+    builder = vllm_sampler if args.backend == "vllm" else hf_sampler
+    records = run_benchmark(
+        problems, args.n, out_dir, lambda: builder(args), grade, extract,
+        args.enable_thinking, args.batch_size, args.progress,
+    )  # fmt: skip
+    metrics = summarize(problems, records, args.n, vote=bench.reward == "math")
+    wall = round(time.time() - start, 1)
+    summary = {**fingerprint, **metrics, "wall_seconds": wall}
+    summary["output_dir"] = str(out_dir)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown_row(summary, header=True))
+    return summary
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def markdown_row(s: dict, header: bool = False) -> str:
+    n = s["n"]
+    adapter = _slug(s["adapter"]) if s["adapter"] else "-"
+    cells = {"benchmark": s["benchmark"], "model": _slug(s["model"]), "adapter": adapter, "n": n,
+             f"avg@{n}": s[f"avg@{n}"], "pass@1": s["pass@1"], f"pass@{n}": s[f"pass@{n}"],
+             f"maj@{n}": s[f"maj@{n}"], "mean len": f"{s['mean_length']:.0f}"}  # fmt: skip
+    if "truncated" in s:  # summaries written before the column existed lack it
+        cells["truncated"] = s["truncated"]
+    cols, vals = list(cells), list(cells.values())  # with n = 1, pass@1 and pass@n are one
+    row = "| " + " | ".join(_cell(v) for v in vals) + " |\n"
+    if not header:
+        return row
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n" + row
+
+
+def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
+    """`eval_<benchmark>.py [options]`: prints the markdown row and the output folder."""
+    args = build_parser(benchmark).parse_args(argv)
+    if benchmark is not None:
+        args.benchmark = benchmark
+    try:
+        summary = evaluate(args)
+    except (ConfigError, RuntimeError) as e:
+        if not isinstance(e, ConfigError) and "embedded default model" not in str(e):
+            raise
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_row(summary, header=True), end="")
+    if summary["truncated"] > 0.05:
+        print(f"warning: {summary['truncated']:.0%} of the completions hit --max-new-tokens "
+              f"({summary['max_new_tokens']}) and were graded unfinished; published scores "
+              "use far longer generations", file=sys.stderr)  # fmt: skip
+    print(f"samples.jsonl, summary.json and results.md in {summary['output_dir']}")
+    return 0
