@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,11 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
         held = builtin_examples(name, "test")
         random.Random(1234).shuffle(held)  # fixed, seed-independent eval set
         return train, held[: cfg.eval_size]
-    train = rows_to_examples(_load_rows(cfg.dataset, cfg.split, cfg.subset), cfg, cfg.dataset)
+    rows = _load_rows(cfg.dataset, cfg.split, cfg.subset)
+    if rows is None:
+        raise ConfigError(f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
+                          "Fix: set data.split to one it has (often 'train').")  # fmt: skip
+    train = rows_to_examples(rows, cfg, cfg.dataset)
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
     if cfg.eval_size and (cfg.eval_dataset or not _is_file_source(cfg.dataset)):
@@ -259,7 +264,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
             )
     if eval_rows is not None:
         held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source)
-        return train, held[: cfg.eval_size]
+        return _without_held_out(train, held[: cfg.eval_size])
     if cfg.eval_size >= len(train):
         raise ConfigError(
             f"data.eval_size={cfg.eval_size} leaves nothing to train on ({len(train)} rows)"
@@ -268,7 +273,21 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
     random.Random(1234).shuffle(order)
     held_idx = set(order[: cfg.eval_size])
     held = [train[i] for i in order[: cfg.eval_size]]
-    return [ex for i, ex in enumerate(train) if i not in held_idx], held
+    return _without_held_out([ex for i, ex in enumerate(train) if i not in held_idx], held)
+
+
+def _without_held_out(train: list[Example], held: list[Example]):
+    """Training examples whose question is also a held-out one are dropped (datasets repeat
+    problems, and a carve by row would leave copies of held-out ones in training)."""
+    seen = {" ".join(ex.question.split()) for ex in held}
+    kept = [ex for ex in train if " ".join(ex.question.split()) not in seen]
+    if len(kept) < len(train):
+        print(f"ibpo: dropped {len(train) - len(kept)} training rows that repeat a held-out "
+              "question", file=sys.stderr)  # fmt: skip
+    if not kept:
+        raise ConfigError("every training row repeats a held-out question: lower data.eval_size "
+                          "or use another data.eval_dataset")  # fmt: skip
+    return kept, held
 
 
 # --- prompts and the training stream ---------------------------------------------------------
@@ -298,7 +317,8 @@ def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
 
 
 def user_message(question: str, cfg: DataConfig) -> str:
-    return cfg.prompt_template.format(question=question)
+    # not str.format: templates hold literal braces ("put your answer within \\boxed{}")
+    return cfg.prompt_template.replace("{question}", question)
 
 
 def render_user_message(tokenizer, user: str, cfg: DataConfig) -> str:

@@ -91,7 +91,8 @@ NEUTRAL_PROCESSING = (
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
     ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    # the transformers model's own stop ids (a DDP wrapper would hide its generation_config)
+    gen_eos = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return sorted(i for i in ids if i is not None)
 

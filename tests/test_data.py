@@ -3,7 +3,14 @@ import json
 import pytest
 
 from ibpo.config import ConfigError, DataConfig
-from ibpo.data import Example, PromptStream, builtin_examples, load_splits, render_prompt
+from ibpo.data import (
+    Example,
+    PromptStream,
+    builtin_examples,
+    load_splits,
+    render_prompt,
+    user_message,
+)
 from tests.conftest import make_tokenizer
 
 
@@ -47,11 +54,34 @@ def test_bad_rows_and_columns_are_named(tmp_path):
 
 def test_boxed_answer_format(tmp_path):
     path = tmp_path / "m.json"
-    path.write_text(json.dumps([{"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}."}] * 3))
+    path.write_text(json.dumps([{"problem": f"p{i}", "solution": "so \\boxed{\\frac{1}{2}}."}
+                                for i in range(3)]))  # fmt: skip
     cfg = DataConfig(dataset=str(path), question_column="problem", answer_column="solution",
                      answer_format="boxed", eval_size=1)  # fmt: skip
     train, _ = load_splits(cfg)
     assert train[0].answer == "\\frac{1}{2}"
+
+
+def test_prompt_templates_may_hold_literal_braces():
+    cfg = DataConfig(prompt_template="{question}\nPut the answer within \\boxed{}. {x}")
+    assert user_message("What is {1}?", cfg) == "What is {1}?\nPut the answer within \\boxed{}. {x}"
+
+
+def test_training_rows_repeating_a_held_out_question_are_dropped(tmp_path, capsys):
+    rows = [{"question": f"q{i % 10}", "answer": str(i % 10)} for i in range(50)]  # 5 copies each
+    train, held = load_splits(DataConfig(dataset=_jsonl(tmp_path / "d.jsonl", rows), eval_size=3))
+    assert len(held) == 3 and not {e.question for e in train} & {e.question for e in held}
+    assert len(train) == 50 - 3 * 5 and "dropped 12 training rows" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="every training row repeats"):
+        load_splits(DataConfig(dataset=_jsonl(tmp_path / "e.jsonl", rows[:1] * 4), eval_size=1))
+
+
+def test_a_missing_training_split_is_named(tmp_path, monkeypatch):
+    import ibpo.data as data
+
+    monkeypatch.setattr(data, "_load_rows", lambda src, split, subset: None)
+    with pytest.raises(ConfigError, match="has no split 'trian'.*data.split"):
+        load_splits(DataConfig(dataset="org/set", split="trian", eval_size=0))
 
 
 def test_render_prompt_uses_chat_template():

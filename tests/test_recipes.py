@@ -68,6 +68,11 @@ def test_recipe_loads_with_its_header(path):
     # the baseline is one override away
     assert "objective.name=grpo" in keys["Baseline"]
     assert load_config(path, ["objective.name=grpo"]).objective.name == "grpo"
+    # the prompt renders (a template's own braces, e.g. \\boxed{}, stay as they are)
+    from ibpo.data import user_message
+
+    rendered = user_message("What is 6 x 7?", cfg.data)
+    assert "What is 6 x 7?" in rendered and "{question}" not in rendered
 
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=_rel)
