@@ -27,12 +27,16 @@ wrote it, since data shards and RNG streams are per process, and with FSDP only 
 with FSDP (the optimizer state is keyed by parameter name there). Accelerate's save_state is not
 used: it would store the whole model (the frozen base too) and is not atomic.
 
-The guards: `GracefulStop` turns SIGINT/SIGTERM into a request the loop reads between steps (so a
-checkpoint is saved and the run ends as 'interrupted'; a second Ctrl-C stops at once); `is_oom`
-and `oom_message` turn an out-of-memory error into advice naming the settings that lower memory.
+Each checkpoint also records the run's configuration (config.json). Resuming applies a changed
+train.learning_rate or weight_decay on purpose (the restored optimizer and scheduler would keep
+the old ones) and names every other setting that differs from the checkpoint's run. A save after
+resuming from an earlier step removes the later checkpoints of the abandoned history. A fresh start
+clears what an earlier run left (checkpoints, adapter, summary, plots), and is refused when that
+run did not finish (train.overwrite=true allows it), so rerunning an interrupted command does not
+delete its checkpoints.
 
-Not here: the training loop (trainer.py); gathering sharded state (distributed.py); uploading to the
-Hub.
+Not here: the training loop (trainer.py); what a failure prints (failures.py); gathering sharded
+state (distributed.py); uploading to the Hub.
 """
 
 from __future__ import annotations
@@ -43,9 +47,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ibpo.config import Config, ConfigError
+from ibpo.config import ConfigError
 from ibpo.data import PromptStream
 from ibpo.distributed import (
     is_fsdp,
@@ -205,19 +206,33 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 
 def _prune(root: Path, keep: int, protect: Path) -> None:
+    """Keep `protect` (just written) and the newest keep - 1 before it. Later steps belong to a
+    history this run abandoned by resuming from an earlier checkpoint: `latest` resolution and
+    pruning by step number would otherwise prefer them."""
     found = [p for p in list_checkpoints(root) if p != protect]
-    for path in found[: max(len(found) - (keep - 1), 0)]:
+    later = [p for p in found if step_of(p) > step_of(protect)]
+    earlier = [p for p in found if step_of(p) < step_of(protect)]
+    for path in later + earlier[: max(len(earlier) - (keep - 1), 0)]:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(
     accelerator, root: Path, parts: Resumable, state: TrainerState, metrics: Path | None,
-    keep: int,
+    keep: int, config: dict | None = None,
 ) -> Path:  # fmt: skip
-    """Write checkpoint step-<state.step> under `root` atomically; every process must call it."""
+    """Write checkpoint step-<state.step> under `root` atomically; every process must call it.
+    An OSError (a full disk) removes the temporary folder and propagates."""
     root = Path(root)
     name = f"step-{state.step}"
     tmp, final = root / f"{_TMP}{name}", root / name
+    try:
+        return _save(accelerator, root, name, tmp, final, parts, state, metrics, keep, config)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: do not leave half a checkpoint
+        raise
+
+
+def _save(accelerator, root, name, tmp, final, parts, state, metrics, keep, config) -> Path:
     main = accelerator.is_main_process
     if main:
         root.mkdir(parents=True, exist_ok=True)
@@ -236,6 +251,8 @@ def save_checkpoint(
         meta = {**dataclasses.asdict(state), "world_size": accelerator.num_processes,
                 "fsdp": is_fsdp(parts.model)}  # fmt: skip
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     accelerator.wait_for_everyone()  # every process-<rank>.pt is written
     if main:
         _fsync_tree(tmp)
@@ -297,91 +314,101 @@ def restore_metrics(checkpoint: Path, metrics: Path) -> None:
     _atomic_write_text(Path(metrics), saved.read_text() if saved.is_file() else "")
 
 
-def clear_checkpoints(output_dir: Path) -> bool:
-    """A fresh run in an existing output_dir replaces its checkpoints (as it does its adapter
-    and metrics); returns whether there were any."""
-    root = Path(output_dir) / CHECKPOINTS
-    if not root.exists():
-        return False
-    shutil.rmtree(root)
-    return True
+# what a run leaves in its output_dir besides config.yaml and metrics.jsonl (rewritten anyway)
+RUN_OUTPUTS = (CHECKPOINTS, "adapter", "summary.json", "plots")
 
 
-# --- guards --------------------------------------------------------------------------------------
-
-
-class GracefulStop:
-    """SIGINT / SIGTERM -> `requested()` turns true: the loop finishes its step, saves a checkpoint
-    and ends as 'interrupted'. A second Ctrl-C raises KeyboardInterrupt at once. The handlers are
-    installed only in the main thread (Python's rule) and restored on exit."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        # os.write, not print: a handler may run in the middle of another print
-        os.write(
-            sys.stderr.fileno(),
-            f"\nibpo: {signal.Signals(signum).name}: finishing this step, then saving a "
-            "checkpoint (Ctrl-C again stops at once)\n".encode(),
+def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
+    """Refuse to start afresh over the checkpoints of a run that did not finish (its summary is
+    missing or not 'completed'): the same command run again must not delete them."""
+    out = Path(output_dir)
+    last = latest_checkpoint(out / CHECKPOINTS)
+    if overwrite or last is None:
+        return
+    summary = out / "summary.json"
+    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    if status != "completed":
+        raise ConfigError(
+            f"{out} holds checkpoints of a run that did not finish (status: {status or 'none'}; "
+            f"last: {last.name}).\n  Fix: add train.resume_from=latest to continue it, or "
+            "train.overwrite=true to start afresh and delete them (or another train.output_dir)."
         )
 
-    def requested(self, accelerator) -> bool:
-        """The same answer on every process (a signal may reach only some of them)."""
-        flag = float(self.signum is not None)
-        if accelerator.num_processes > 1:
-            total = accelerator.reduce(torch.tensor([flag], device=accelerator.device), "sum")
-            flag = float(total.item())
-        return flag > 0
+
+def clear_previous_run(output_dir: Path) -> list[str]:
+    """A fresh run in an existing output_dir removes what an earlier run left there (so its
+    adapter or summary is never taken for this run's); -> the names removed."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = Path(output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
-def is_oom(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
+    """A run cut short mid-step: <output_dir>/adapter becomes a copy of the last checkpoint's
+    (what `ibpo push` and evaluation pick up), or is removed when there is none; -> where the
+    run's adapter now is."""
+    shutil.rmtree(adapter, ignore_errors=True)
+    if last is None:
+        return None
+    try:
+        shutil.copytree(Path(last) / "adapter", adapter)
+    except OSError:  # a full disk: point at the checkpoint's own copy
+        shutil.rmtree(adapter, ignore_errors=True)
+        return Path(last) / "adapter"
+    return adapter
 
 
-def oom_message(cfg: Config, step: int, error: BaseException, last: Path | None) -> str:
-    tr, ro, rep = cfg.train, cfg.rollout, cfg.repair
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    resume = (
-        f"Then resume from {last} with train.resume_from=latest."
-        if last is not None
-        else "No checkpoint was saved yet (train.save_every)."
-    )
-    return (
-        f"out of memory in step {step} ({first[:200]})\n"
-        f"  Fix: lower train.micro_batch_groups (now {tr.micro_batch_groups}; whole groups per "
-        f"forward/backward), train.logprob_chunk_tokens (now {tr.logprob_chunk_tokens}), "
-        f"rollout.generation_batch_size (now {ro.generation_batch_size}; repair.batch_size, now "
-        f"{rep.batch_size or ro.generation_batch_size}, for repairs) or rollout.max_new_tokens "
-        f"(now {ro.max_new_tokens}). "
-        "`ibpo plan <recipe> --gpu-memory-gb <GiB>` estimates the peak memory and suggests "
-        f"settings that fit.\n  {resume}"
-    )
+# settings that change memory, speed, logging or the run's length, not what a step computes
+_RESUMABLE_CHANGES = {
+    "train": {"steps", "output_dir", "resume_from", "overwrite", "save_every", "keep_checkpoints",
+              "eval_every", "plots", "progress", "log_with", "push_to_hub", "hub_repo_id",
+              "hub_private", "micro_batch_groups", "micro_batch_tokens", "logprob_chunk_tokens",
+              "max_nonfinite_steps", "eval_before", "learning_rate", "weight_decay"},
+    "rollout": {"generation_batch_size", "eval_batch_size", "kv_cache", "backend",
+                "vllm_kv_cache_gb", "vllm_sleep"},
+    "model": {"offload_activations", "cpu_dequantize", "attn_implementation"},
+    "repair": {"batch_size"},
+}  # fmt: skip
 
 
-def nonfinite_message(state: TrainerState, last: Path | None) -> str:
-    first = state.step - state.nonfinite_streak + 1
-    return (
-        f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
-        "non-finite loss or gradient and were skipped.\n  Likely causes: a reward returning "
-        "NaN/inf, a learning rate too high, float16 overflow (use model.dtype=bfloat16 or "
-        f"float32). Checkpoint: {last}. Raise train.max_nonfinite_steps (0 = never stop) to "
-        "carry on skipping."
-    )
+def resume_changes(checkpoint: Path, config: dict) -> list[str]:
+    """'section.key: old -> new' for settings that differ from the checkpoint's run and change
+    what a step computes (checkpoints written before config.json existed: none known)."""
+    saved = Path(checkpoint) / "config.json"
+    if not saved.is_file():
+        return []
+    old = json.loads(saved.read_text())
+    return [
+        f"{section}.{key}: {old[section][key]!r} -> {value!r}"
+        for section, values in config.items() if isinstance(values, dict)
+        for key, value in values.items()
+        if key in old.get(section, {}) and old[section][key] != value
+        and key not in _RESUMABLE_CHANGES.get(section, set())
+    ]  # fmt: skip
+
+
+def apply_optimizer_settings(parts: Resumable, lr: float, weight_decay: float) -> list[str]:
+    """After loading: the configured learning rate and weight decay replace the checkpoint's
+    (its optimizer and scheduler state carry the old ones); -> what changed."""
+    sched, changed = getattr(parts.scheduler, "scheduler", parts.scheduler), []  # Accelerate's
+    groups = parts.optimizer.param_groups
+    if any(base != lr for base in sched.base_lrs):
+        changed.append(f"train.learning_rate: {sched.base_lrs[0]!r} -> {lr!r}")
+        sched.base_lrs = [lr] * len(groups)
+        factors = [f(sched.last_epoch) for f in sched.lr_lambdas]
+        for group, factor in zip(groups, factors):
+            group["initial_lr"], group["lr"] = lr, lr * factor
+        sched._last_lr = [g["lr"] for g in groups]
+    if any(g.get("weight_decay") != weight_decay for g in groups):
+        changed.append(f"train.weight_decay: {groups[0].get('weight_decay')!r} -> {weight_decay!r}")
+        for group in groups:
+            group["weight_decay"] = weight_decay
+    return changed

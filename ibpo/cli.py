@@ -40,7 +40,7 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 def summary_line(s: dict) -> str:
     def acc(e):
-        return "n/a" if not e else f"{e['accuracy']:.3f}"
+        return f"{e['accuracy']:.3f}" if e and "accuracy" in e else "n/a"
 
     n = (s.get("eval_after") or s.get("eval_before") or {}).get("n", 0)
     return (

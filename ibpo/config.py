@@ -192,6 +192,9 @@ class TrainConfig:
     # null = start afresh (replacing this output_dir's checkpoints) | latest (this output_dir's
     # newest checkpoint; afresh when there is none) | a step-<N> folder or another output_dir
     resume_from: str | None = None
+    # Starting afresh where an unfinished run (interrupted, failed, out of memory) left
+    # checkpoints is refused unless this is true: rerunning the same command must not delete them.
+    overwrite: bool = False
     # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
     # skipped steps stop the run with a checkpoint (0 = never stop).
     max_nonfinite_steps: int = 3

@@ -11,6 +11,7 @@ Not here: computing the metrics (trainer.py) or drawing them (report.py).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -50,10 +51,16 @@ def log_step(m: dict, step: int, bar, metrics_file, accelerator, log_with) -> No
         s=f"{m['step_time']:.1f}",
     )
     if metrics_file:
-        metrics_file.write(json.dumps(m) + "\n")
+        metrics_file.write(json.dumps(_finite(m)) + "\n")
         metrics_file.flush()
     if log_with:
         accelerator.log(m, step=step)
+
+
+def _finite(m: dict) -> dict:
+    """NaN and inf as null: json.dumps would write NaN/Infinity, which strict JSON readers (jq,
+    the Hub's viewer) reject."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
 
 
 def log_eval(e: dict | None, step: int, bar, metrics_file, accelerator, log_with) -> None:

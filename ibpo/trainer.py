@@ -37,6 +37,7 @@ import torch
 import yaml
 
 from ibpo import checkpoint as ckpt
+from ibpo import failures
 from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits
 from ibpo.distributed import (
@@ -114,6 +115,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         batch = collect_batch(generator, tokenizer, stream, cfg, objective,
                               REWARDS[cfg.objective.reward], rng)  # fmt: skip
     t_gen = time.perf_counter()
+    lr = scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
     fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
     with dequantized_base(model) if fast else nullcontext():
         stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
@@ -135,7 +137,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         truncated=rollout.truncated.float().mean().item(),
         grad_norm=grad_norm,
         skipped_nonfinite=float(skipped),
-        lr=scheduler.get_last_lr()[0],
+        lr=lr,
         time_rollout=t_gen - t0,
         time_frozen_logprobs=t_frozen,
         time_update=t_end - t_gen - t_frozen,
@@ -191,12 +193,13 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    if resume is None and ckpt.clear_checkpoints(out):
-        print(f"ibpo: starting afresh: removed the checkpoints of an earlier run in {out} "
+    removed = ckpt.clear_previous_run(out) if resume is None else []
+    if removed:
+        print(f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
               "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
 
 
-def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, eval_before: bool):
+def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
     """The checkpoint's state (RNG, data position, optimizer...: the run goes on as if it had
     never stopped), or a fresh one with the held-out accuracy before training."""
     if resume is not None:
@@ -204,12 +207,36 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, eval_b
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
         accelerator.print(f"resumed from {resume} (step {state.step})")
+        applied = ckpt.apply_optimizer_settings(parts, cfg.train.learning_rate,
+                                                cfg.train.weight_decay)  # fmt: skip
+        if applied:
+            accelerator.print(f"ibpo: resuming with {'; '.join(applied)}")
+        changed = ckpt.resume_changes(resume, cfg.to_dict())
+        if changed:
+            accelerator.print(
+                "ibpo: warning: these settings differ from the checkpoint's run, which continues "
+                f"with the new ones: {'; '.join(changed)}"
+            )
         return state
-    state = ckpt.TrainerState(eval_before=held_out() if eval_before else None)
+    state = ckpt.TrainerState(eval_before=held_out() if cfg.train.eval_before else None)
     if state.eval_before:
         e = state.eval_before
         accelerator.print(f"held-out accuracy before: {e['accuracy']:.3f} (n={e['n']})")
     return state
+
+
+def _final_eval(held_out, accelerator) -> dict | None:
+    """The held-out evaluation after training; with one process a failure (out of memory...)
+    is recorded instead of losing the summary. With several it propagates: the others wait in
+    its collective, and only ending the process lets the launcher stop them."""
+    try:
+        return held_out()
+    except Exception as e:
+        if accelerator.num_processes > 1:
+            raise
+        print(f"ibpo: the final held-out evaluation failed: {type(e).__name__}: {e}\n  The "
+              "adapter is saved; evaluate it with scripts/eval_*.py.", file=sys.stderr)  # fmt: skip
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def train(cfg: Config) -> dict:
@@ -232,6 +259,8 @@ def train(cfg: Config) -> dict:
     set_seed(tr.seed)
     out, main = Path(tr.output_dir), accelerator.is_main_process
     resume = ckpt.resolve_resume(tr.resume_from, out)
+    if resume is None:
+        ckpt.check_fresh_start(out, tr.overwrite)
     if main:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
@@ -257,22 +286,25 @@ def train(cfg: Config) -> dict:
                 )  # fmt: skip
 
         metrics_path = out / "metrics.jsonl"
-        state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, tr.eval_before)
+        state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, cfg)
         prior = state.wall_seconds
 
         def checkpoint() -> Path:
             state.wall_seconds = prior + time.time() - start
-            return ckpt.save_checkpoint(accelerator, out / ckpt.CHECKPOINTS, parts, state,
-                                        metrics_path, tr.keep_checkpoints)  # fmt: skip
+            root = out / ckpt.CHECKPOINTS
+            return ckpt.save_checkpoint(accelerator, root, parts, state, metrics_path,
+                                        tr.keep_checkpoints, cfg.to_dict())  # fmt: skip
 
         metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
         bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
                    disable=not (main and tr.progress))  # fmt: skip
         status, message, last = "completed", None, resume  # last: the newest checkpoint
         cut_short = False  # stopped mid-step: the live adapter is not saved
+        phase = "step"  # what ran when an error came: step | eval | save
         try:
-            with ckpt.GracefulStop() as stop:
+            with failures.GracefulStop() as stop:
                 while state.step < tr.steps:
+                    phase = "step"
                     m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler,
                                 accelerator, parts.stream, cfg, objective, parts.rng,
                                 engine)  # fmt: skip
@@ -286,27 +318,41 @@ def train(cfg: Config) -> dict:
                         status = "interrupted"
                         break
                     if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
+                        phase = "eval"
                         log_eval(
                             held_out(), state.step, bar, metrics_file, accelerator, tr.log_with
                         )
                     if tr.save_every and state.step % tr.save_every == 0:
+                        phase = "save"
                         last = checkpoint()
+                phase = "save"
                 if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
                     last = checkpoint()
         except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
             # under FSDP saving would gather shards from processes caught at other points: no saving
             status, cut_short = "interrupted", is_fsdp(parts.model)
-        except Exception as e:
-            if not ckpt.is_oom(e):
+        except OSError as e:  # a full disk while saving: the previous checkpoint stands
+            if phase != "save":
                 raise
-            status, message = "out_of_memory", ckpt.oom_message(cfg, state.step + 1, e, last)
-            cut_short = True
+            status, message, cut_short = "failed", failures.save_failed_message(e, last), True
+        except Exception as e:
+            if not failures.is_oom(e):
+                raise
+            status = "out_of_memory"
+            if phase == "eval" and accelerator.num_processes == 1:  # the step itself finished
+                last = checkpoint()
+                message = failures.oom_message(cfg, state.step, e, last, in_eval=True)
+            else:
+                message = failures.oom_message(cfg, state.step + 1, e, last)
+                cut_short = True
         finally:
             bar.close()
             if metrics_file:
                 metrics_file.close()
         if status == "nonfinite":
-            message = ckpt.nonfinite_message(state, last)
+            message = failures.nonfinite_message(state, last)
+        if status == "interrupted":
+            message = failures.interrupted_message(state.step, last)
         # Out of memory with several processes: the others may be inside a collective of this step
         # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
         # the others' collective then fails and the launcher stops the run, instead of everyone
@@ -317,16 +363,13 @@ def train(cfg: Config) -> dict:
             print(f"ibpo: {who}{message}", file=sys.stderr)
         adapter = out / "adapter"
         if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-            adapter = last / "adapter" if last else None
+            adapter = ckpt.keep_checkpoint_adapter(last, adapter) if main else None
         else:
             save_adapter(accelerator, parts.model, adapter)
             if main:
                 tokenizer.save_pretrained(adapter)
-        eval_after = held_out() if status == "completed" else None
-        if not alone:
-            accelerator.wait_for_everyone()
         summary = {
-            "eval_before": state.eval_before, "eval_after": eval_after, "steps": state.step,
+            "eval_before": state.eval_before, "eval_after": None, "steps": state.step,
             "objective": objective.name, "model": cfg.model.name,
             "quantization": cfg.model.quantization, "dataset": cfg.data.dataset,
             "status": status, "message": message, "nonfinite_steps": state.nonfinite_total,
@@ -334,6 +377,13 @@ def train(cfg: Config) -> dict:
             "wall_seconds": round(prior + time.time() - start, 1),
             "adapter": adapter and str(adapter),
         }  # fmt: skip
+        if main:  # written now too: a run killed in its final evaluation still has a summary
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if status == "completed":
+            summary["eval_after"] = _final_eval(held_out, accelerator)
+            summary["wall_seconds"] = round(prior + time.time() - start, 1)
+        if not alone:
+            accelerator.wait_for_everyone()
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             finish_run(out, cfg, status)

@@ -126,7 +126,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = max(0.01, (free - VLLM_OVERHEAD_BYTES) / total)
         # the engine in this process, not a child: a child shares the terminal's process group
         # and exits on the first Ctrl-C / SIGTERM, which the trainer answers by finishing the
-        # step and saving (checkpoint.GracefulStop), generation included
+        # step and saving (failures.GracefulStop), generation included
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             llm = vllm.LLM(

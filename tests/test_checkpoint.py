@@ -263,8 +263,12 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
     assert summary["nonfinite_steps"] == 3
     assert "2 consecutive steps (4-5)" in summary["message"]
     assert "train.max_nonfinite_steps" in summary["message"]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # strict JSON: non-finite values are written as null, never NaN / Infinity
+    no_nan = lambda c: pytest.fail(f"metrics.jsonl holds {c}")  # noqa: E731
+    lines = [json.loads(x, parse_constant=no_nan)
+             for x in (out / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
     assert [m["skipped_nonfinite"] for m in lines] == [0, 1, 0, 1, 1]
+    assert lines[1]["loss"] is None or lines[1]["grad_norm"] is None
     last = out / "checkpoints" / "step-5"
     assert (
         summary["checkpoint"] == str(last) and ckpt.latest_checkpoint(out / "checkpoints") == last
@@ -297,7 +301,10 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
                  "rollout.generation_batch_size", "rollout.max_new_tokens", "ibpo plan",
                  "step 3", "train.resume_from=latest"):  # fmt: skip
         assert knob in summary["message"]
-    assert summary["adapter"] == str(out / "checkpoints" / "step-2" / "adapter")
+    # <output_dir>/adapter (what push and evaluation pick up) is the checkpoint's, not the live one
+    assert summary["adapter"] == str(out / "adapter")
+    saved, kept = _lora(out / "checkpoints" / "step-2" / "adapter"), _lora(out / "adapter")
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in saved)
     assert json.loads((out / "summary.json").read_text()) == summary
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
 

@@ -1,0 +1,125 @@
+"""How a run ends when something goes wrong: signals, running out of memory, non-finite steps,
+a full disk. Each gets a message naming what happened, what was kept and the fix.
+
+* `GracefulStop`: SIGINT / SIGTERM finish the current step, then the run saves and ends.
+* `is_oom` and the `*_message` helpers: the advice the trainer prints and writes to summary.json.
+
+Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (trainer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ibpo.checkpoint import TrainerState
+from ibpo.config import Config
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM -> `requested()` turns true: the loop finishes its step, saves a checkpoint
+    and ends as 'interrupted'. A second Ctrl-C raises KeyboardInterrupt at once. The handlers are
+    installed only in the main thread (Python's rule) and restored on exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        # os.write, not print: a handler may run in the middle of another print
+        os.write(
+            sys.stderr.fileno(),
+            f"\nibpo: {signal.Signals(signum).name}: finishing this step, then saving a "
+            "checkpoint (Ctrl-C again stops at once)\n".encode(),
+        )
+
+    def requested(self, accelerator) -> bool:
+        """The same answer on every process (a signal may reach only some of them)."""
+        flag = float(self.signum is not None)
+        if accelerator.num_processes > 1:
+            total = accelerator.reduce(torch.tensor([flag], device=accelerator.device), "sum")
+            flag = float(total.item())
+        return flag > 0
+
+
+def is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def oom_message(
+    cfg: Config, step: int, error: BaseException, last: Path | None, in_eval: bool = False
+) -> str:
+    """Advice naming the settings that lower memory. `in_eval`: it was the held-out evaluation
+    after `step`, which had finished (and was saved)."""
+    tr, ro, rep = cfg.train, cfg.rollout, cfg.repair
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    resume = (
+        f"Then resume from {last} with train.resume_from=latest."
+        if last is not None
+        else "No checkpoint was saved yet (train.save_every)."
+    )
+    if in_eval:
+        return (
+            f"out of memory in the held-out evaluation after step {step} ({first[:200]})\n"
+            f"  Fix: lower rollout.eval_batch_size (now {ro.eval_batch_size}) or "
+            f"rollout.eval_max_new_tokens (now {ro.eval_max_new_tokens}). Step {step} is "
+            f"saved. {resume}"
+        )
+    return (
+        f"out of memory in step {step} ({first[:200]})\n"
+        f"  Fix: lower train.micro_batch_groups (now {tr.micro_batch_groups}; whole groups per "
+        f"forward/backward), train.logprob_chunk_tokens (now {tr.logprob_chunk_tokens}), "
+        f"rollout.generation_batch_size (now {ro.generation_batch_size}; repair.batch_size, now "
+        f"{rep.batch_size or ro.generation_batch_size}, for repairs) or rollout.max_new_tokens "
+        f"(now {ro.max_new_tokens}). "
+        "`ibpo plan <recipe> --gpu-memory-gb <GiB>` estimates the peak memory and suggests "
+        f"settings that fit.\n  {resume}"
+    )
+
+
+def interrupted_message(step: int, last: Path | None) -> str:
+    return (
+        f"interrupted after step {step}; checkpoint: {last}.\n  Continue: the same command "
+        "with train.resume_from=latest."
+    )
+
+
+def save_failed_message(error: OSError, last: Path | None) -> str:
+    where = f"the last complete checkpoint is {last}" if last else "no checkpoint was saved"
+    return (
+        f"could not write a checkpoint ({error}); {where}.\n  Fix: free disk space (or set "
+        "train.output_dir on a larger disk), then resume with train.resume_from=latest."
+    )
+
+
+def nonfinite_message(state: TrainerState, last: Path | None) -> str:
+    first = state.step - state.nonfinite_streak + 1
+    return (
+        f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
+        "non-finite loss or gradient and were skipped.\n  Likely causes: a reward returning "
+        "NaN/inf, a learning rate too high, float16 overflow (use model.dtype=bfloat16 or "
+        f"float32). Checkpoint: {last}. Raise train.max_nonfinite_steps (0 = never stop) to "
+        "carry on skipping."
+    )

@@ -1,0 +1,149 @@
+"""What a run leaves behind when it is rerun, resumed differently, or fails late (tiny Qwen3, CPU).
+
+* Rerunning an interrupted command refuses to delete its checkpoints; a fresh start clears an
+  earlier run's adapter and summary, so they are never taken for the new run's.
+* Resuming applies a changed learning rate (the restored optimizer would keep the old one) and
+  names other changed settings; a save after resuming from an earlier step drops the later ones.
+* Out of memory in a periodic evaluation keeps the finished step; a failed final evaluation, or a
+  full disk, still ends with a summary that says what happened.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import ibpo.trainer as trainer_mod
+from ibpo import checkpoint as ckpt
+from ibpo import failures
+from ibpo.config import ConfigError, load_config
+from ibpo.rewards import REWARDS
+from ibpo.trainer import train
+from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
+
+
+@pytest.fixture(autouse=True)
+def reward(monkeypatch):
+    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+
+
+def _run(model_dir, out, steps, *extra):
+    return train(load_config(None, _args(model_dir, out, steps, "objective.name=grpo", *extra)))
+
+
+def _metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rerunning_an_interrupted_command_keeps_its_checkpoints(tiny_model_dir, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    out = tmp_path / "run"
+    monkeypatch.setattr(failures.GracefulStop, "requested", lambda self, acc: True)
+    summary = _run(tiny_model_dir, out, 3)
+    assert summary["status"] == "interrupted" and summary["steps"] == 1
+    assert "train.resume_from=latest" in summary["message"]
+    monkeypatch.undo()
+    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    with pytest.raises(
+        ConfigError, match=r"did not finish(.|\n)*resume_from=latest(.|\n)*overwrite=true"
+    ):
+        _run(tiny_model_dir, out, 3)
+    assert ckpt.latest_checkpoint(out / "checkpoints").name == "step-1"  # nothing deleted
+    assert _run(tiny_model_dir, out, 2, "train.overwrite=true")["status"] == "completed"
+    # after a completed run a fresh start is allowed; one that fails at once leaves no adapter
+    # or summary of the earlier run behind to be pushed as its own
+    monkeypatch.setattr(trainer_mod, "rl_step", _oom)
+    summary = _run(tiny_model_dir, out, 2)
+    assert summary["status"] == "out_of_memory" and summary["adapter"] is None
+    assert not (out / "adapter").exists() and not (out / "checkpoints").exists()
+    assert json.loads((out / "summary.json").read_text())["status"] == "out_of_memory"
+
+
+def _oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_resume_applies_a_new_learning_rate_and_names_other_changes(tiny_model_dir, tmp_path,
+                                                                    capsys):  # fmt: skip
+    out = tmp_path / "run"
+    _run(tiny_model_dir, out, 3, "train.learning_rate=1e-3", "train.warmup_steps=2",
+         "train.keep_checkpoints=5")  # fmt: skip
+    # the logged rate is the one the step used: warmup 1/2, then the full rate
+    assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-3, 1e-3])
+    capsys.readouterr()
+    step1 = out / "checkpoints" / "step-1"
+    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.1", "train.keep_checkpoints=5"]
+    _run(tiny_model_dir, out, 2, "train.warmup_steps=2", f"train.resume_from={step1}", *changed)
+    said = capsys.readouterr().out
+    assert "train.learning_rate: 0.001 -> 1e-05" in said
+    assert "objective.kl_coef: 0.0 -> 0.1" in said and "train.steps" not in said
+    assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-5])
+    # resumed from step 1: its first save removed step-3 of the abandoned history
+    names = [p.name for p in ckpt.list_checkpoints(out / "checkpoints")]
+    assert (
+        names == ["step-1", "step-2"]
+        and ckpt.latest_checkpoint(out / "checkpoints").name == "step-2"
+    )
+    saved = json.loads((out / "checkpoints" / "step-2" / "config.json").read_text())
+    assert saved["train"]["learning_rate"] == 1e-5  # the new history's own checkpoint
+
+
+def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    calls = []
+    real = trainer_mod.evaluate_accuracy
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after step 1 (the first is before training)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "evaluate_accuracy", evaluate)
+    out = tmp_path / "run"
+    summary = _run(tiny_model_dir, out, 3, "data.eval_size=2", "train.eval_every=1",
+                   "train.save_every=0", "rollout.eval_max_new_tokens=4")  # fmt: skip
+    assert summary["status"] == "out_of_memory" and summary["steps"] == 1
+    assert "evaluation after step 1" in summary["message"]
+    assert "rollout.eval_batch_size" in summary["message"]
+    assert summary["checkpoint"] == str(out / "checkpoints" / "step-1")
+    live, kept = _lora(out / "adapter"), _lora(out / "checkpoints" / "step-1" / "adapter")
+    assert all(torch.equal(live[k], kept[k]) for k in kept)
+
+
+def test_a_failed_final_evaluation_still_writes_the_summary(tiny_model_dir, tmp_path,
+                                                             monkeypatch, capsys):  # fmt: skip
+    def evaluate(*args, **kwargs):
+        raise RuntimeError("the grader's worker died")
+
+    monkeypatch.setattr(trainer_mod, "evaluate_accuracy", evaluate)
+    out = tmp_path / "run"
+    summary = _run(tiny_model_dir, out, 1, "data.eval_size=2", "train.eval_before=false")
+    assert summary["status"] == "completed" and "worker died" in summary["eval_after"]["error"]
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert (
+        out / "adapter"
+    ).is_dir() and "final held-out evaluation failed" in capsys.readouterr().err
+
+
+def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(tiny_model_dir, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    real, calls = ckpt._fsync_tree, []
+
+    def fsync(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, os.strerror(28))
+        return real(path)
+
+    monkeypatch.setattr(ckpt, "_fsync_tree", fsync)
+    out = tmp_path / "run"
+    summary = _run(tiny_model_dir, out, 3)
+    assert summary["status"] == "failed" and summary["steps"] == 2
+    assert "free disk space" in summary["message"] and "step-1" in summary["message"]
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")] == []
+    kept = _lora(out / "checkpoints" / "step-1" / "adapter")
+    assert summary["adapter"] == str(out / "adapter")
+    assert all(torch.equal(_lora(out / "adapter")[k], kept[k]) for k in kept)
