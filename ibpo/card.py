@@ -35,6 +35,7 @@ TOKENIZER_FILES = (
 RUN_FILES = ("summary.json", "metrics.jsonl")
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # config keys that could hold a credential ("max_new_tokens" is not one: whole words only)
+_ABSOLUTE = re.compile(r"(/|~/|[A-Za-z]:[\\/])\S")  # POSIX, home-relative, Windows
 _SECRET_KEY = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
 CITATION = """@article{ding2026designconditions,
   title   = {Design Conditions for Intra-Group Learning of Sequence-Level Rewards:
@@ -125,11 +126,15 @@ def _read_metrics(path: Path | None) -> list[dict]:
 
 
 def scrub(tree):
-    """Drop keys named like credentials, at any depth (the config holds none; this keeps it so)."""
+    """Drop keys named like credentials, at any depth (the config holds none; this keeps it so),
+    and hide absolute local paths (`/home/<user>/...`), which can name a user or a machine:
+    each becomes `<local>/<its last part>`."""
     if isinstance(tree, dict):
         return {k: scrub(v) for k, v in tree.items() if not _SECRET_KEY.search(str(k))}
     if isinstance(tree, list):
         return [scrub(v) for v in tree]
+    if isinstance(tree, str) and _ABSOLUTE.match(tree):
+        return f"<local>/{Path(tree.rstrip('/')).name}"
     return tree
 
 

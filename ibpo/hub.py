@@ -87,6 +87,8 @@ def _stage_adapter_config(src: Path, dest: Path, base_id: str | None, revision) 
     if base_id:
         config["base_model_name_or_path"] = base_id
         config["revision"] = revision
+    else:  # a local base with no known Hub id: its folder name, not the path on this machine
+        config["base_model_name_or_path"] = scrub(config.get("base_model_name_or_path"))
     dest.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -126,7 +128,10 @@ def _stage(loc: dict, staging: Path, card: str, base_model: str | None) -> None:
         if (loc["adapter"] / name).is_file():
             shutil.copyfile(loc["adapter"] / name, staging / name)
     for name in RUN_FILES:
-        if name in files:
+        if name == "summary.json" and name in files:  # its paths are this machine's
+            summary = scrub(json.loads(files[name].read_text()))
+            (staging / name).write_text(json.dumps(summary, indent=2) + "\n")
+        elif name in files:
             shutil.copyfile(files[name], staging / name)
     if cfg:
         (staging / "ibpo_config.yaml").write_text(yaml.safe_dump(scrub(cfg), sort_keys=False))

@@ -90,6 +90,18 @@ def test_staging_holds_exactly_the_upload(run, tmp_path):
         prepare_upload(run, "alice/tiny-ibpo", staged)
 
 
+def test_no_local_path_is_staged(run, tmp_path, tiny_model_dir):
+    """Absolute paths (the output_dir, a local base model folder) can name a user or machine:
+    the summary, the recipe, the card and the adapter config carry none."""
+    staged = prepare_upload(run, "alice/tiny-ibpo", tmp_path / "stage")
+    assert str(run) in (run / "summary.json").read_text()  # the local record has them
+    for f in staged.rglob("*"):
+        if f.is_file() and f.suffix in {".json", ".yaml", ".md", ".jsonl"}:
+            text = f.read_text()
+            assert str(run.parent) not in text and tiny_model_dir not in text, f.name
+    assert json.loads((staged / "summary.json").read_text())["adapter"] == "<local>/adapter"
+
+
 def test_staged_adapter_reloads_with_identical_outputs(run, tmp_path, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
