@@ -78,6 +78,9 @@ class DataConfig:
     enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
     max_prompt_tokens: int = 512  # longer prompts (chat template included) are left out
     shuffle: bool = True
+    # A row without a question or a usable answer (no runnable tests, for code) is an error
+    # naming it; true leaves such rows out and prints how many and the first reason.
+    skip_unusable: bool = False
 
 
 @dataclass

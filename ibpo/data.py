@@ -205,20 +205,34 @@ def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
                 f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
                 "path reads a field of a struct column)."
             )
-    out = []
+    out, skipped = [], []
     for i, row in enumerate(rows):
-        q = _field(row, cfg.question_column, source, i)
-        raw = _field(row, cfg.answer_column, source, i)
-        a = gold_answer(raw, cfg.answer_format)
-        if q is None or not str(q).strip():
-            raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
-        if a is None:
-            raise ConfigError(
-                f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
-                f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
-            )
-        out.append(Example(str(q).strip(), a))
+        try:
+            out.append(_example(row, cfg, source, i))
+        except ConfigError as e:
+            if not cfg.skip_unusable:
+                raise ConfigError(
+                    f"{e}\n  (data.skip_unusable=true leaves such rows out)"
+                ) from None
+            skipped.append(str(e))
+    if skipped:
+        print(f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
+              f"(data.skip_unusable); the first: {skipped[0]}", file=sys.stderr)  # fmt: skip
     return out
+
+
+def _example(row: dict, cfg: DataConfig, source: str, i: int) -> Example:
+    q = _field(row, cfg.question_column, source, i)
+    raw = _field(row, cfg.answer_column, source, i)
+    a = gold_answer(raw, cfg.answer_format)
+    if q is None or not str(q).strip():
+        raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
+    if a is None:
+        raise ConfigError(
+            f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
+            f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
+        )
+    return Example(str(q).strip(), a)
 
 
 def _field(row: dict, path: str, source: str, i: int) -> Any:

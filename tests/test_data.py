@@ -76,6 +76,17 @@ def test_training_rows_repeating_a_held_out_question_are_dropped(tmp_path, capsy
         load_splits(DataConfig(dataset=_jsonl(tmp_path / "e.jsonl", rows[:1] * 4), eval_size=1))
 
 
+def test_unusable_rows_are_an_error_unless_skipped_and_counted(tmp_path, capsys):
+    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": None},
+            {"question": " ", "answer": "3"}, {"question": "3+3?", "answer": "6"}]  # fmt: skip
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ConfigError, match="row 1: no answer(.|\n)*data.skip_unusable=true"):
+        load_splits(DataConfig(dataset=path, eval_size=0))
+    train, _ = load_splits(DataConfig(dataset=path, eval_size=0, skip_unusable=True))
+    assert [e.question for e in train] == ["1+1?", "3+3?"]
+    assert "left out 2 of 4 rows" in capsys.readouterr().err
+
+
 def test_a_missing_training_split_is_named(tmp_path, monkeypatch):
     import ibpo.data as data
 
