@@ -88,6 +88,8 @@ class RolloutConfig:
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 24
     temperature: float = 1.0
+    # top_p < 1 or top_k > 0 sample from a truncated distribution, while log-probs (and KL,
+    # entropy) use the full one: the update is then slightly off-policy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     generation_batch_size: int = 64  # sequences per generate() call

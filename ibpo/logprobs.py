@@ -47,7 +47,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _check_supported(base: nn.Module) -> None:
     cfg = base.config
-    for attr in ("final_logit_softcapping", "logit_scale"):
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(cfg, attr, None) not in (None, 1.0):
             raise NotImplementedError(
                 f"models with config.{attr} are not supported by the chunked log-prob path"

@@ -144,6 +144,12 @@ def generate(
         # None = off (an explicit None overrides the model's generation_config); only the fields
         # this transformers version knows, others would be taken for model inputs
         **{k: None for k in NEUTRAL_PROCESSING if hasattr(unwrap(model).generation_config, k)},
+        # one sequence per sample: a num_beams from the model's config would run beam search
+        **{
+            k: 1
+            for k in ("num_beams", "num_beam_groups")
+            if hasattr(unwrap(model).generation_config, k)
+        },  # fmt: skip
         **(
             sampling
             if do_sample

@@ -41,10 +41,17 @@ def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference:
     """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off). Runs
     `count` forwards (>= len(mbs)), repeating the last micro-batch: see `update_policy`."""
     ctx = reference_mode(model) if reference else nullcontext()
-    with ctx:
-        out = [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
-        for _ in range(count - len(mbs)):
-            sequence_logprobs(model, mbs[-1], chunk, temperature)
+    # eval mode: LoRA dropout would make "old" a random perturbation of the rollout policy
+    # (two calls would disagree), not the policy that sampled
+    was_training = model.training
+    model.eval()
+    try:
+        with ctx:
+            out = [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
+            for _ in range(count - len(mbs)):
+                sequence_logprobs(model, mbs[-1], chunk, temperature)
+    finally:
+        model.train(was_training)
     return out
 
 

@@ -61,7 +61,9 @@ def test_model_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
     model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
                              torch.device("cpu"))  # fmt: skip
     outs = []
-    for extra in ({}, {"min_p": 0.999, "no_repeat_ngram_size": 1, "repetition_penalty": 50.0}):
+    reshaping = {"min_p": 0.999, "no_repeat_ngram_size": 1, "repetition_penalty": 50.0,
+                 "num_beams": 3}  # fmt: skip
+    for extra in ({}, reshaping):
         for k, v in extra.items():
             setattr(model.generation_config, k, v)
         torch.manual_seed(0)

@@ -142,6 +142,29 @@ def test_off_policy_update_is_invariant_to_micro_batching(tiny_model_dir, object
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model_dir):
+    """Frozen (old) log-probs run without dropout, whatever mode the model is in: with
+    lora_dropout > 0 two calls agree and equal the eval-mode policy's."""
+    from ibpo.batching import cut
+    from ibpo.rollout import generate
+    from ibpo.update import frozen_logprobs, sequence_logprobs
+
+    cfg, acc, model, tok = _setup(tiny_model_dir, ["model.lora_dropout=0.5"])
+    ro = generate(model, tok, ["What is 1 + 1?", "hello"], 2, 6, batch_size=8)
+    mb = cut(ro, list(range(ro.num_sequences)))
+    model.train()
+    a, b = (frozen_logprobs(model, [mb], 64, 1.0, False, 1)[0] for _ in range(2))
+    assert model.training  # the mode is restored
+    model.eval()
+    with torch.no_grad():
+        policy = sequence_logprobs(model, mb, 64, 1.0)[0]
+        model.train()
+        dropped = sequence_logprobs(model, mb, 64, 1.0)[0]
+    assert not torch.allclose(dropped, policy)  # dropout does act in train mode
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, policy)
+
+
 def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
