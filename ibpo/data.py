@@ -330,6 +330,19 @@ def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
     return render_user_message(tokenizer, user_message(question, cfg), cfg)
 
 
+def thinking_note(tokenizer, cfg: DataConfig, max_new_tokens: int) -> str | None:
+    """A note when the chat template thinks unless told not to (Qwen3's) and the recipe does not
+    say: long thoughts are then cut off at max_new_tokens and score nothing."""
+    template = getattr(tokenizer, "chat_template", None)
+    if cfg.enable_thinking is not None or "enable_thinking" not in str(template or ""):
+        return None
+    return (
+        "ibpo: note: this chat template thinks by default (data.enable_thinking is unset); "
+        f"thoughts longer than rollout.max_new_tokens={max_new_tokens} are cut off and score 0. "
+        "Set data.enable_thinking=false (or true to say so)."
+    )
+
+
 def user_message(question: str, cfg: DataConfig) -> str:
     # not str.format: templates hold literal braces ("put your answer within \\boxed{}")
     return cfg.prompt_template.replace("{question}", question)

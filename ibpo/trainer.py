@@ -39,7 +39,7 @@ import yaml
 from ibpo import checkpoint as ckpt
 from ibpo import failures
 from ibpo.config import Config
-from ibpo.data import PromptStream, drop_long_prompts, load_splits
+from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_note
 from ibpo.distributed import (
     check_launch,
     check_shared_output,
@@ -173,6 +173,8 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
     model, tokenizer = load_policy(cfg.model, accelerator.device)
     set_kv_cache(model, cfg.rollout.kv_cache)
+    if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
+        accelerator.print(note)
     train_examples, n_train = drop_long_prompts(train_examples, tokenizer, cfg.data, "training")
     eval_examples, n_eval = drop_long_prompts(eval_examples, tokenizer, cfg.data, "held-out")
     if n_train or n_eval:

@@ -95,6 +95,16 @@ def test_a_missing_training_split_is_named(tmp_path, monkeypatch):
         load_splits(DataConfig(dataset="org/set", split="trian", eval_size=0))
 
 
+def test_a_template_that_thinks_by_default_gets_a_note_unless_the_recipe_says():
+    from ibpo.data import thinking_note
+
+    tok = make_tokenizer()
+    assert thinking_note(tok, DataConfig(), 24) is None  # a template without the switch
+    tok.chat_template = "{% if enable_thinking is defined %}{% endif %}" + tok.chat_template
+    assert "max_new_tokens=24" in thinking_note(tok, DataConfig(), 24)
+    assert thinking_note(tok, DataConfig(enable_thinking=False), 24) is None
+
+
 def test_render_prompt_uses_chat_template():
     tok = make_tokenizer()
     text = render_prompt(tok, "What is 2 + 2?", DataConfig(system_prompt="be brief"))
