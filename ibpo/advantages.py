@@ -23,8 +23,9 @@ from torch import Tensor
 def group_advantages(rewards: Tensor, scale: bool, eps: float = 1e-6) -> Tensor:
     """rewards [B, G] -> advantages [B, G] centred within each group."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    # A flat group is zero by definition, not by rounding: 8 rewards of 0.3 have a float32 mean
-    # off by 2e-8 and a std of 3e-8, which std scaling would turn into A = 0.03 for every member.
+    # A flat group is zero by definition, not by rounding: the float32 mean of equal rewards such
+    # as 0.3 can be off in its last bits, which std scaling would blow up into one equal, non-zero
+    # advantage for every member (tests/test_repair.py).
     centred = torch.where(flat_groups(rewards).unsqueeze(1), 0.0, centred)
     if not scale:
         return centred

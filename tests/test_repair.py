@@ -51,8 +51,8 @@ def test_all_equal_groups_give_zero_advantage():
 @pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1 / 3])
 def test_flat_groups_of_partial_credit_give_exactly_zero_advantage(G, value):
     """Equal rewards that are not exact in binary (partial credit, e.g. a fraction of code tests):
-    float32 rounding gives a mean off by ~1e-8 and a std of ~1e-8, which std scaling would blow
-    up into one equal, non-zero advantage for every member."""
+    float32 rounding leaves the mean off in its last bits, which std scaling would blow up into
+    one equal, non-zero advantage for every member."""
     rewards = torch.tensor([[value] * G, [0.0] * (G - 1) + [1.0]])
     for scale in (True, False):
         adv = group_advantages(rewards, scale)

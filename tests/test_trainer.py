@@ -85,17 +85,19 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     assert m["reward"] == 0.5 and m["zero_variance_groups"] == 0.0
 
 
-@pytest.mark.parametrize("objective", ["ibpo", "grpo", "dr_grpo", "gspo"])
-def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
+# all groups at once; one group per micro-batch; a token budget (sorted, cut micro-batches)
+BATCHINGS = (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
+             ["train.micro_batch_groups=4", "train.micro_batch_tokens=60"])  # fmt: skip
+
+
+def _recorded_steps(tiny_model_dir, overrides, lr=0.0) -> list[GradRecorder]:
+    """One step per batching of BATCHINGS, same seed and rewards; each step's recorder."""
     import ibpo.trainer as trainer_mod
 
-    grads = []
-    # all groups at once; one group per micro-batch; a token budget (sorted, cut micro-batches)
-    for batching in (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
-                     ["train.micro_batch_groups=4", "train.micro_batch_tokens=60"]):  # fmt: skip
-        cfg, acc, model, tok = _setup(tiny_model_dir, [*batching, f"objective.name={objective}",
-                                                       "objective.kl_coef=0.1"])  # fmt: skip
-        opt = GradRecorder([p for p in model.parameters() if p.requires_grad])
+    recorders = []
+    for batching in BATCHINGS:
+        cfg, acc, model, tok = _setup(tiny_model_dir, [*batching, *overrides])
+        opt = GradRecorder([p for p in model.parameters() if p.requires_grad], lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         counter = iter(range(10_000))
         trainer_mod.REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
@@ -105,41 +107,36 @@ def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
             _step(model, tok, opt, sched, acc, cfg)
         finally:
             del trainer_mod.REWARDS["alternating"]
-        grads.append(opt.grads[0])
-    assert any(g.abs().sum() > 0 for g in grads[0])
+        recorders.append(opt)
+    return recorders
+
+
+def _assert_same_grads(grads: list[list[torch.Tensor]]) -> None:
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["ibpo", "grpo", "dr_grpo", "gspo"])
+def test_micro_batch_times_accumulation_invariance(tiny_model_dir, objective):
+    steps = _recorded_steps(
+        tiny_model_dir, [f"objective.name={objective}", "objective.kl_coef=0.1"]
+    )
+    grads = [opt.grads[0] for opt in steps]
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    _assert_same_grads(grads)
 
 
 @pytest.mark.parametrize("objective", ["ibpo", "grpo"])
 def test_off_policy_update_is_invariant_to_micro_batching(tiny_model_dir, objective):
     """Two updates per rollout: the second runs with ratios != 1 (Min-Replace weights, GRPO's
     clip), and its gradient must not depend on how the step is split into micro-batches."""
-    import ibpo.trainer as trainer_mod
-
-    grads = []
-    for batching in (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
-                     ["train.micro_batch_groups=4", "train.micro_batch_tokens=60"]):  # fmt: skip
-        cfg, acc, model, tok = _setup(tiny_model_dir, [*batching, f"objective.name={objective}",
-                                                       "train.updates_per_rollout=2"])  # fmt: skip
-        opt = GradRecorder([p for p in model.parameters() if p.requires_grad], lr=2.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        counter = iter(range(10_000))
-        trainer_mod.REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
-        cfg.objective.reward = "alternating"
-        try:
-            torch.manual_seed(5)
-            _step(model, tok, opt, sched, acc, cfg)
-        finally:
-            del trainer_mod.REWARDS["alternating"]
-        assert len(opt.grads) == 2
-        grads.append(opt.grads[1])
+    overrides = [f"objective.name={objective}", "train.updates_per_rollout=2"]
+    steps = _recorded_steps(tiny_model_dir, overrides, lr=2.0)
+    assert all(len(opt.grads) == 2 for opt in steps)
     # the second update is off-policy: its gradient differs from the first's
-    assert any(not torch.allclose(a, b) for a, b in zip(opt.grads[0], opt.grads[1]))
-    for other in grads[1:]:
-        for a, b in zip(grads[0], other):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert any(not torch.allclose(a, b) for a, b in zip(*steps[0].grads))
+    _assert_same_grads([opt.grads[1] for opt in steps])
 
 
 def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model_dir):
