@@ -37,7 +37,8 @@ import torch
 import yaml
 
 from ibpo import checkpoint as ckpt
-from ibpo import failures
+from ibpo import failures, rundir
+from ibpo.advantages import flat_groups
 from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_note
 from ibpo.distributed import (
@@ -130,7 +131,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     metrics.update(
         reward=rewards.mean().item(),
         accuracy=(rewards >= 1.0).float().mean().item(),
-        zero_variance_groups=(rewards.std(1) == 0).float().mean().item(),
+        zero_variance_groups=flat_groups(rewards).float().mean().item(),
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
@@ -195,7 +196,7 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    removed = ckpt.clear_previous_run(out) if resume is None else []
+    removed = rundir.clear_previous_run(out) if resume is None else []
     if removed:
         print(f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
               "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
@@ -209,11 +210,11 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: C
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
         accelerator.print(f"resumed from {resume} (step {state.step})")
-        applied = ckpt.apply_optimizer_settings(parts, cfg.train.learning_rate,
+        applied = rundir.apply_optimizer_settings(parts, cfg.train.learning_rate,
                                                 cfg.train.weight_decay)  # fmt: skip
         if applied:
             accelerator.print(f"ibpo: resuming with {'; '.join(applied)}")
-        changed = ckpt.resume_changes(resume, cfg.to_dict())
+        changed = rundir.resume_changes(resume, cfg.to_dict())
         if changed:
             accelerator.print(
                 "ibpo: warning: these settings differ from the checkpoint's run, which continues "
@@ -262,7 +263,7 @@ def train(cfg: Config) -> dict:
     out, main = Path(tr.output_dir), accelerator.is_main_process
     resume = ckpt.resolve_resume(tr.resume_from, out)
     if resume is None:
-        ckpt.check_fresh_start(out, tr.overwrite)
+        rundir.check_fresh_start(out, tr.overwrite)
     if main:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
@@ -365,7 +366,7 @@ def train(cfg: Config) -> dict:
             print(f"ibpo: {who}{message}", file=sys.stderr)
         adapter = out / "adapter"
         if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-            adapter = ckpt.keep_checkpoint_adapter(last, adapter) if main else None
+            adapter = rundir.keep_checkpoint_adapter(last, adapter) if main else None
         else:
             save_adapter(accelerator, parts.model, adapter)
             if main:
