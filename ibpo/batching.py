@@ -15,6 +15,9 @@ mask (logprobs.py), so dropping all-padding columns changes no log-prob.
 The gradient does not depend on the partition: the loss of every micro-batch is divided by a
 normaliser taken from the whole step (objectives.step_normaliser).
 
+Plans and widths come from the rollout's host copies of its lengths: cutting a micro-batch
+reads no value from the device.
+
 Not here: the loss itself (objectives.py) or how rows were generated (rollout.py).
 """
 
@@ -76,6 +79,7 @@ class MicroBatch:
     attention_mask: Tensor  # [n, p + t]
     completion_mask: Tensor  # [n, t]
     prompt_len: int  # p <= the rollout's P
+    tokens: list[list[int]]  # host: each row's completion ids (up to its length)
 
     @property
     def completion_ids(self) -> Tensor:  # [n, t]
@@ -97,16 +101,17 @@ def cut(rollout: Rollout, rows: list[int]) -> MicroBatch:
     P = rollout.prompt_len
     att = rollout.attention_mask[idx]
     cmask = rollout.completion_mask[idx]
-    p = max(int(att[:, :P].sum(-1).max().item()), 1)  # keep one column for an empty prompt
-    t = max(int(cmask.sum(-1).max().item()), 1)
+    prompts, tokens = rollout.host_prompt_lengths(), rollout.host_tokens()
+    p = max(max(int(prompts[i]) for i in rows), 1)  # keep one column for an empty prompt
+    t = max(max(len(tokens[i]) for i in rows), 1)
     cols = slice(P - p, P + t)
-    return MicroBatch(idx, rollout.input_ids[idx][:, cols], att[:, cols], cmask[:, :t], p)
+    return MicroBatch(idx, rollout.input_ids[idx][:, cols], att[:, cols], cmask[:, :t], p,
+                      [tokens[i] for i in rows])  # fmt: skip
 
 
 def micro_batches(
     rollout: Rollout, group_size: int, max_groups: int, max_tokens: int = 0
 ) -> list[MicroBatch]:
-    prompt = rollout.attention_mask[:, : rollout.prompt_len].sum(-1).tolist()
-    completion = rollout.completion_mask.sum(-1).long().tolist()
+    prompt, completion = rollout.host_prompt_lengths(), rollout.lengths
     plan = plan_micro_batches(prompt, completion, group_size, max_groups, max_tokens)
     return [cut(rollout, rows) for rows in plan]

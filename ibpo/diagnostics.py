@@ -21,50 +21,56 @@ import torch
 from torch import Tensor
 
 
-def prefix_node_ids(tokens: Tensor, mask: Tensor, group_size: int) -> Tensor:
-    """tokens/mask [n, T] (whole groups) -> node id per token [n, T] (-1 off the mask).
+def prefix_node_ids(tokens: list[list[int]], width: int, group_size: int) -> tuple[Tensor, int]:
+    """Completion token ids of whole groups (host lists) -> (node id per token [n, width] on the
+    host, -1 past a completion's end; the number of nodes).
 
     Two tokens get the same id iff they are in the same group at the same depth with identical
     completion prefixes (their own token included): the same token at the same context.
     """
-    ids = torch.full(tokens.shape, -1, dtype=torch.long)
-    rows, lengths = tokens.tolist(), mask.sum(-1).long().tolist()
+    ids = torch.full((len(tokens), width), -1, dtype=torch.long, device="cpu")
     next_id = 0
-    for g0 in range(0, len(rows), group_size):
+    for g0 in range(0, len(tokens), group_size):
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; -1 = root
         for i in range(g0, g0 + group_size):
-            parent = -1
-            for t in range(lengths[i]):
-                key = (parent, rows[i][t])
+            parent, row = -1, []
+            for tok in tokens[i][:width]:
+                key = (parent, tok)
                 node = children.get(key)
                 if node is None:
                     node = children[key] = next_id
                     next_id += 1
-                ids[i, t] = parent = node
-    return ids
+                row.append(node)
+                parent = node
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device="cpu")
+    return ids, next_id
 
 
 def cancellation_residual(
-    coef: Tensor, adv: Tensor, tokens: Tensor, mask: Tensor, group_size: int
-) -> dict[str, float]:
-    """Sums for one micro-batch: {'residual_num', 'residual_den', 'shared_tokens', 'tokens'}.
+    coef: Tensor, adv: Tensor, tokens: list[list[int]], group_size: int
+) -> dict[str, Tensor]:
+    """Sums for one micro-batch: {'residual_num', 'residual_den', 'shared_tokens', 'tokens'},
+    0-dim float64 tensors on coef's device. coef/adv [n, T]; tokens: each row's completion ids.
 
-    Add the sums over micro-batches and divide (`residual = num / den`) for a step's figure.
+    The trie is built on the host from the host token lists; the sums run where the coefficients
+    are, so the step reads them once with its other statistics. Add them over micro-batches and
+    divide (`residual = num / den`) for a step's figure.
     """
-    ids = prefix_node_ids(tokens.cpu(), mask.cpu(), group_size)
-    on = ids >= 0
-    node = ids[on]
-    c = coef.detach().cpu().double()[on]
-    a = adv.detach().cpu().double()[on]
-    n_nodes = int(node.max().item()) + 1 if node.numel() else 0
-    count = torch.zeros(n_nodes, dtype=torch.double).index_add_(0, node, torch.ones_like(c))
-    mean_c = torch.zeros(n_nodes, dtype=torch.double).index_add_(0, node, c) / count.clamp_min(1)
-    dev = torch.zeros(n_nodes, dtype=torch.double).index_add_(0, node, (c - mean_c[node]) * a)
-    mag = torch.zeros(n_nodes, dtype=torch.double).index_add_(0, node, (c * a).abs())
-    shared = count >= 2
+    ids, n_nodes = prefix_node_ids(tokens, coef.shape[1], group_size)
+    flat = ids.flatten()
+    pos = (flat >= 0).nonzero().squeeze(1)  # host: the completion tokens, row-major
+    node, pos = flat[pos].to(coef.device), pos.to(coef.device)
+    c = coef.detach().double().flatten()[pos]
+    a = adv.detach().double().flatten()[pos]
+    zeros = torch.zeros(n_nodes, dtype=torch.double, device=coef.device)
+    count = zeros.index_add(0, node, torch.ones_like(c))
+    mean_c = zeros.index_add(0, node, c) / count.clamp_min(1)
+    dev = zeros.index_add(0, node, (c - mean_c[node]) * a)
+    mag = zeros.index_add(0, node, (c * a).abs())
+    shared = (count >= 2).double()
     return {
-        "residual_num": dev[shared].abs().sum().item(),
-        "residual_den": mag[shared].sum().item(),
-        "shared_tokens": count[shared].sum().item(),
-        "tokens": float(node.numel()),
+        "residual_num": (dev.abs() * shared).sum(),
+        "residual_den": (mag * shared).sum(),
+        "shared_tokens": (count * shared).sum(),
+        "tokens": count.sum(),
     }

@@ -194,6 +194,9 @@ def launch_kind(accelerator) -> str:
     return str(accelerator.distributed_type).rsplit(".", 1)[-1].upper()
 
 
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
 def check_launch(accelerator, cfg: Config) -> None:
     """The loop is verified under one process, DDP and FSDP2 (tests/test_distributed.py). FSDP1
     and DeepSpeed wrap parameters in ways generation and checkpointing here do not handle: refuse
@@ -219,6 +222,17 @@ def check_launch(accelerator, cfg: Config) -> None:
             f"the training loop runs on one process, with DDP or FSDP2, not under {kind}. Fix: "
             "launch with recipes/accelerate/ddp_2gpu.yaml or fsdp_qlora_2gpu.yaml (check the fit "
             "with `ibpo plan RECIPE --gpus 2 [--sharding fsdp]`)."
+        )
+    # Accelerate's mixed precision autocasts the wrapped model's forward: the path DDP and FSDP
+    # take, while one process calls the decoder directly (logprobs.completion_hidden). The same
+    # recipe would compute in another precision on 1 and on 2 GPUs, so precision has one switch.
+    mixed = str(getattr(accelerator, "mixed_precision", "no") or "no")
+    if mixed != "no":
+        raise ConfigError(
+            f"the Accelerate config sets mixed_precision: {mixed}; ibpo computes in model.dtype "
+            '(the 4-bit base\'s compute dtype) on every path. Fix: set mixed_precision: "no" in '
+            "the Accelerate config (or launch with --mixed_precision no), and choose the "
+            f"precision with model.dtype (e.g. model.dtype={_DTYPE_NAMES.get(mixed, 'bfloat16')})."
         )
 
 

@@ -60,8 +60,8 @@ def evaluate_accuracy(
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
         graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
         correct += sum(reward_fn(t, ex.answer) == 1.0 for t, ex in zip(graded, batch))
-        tokens += out.completion_mask.sum().item()
-    totals = torch.tensor([correct, tokens, float(len(shard))])
+        tokens += float(sum(out.lengths))
+    totals = torch.tensor([correct, tokens, float(len(shard))], device="cpu")
     if accelerator is not None and world > 1:
         totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     n = int(totals[2].item())

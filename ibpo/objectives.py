@@ -88,7 +88,7 @@ def exchangeable(
     gate: str = "none",
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-) -> tuple[Tensor, Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """IBPO/DFPO: linear surrogate with detached, group-exchangeable sequence weights."""
     n, _ = logp.shape
     with torch.no_grad():
@@ -110,8 +110,8 @@ def exchangeable(
             keep = keep * ((r >= 1 - eps_low) & (r <= 1 + eps_high)).to(mask.dtype)
         coef = w_t.reshape(n, 1) * keep
     loss = -coef * adv * logp
-    gated = 1.0 - (keep * mask).sum().item() / max(mask.sum().item(), 1.0)
-    return loss, coef.expand_as(logp), {"gate_fraction": gated, "weight_mean": w_t.mean().item()}
+    gated = 1.0 - _share(keep, mask)
+    return loss, coef.expand_as(logp), {"gate_fraction": gated, "weight_mean": w_t.mean()}
 
 
 def clipped_token(
@@ -124,14 +124,14 @@ def clipped_token(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-) -> tuple[Tensor, Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """PPO-style clipped token ratio (GRPO, Dr.GRPO, DAPO); the clip depends on sign(A)."""
     ratio = (logp - old_logp).exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss = -torch.minimum(ratio * adv, clipped * adv)
     with torch.no_grad():
         active = ((ratio * adv) > (clipped * adv)).to(mask.dtype)  # min picked the clipped branch
-        frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
+        frac = _share(active, mask)
         coef = ratio.detach() * (1 - active)  # d(-min)/d logp = -r A unclipped, 0 clipped
     return loss, coef, {"clip_fraction": frac}
 
@@ -146,7 +146,7 @@ def gspo_sequence(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
-) -> tuple[Tensor, Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """GSPO: clipped sequence ratio s_i = exp(mean_t(logp - old_logp)), shared by its tokens.
 
     Written per token as s_{i,t} = sg[s_i] * pi/sg[pi], whose gradient is s_i * grad logp_t;
@@ -158,9 +158,15 @@ def gspo_sequence(
     loss = -torch.minimum(s * adv, clipped * adv)
     with torch.no_grad():
         active = ((s * adv) > (clipped * adv)).to(mask.dtype)
-        frac = (active * mask).sum().item() / max(mask.sum().item(), 1.0)
+        frac = _share(active, mask)
         coef = s.detach() * (1 - active)
     return loss, coef, {"clip_fraction": frac}
+
+
+def _share(flags: Tensor, mask: Tensor) -> Tensor:
+    """The masked share of flagged tokens, a 0-dim float64 tensor on their device: no host read
+    per micro-batch (the step reads all its statistics at once)."""
+    return (flags * mask).sum().double() / mask.sum().double().clamp_min(1.0)
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -172,11 +178,11 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 # --- aggregation: normaliser from the whole step ----------------------------------------------
 
 
-def step_normaliser(aggregation: str, masks: list[Tensor], max_new_tokens: int) -> float:
-    """Z for the whole step, given the completion masks of all its micro-batches."""
-    n_seq = sum(m.shape[0] for m in masks)
+def step_normaliser(aggregation: str, lengths: list[int], max_new_tokens: int) -> float:
+    """Z for the whole step, given the completion lengths of all its sequences."""
+    n_seq = len(lengths)
     if aggregation == "token_mean":
-        return max(float(sum(m.sum().item() for m in masks)), 1.0)
+        return max(float(sum(lengths)), 1.0)
     if aggregation == "token_sum":
         return float(n_seq * max_new_tokens)
     if aggregation == "seq_mean":
@@ -209,7 +215,7 @@ AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
 
 @dataclass(frozen=True)
 class Objective:
-    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
+    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
     aggregation: str
     scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
     defaults: dict[str, Any] = field(default_factory=dict)  # surrogate keyword arguments
@@ -252,7 +258,7 @@ OBJECTIVES: dict[str, Objective] = {
 @dataclass(frozen=True)
 class ResolvedObjective:
     name: str
-    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, float]]]
+    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
     kwargs: dict[str, Any]
     aggregation: str
     scale_rewards: bool

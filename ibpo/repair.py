@@ -12,7 +12,10 @@ grader. From them:
                    (token-level Levenshtein alignment; all True when no repair succeeded)
 
 `advantages.shape_rewards` and `advantages.token_advantages` turn these into R' and token
-advantages. Repairs are scored, never trained on. A partly correct completion (0 < R < 1, e.g. a
+advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the rewards they
+come from (the grader's verdicts, token alignments of host token lists): this module reads no
+value from the device, and scoring.py moves the masks to the rollout's device in one place.
+Repairs are scored, never trained on. A partly correct completion (0 < R < 1, e.g. a
 fraction of a problem's code tests) is neither repaired nor a preferred reference: IBPO.md's phi
 needs R_i = 0, and a bonus on R_i = 0.9 could lift it above a fully correct sibling.
 
@@ -58,7 +61,7 @@ def choose_references(
 def plan_repairs(
     rewards: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
 ) -> list[RepairJob]:
-    """rewards [B, G] -> the repair generations of a step (at most max_per_group x K-1 per
+    """rewards [B, G] (host) -> the repair generations of a step (at most max_per_group x K-1 per
     group): failed members (R = 0) get references, correct ones (R >= 1) first. Which failed
     members are repaired when the cap binds is random, not positional."""
     jobs = []
@@ -76,7 +79,7 @@ def phi_from_repairs(
     jobs: list[RepairJob], success: list[bool], shape: tuple[int, int], rho: float
 ) -> Tensor:
     """phi [B, G] = rho * (share of a member's repairs that succeeded); 0 where none ran."""
-    hits, runs = torch.zeros(shape), torch.zeros(shape)
+    hits, runs = torch.zeros(shape, device="cpu"), torch.zeros(shape, device="cpu")
     for job, ok in zip(jobs, success):
         runs[job.group, job.member] += 1
         hits[job.group, job.member] += float(ok)
@@ -92,11 +95,6 @@ def fill_template(template: str, question: str, attempt: str, reference: str) ->
     )
 
 
-def _token_lists(rollout: Rollout) -> list[list[int]]:
-    lengths = rollout.completion_mask.sum(-1).long().tolist()
-    return [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths)]
-
-
 def edit_masks(
     attempts: list[list[int]],
     width: int,
@@ -105,11 +103,11 @@ def edit_masks(
     success: list[bool],
     group_size: int,
 ) -> tuple[Tensor, float]:
-    """edited [N, width] bool (True = carries blame) and the edited share of repaired attempts.
-
-    An attempt with several successful repairs takes the most local one (fewest edited tokens).
+    """edited [N, width] bool on the host (True = carries blame) and the edited share of repaired
+    attempts. An attempt with several successful repairs takes the most local one (fewest edited
+    tokens); with no jobs every token carries blame (the mask is then a no-op).
     """
-    edited = torch.ones(len(attempts), width, dtype=torch.bool)
+    edited = torch.ones(len(attempts), width, dtype=torch.bool, device="cpu")
     best: dict[int, list[bool]] = {}
     for job, rep, ok in zip(jobs, repairs, success):
         if not ok:
@@ -120,15 +118,15 @@ def edit_masks(
             best[n] = marks
     n_edit = n_tok = 0
     for n, marks in best.items():
-        edited[n, : len(marks)] = torch.tensor(marks, dtype=torch.bool)
+        edited[n, : len(marks)] = torch.tensor(marks, dtype=torch.bool, device="cpu")
         n_edit, n_tok = n_edit + sum(marks), n_tok + len(marks)
     return edited, (n_edit / n_tok if n_tok else 0.0)
 
 
 @dataclass
 class RepairOutcome:
-    phi: Tensor  # [B, G]
-    edited: Tensor  # [N, T] bool
+    phi: Tensor  # [B, G] host
+    edited: Tensor  # [N, T] bool, host
     stats: dict[str, float]
 
 
@@ -137,8 +135,10 @@ def run_repairs(
     answers: list[str], reward_fn, rep: RepairConfig, data_cfg: DataConfig, gen: dict,
     rng: random.Random,
 ) -> RepairOutcome:  # fmt: skip
-    """Generate and grade the repairs of one step. `gen`: max_new_tokens, batch_size,
-    temperature, top_p, top_k for the repair generations (already resolved)."""
+    """Generate and grade the repairs of one step. rewards [B, G] on the host; `gen`:
+    max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
+    resolved). A step that plans no repair (every member correct, or no eligible reference)
+    gets phi = 0 and all-blame masks from the same code as one that does."""
     B, G = rewards.shape
     jobs = plan_repairs(rewards, rep.references, rep.max_repairs_per_group,
                         rep.reference_selection, rng)  # fmt: skip
@@ -146,8 +146,10 @@ def run_repairs(
     n_wrong = int((rewards <= 0.0).sum().item())
     stats = {"repairs": float(len(jobs)), "repair_tokens": 0.0, "repair_rate": 0.0,
              "repair_success_rate": 0.0, "edited_token_fraction": 0.0}  # fmt: skip
+    attempts = rollout.host_tokens()
     if not jobs:
-        return RepairOutcome(torch.zeros(B, G), torch.ones(B * G, width, dtype=torch.bool), stats)
+        edited, _ = edit_masks(attempts, width, [], [], [], G)
+        return RepairOutcome(phi_from_repairs([], [], (B, G), rep.rho), edited, stats)
     texts = rollout.texts
     prompts = [
         render_user_message(
@@ -169,11 +171,11 @@ def run_repairs(
     graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
     success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(graded, jobs)]
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
-    edited, frac = edit_masks(_token_lists(rollout), width, jobs, _token_lists(out), success, G)
+    edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
     stats.update(
-        repair_tokens=out.completion_mask.sum().item(),
+        repair_tokens=float(sum(out.lengths)),
         repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
         repair_success_rate=sum(success) / len(jobs),
         edited_token_fraction=frac,
     )
-    return RepairOutcome(phi, edited.to(rollout.completion_mask.device), stats)
+    return RepairOutcome(phi, edited, stats)

@@ -31,10 +31,42 @@ class Rollout:
     prompt_len: int  # P
     texts: list[str]  # N decoded completions (special tokens removed)
     truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
+    # Host copies, read once where the rollout is made (decoding reads the ids anyway): the
+    # completion ids up to their length, each prompt's real length and whether the completion was
+    # cut off. Everything downstream
+    # (grading, repairs, micro-batch plans, the cancellation trie, counts in the metrics) reads
+    # these instead of the device tensors, so the stages between rollout and loss never wait on
+    # the GPU. None: computed from the tensors on first use (one read).
+    tokens: list[list[int]] | None = None
+    prompt_lengths: list[int] | None = None
+    cut_off: list[bool] | None = None  # host copy of `truncated`
 
     @property
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
+
+    def host_tokens(self) -> list[list[int]]:
+        """[N] completion token ids, each up to and including its first EOS."""
+        if self.tokens is None:
+            lengths = self.completion_mask.sum(-1).long().tolist()
+            self.tokens = [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths)]
+        return self.tokens
+
+    @property
+    def lengths(self) -> list[int]:
+        """[N] completion lengths (host)."""
+        return [len(t) for t in self.host_tokens()]
+
+    def host_truncated(self) -> list[bool]:
+        if self.cut_off is None:
+            self.cut_off = self.truncated.tolist()
+        return self.cut_off
+
+    def host_prompt_lengths(self) -> list[int]:
+        """[N] real (unpadded) prompt lengths (host)."""
+        if self.prompt_lengths is None:
+            self.prompt_lengths = self.attention_mask[:, : self.prompt_len].sum(-1).tolist()
+        return self.prompt_lengths
 
     @property
     def completion_ids(self) -> Tensor:  # [N, T]
@@ -42,9 +74,12 @@ class Rollout:
 
     def select(self, rows: list[int]) -> Rollout:
         idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        tokens, prompts = self.host_tokens(), self.host_prompt_lengths()
         return Rollout(
             self.input_ids[idx], self.attention_mask[idx], self.completion_mask[idx],
             self.prompt_len, [self.texts[i] for i in rows], self.truncated[idx],
+            [tokens[i] for i in rows], [prompts[i] for i in rows],
+            [self.host_truncated()[i] for i in rows],
         )  # fmt: skip
 
 
@@ -63,6 +98,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     return Rollout(
         torch.cat(ids), torch.cat(att), torch.cat(cmask), P,
         [t for r in rollouts for t in r.texts], torch.cat([r.truncated for r in rollouts]),
+        [t for r in rollouts for t in r.host_tokens()],
+        [n for r in rollouts for n in r.host_prompt_lengths()],
+        [c for r in rollouts for c in r.host_truncated()],
     )  # fmt: skip
 
 
@@ -191,11 +229,11 @@ def assemble(prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], toke
     input_ids = torch.cat([prompt_ids, completions], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
     lengths = mask.sum(-1).long().tolist()
-    texts = [
-        tokenizer.decode(row[:n], skip_special_tokens=True)
-        for row, n in zip(completions.tolist(), lengths)
-    ]
-    return Rollout(input_ids, attention_mask, mask, prompt_ids.shape[1], texts, truncated)
+    tokens = [row[:n] for row, n in zip(completions.tolist(), lengths)]
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
+    prompt_lengths = prompt_mask.sum(-1).tolist()
+    return Rollout(input_ids, attention_mask, mask, prompt_ids.shape[1], texts, truncated,
+                   tokens, prompt_lengths, truncated.tolist())  # fmt: skip
 
 
 # (tokenizer, prompts, num_samples, max_new_tokens, batch_size, *, do_sample, temperature, top_p,

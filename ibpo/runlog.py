@@ -30,7 +30,8 @@ def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
     out = {}
     for key in m:
         values = [d[key] for d in every if key in d]
-        if key.startswith("time_") or key in ("step_time", "peak_memory_gb"):
+        if key.startswith("time_") or key in ("step_time", "peak_memory_gb",
+                                              "device_memory_used_gb"):  # fmt: skip
             out[key] = max(values)
         elif key in ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens"):
             out[key] = sum(values)

@@ -7,6 +7,12 @@ carry no gradient) are dropped and the batch is refilled from the stream, for at
 `max_resample_rounds` extra rounds; if every group was dropped the last round is kept as is
 (its advantages are zero), so a step never fails for lack of signal.
 
+Device contract: the rollout's tensors stay on its device (the GPU); rewards, shaped rewards,
+phi and edit masks are host (CPU) tensors, since they come from graders and host token lists.
+Nothing here reads a value from the device (counts and lengths come from the rollout's host
+copies), and `assemble_batch` is the one place host tensors move to the rollout's device:
+tests/test_device_contract.py runs this module on a stand-in device to hold it to that.
+
 Not here: log-probs, the loss, or the optimizer (trainer.py).
 """
 
@@ -61,8 +67,8 @@ def _score_round(generator: Generator, tokenizer, examples, cfg: Config, repairi
     answers = [ex.answer for ex in examples]
     flat = [reward_fn(as_graded(prompts[n // G], t), answers[n // G])
             for n, t in enumerate(rollout.texts)]  # fmt: skip
-    rewards = torch.tensor(flat, dtype=torch.float32).view(len(examples), G)
-    stats = {"time_generate": t1 - t0, "generated_tokens": rollout.completion_mask.sum().item()}
+    rewards = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
+    stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
     if not repairing:
         return rollout, rewards, rewards, None, stats
     rep = cfg.repair
@@ -121,35 +127,52 @@ def collect_batch(
     no_signal = not kept
     if no_signal:  # nothing had signal: train on the last round as is (zero advantages)
         kept = [last]
+    batch = assemble_batch(kept, objective, cfg.rollout.max_new_tokens, cfg.repair.unchanged_weight,
+                           pad, no_signal)  # fmt: skip
+    all_rewards = torch.cat(sampled)
+    stats.update(
+        sampled_reward=all_rewards.mean().item(),
+        sampled_accuracy=(all_rewards >= 1.0).float().mean().item(),
+        sampled_zero_variance_groups=flat_groups(all_rewards).float().mean().item(),
+        dropped_groups=float(dropped),
+        resample_rounds=float(rounds),
+    )
+    batch.stats.update(stats)
+    return batch
+
+
+def assemble_batch(
+    kept: list[tuple[Rollout, Tensor, Tensor, Tensor | None]], objective: ResolvedObjective,
+    max_new_tokens: int, unchanged_weight: float, pad: int, no_signal: bool = False,
+) -> ScoredBatch:  # fmt: skip
+    """The kept rounds (rollout on its device; rewards, shaped rewards [B', G] and edit masks
+    [N', T'] on the host) -> one scored batch whose advantages live on the rollout's device."""
     rollout = concat_rollouts([k[0] for k in kept], pad) if len(kept) > 1 else kept[0][0]
     rewards = torch.cat([k[1] for k in kept])
     shaped = torch.cat([k[2] for k in kept])
     edited = _join_edits([k[3] for k in kept], rollout.completion_mask.shape[1])
     # DAPO's length penalty joins the rewards the advantages see, after dynamic sampling (which
     # judges the task's rewards, as DAPO filters on accuracy) and after repairs (graded on R)
-    lengths = rollout.completion_mask.sum(1).view_as(shaped).cpu()
-    long = overlong_penalty(lengths, cfg.rollout.max_new_tokens, objective.overlong_buffer,
+    lengths = torch.tensor(rollout.lengths, device="cpu").view_as(shaped)
+    long = overlong_penalty(lengths, max_new_tokens, objective.overlong_buffer,
                             objective.overlong_penalty)  # fmt: skip
     if no_signal:  # dynamic sampling found no task signal: no length-only update either
         long = torch.zeros_like(long)
-    seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten()
+    # host -> device, here only: the sequence advantages and the edit masks
     device = rollout.input_ids.device
-    seq_adv = seq_adv.to(device)
-    adv = token_advantages(seq_adv, rollout.completion_mask, edited, cfg.repair.unchanged_weight)
-    all_rewards = torch.cat(sampled)
-    stats.update(
-        sampled_reward=all_rewards.mean().item(),
-        sampled_accuracy=(all_rewards >= 1.0).float().mean().item(),
-        sampled_zero_variance_groups=flat_groups(all_rewards).float().mean().item(),
-        overlong_penalty=long.mean().item(),
-        dropped_groups=float(dropped),
-        resample_rounds=float(rounds),
-    )
+    seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten().to(device)
+    if edited is not None:
+        edited = edited.to(device)
+    adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
+    stats = {"overlong_penalty": long.mean().item()}
     return ScoredBatch(rollout, rewards, seq_adv, adv, stats)
 
 
 def _join_edits(parts: list[Tensor | None], width: int) -> Tensor | None:
+    """Host edit masks of several rounds, right-padded with True (blame) to one width."""
     if all(p is None for p in parts):
         return None
+    if any(p is None for p in parts):
+        raise ValueError("every round of a step has edit masks, or none has")
     pad = torch.nn.functional.pad
-    return torch.cat([pad(p, (0, width - p.shape[1]), value=True) for p in parts if p is not None])
+    return torch.cat([pad(p, (0, width - p.shape[1]), value=True) for p in parts])

@@ -84,10 +84,22 @@ def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False
     )
 
 
-def peak_memory_gb(device: torch.device) -> float:
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a step's peak-memory window (CUDA); on CPU the process's peak RSS cannot be reset."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """peak_memory_gb: on CUDA torch's allocator peak during this step (since
+    reset_peak_memory); device_memory_used_gb: the GPU's memory in use at the step's end as the
+    driver reports it, which also counts what torch does not allocate (a vLLM engine's weights
+    and KV cache, the CUDA context, other processes). On CPU the process's peak RSS since start."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                "device_memory_used_gb": (total - free) / 2**30}  # fmt: skip
+    return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 @contextmanager
@@ -110,6 +122,7 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     """One full RL step; returns a dict of metrics (gathered over processes). `engine`: the
     vLLM engine that generates (rollout.backend=vllm), else the policy does."""
     t0 = time.perf_counter()
+    reset_peak_memory(accelerator.device)
     # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
     # normalises the groups it generated
     with generating(model, cfg, accelerator.device, engine) as generator:
@@ -119,14 +132,28 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
     lr = scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
     fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
     with dequantized_base(model) if fast else nullcontext():
-        stats, cancel, grad_norm, updates, skipped, t_frozen = update_policy(
-            model, optimizer, scheduler, accelerator, batch, cfg, objective
-        )
+        upd = update_policy(model, optimizer, scheduler, accelerator, batch, cfg, objective)
     t_end = time.perf_counter()
+    metrics = step_metrics(batch, upd, lr)
+    metrics.update(
+        time_rollout=t_gen - t0,
+        time_frozen_logprobs=upd.time_frozen,
+        time_update=t_end - t_gen - upd.time_frozen,
+        step_time=t_end - t0,
+        tokens_per_second=sum(batch.rollout.lengths) / (t_end - t0),
+        **memory_metrics(accelerator.device),
+    )
+    return gather_metrics(accelerator, metrics)
+
+
+def step_metrics(batch, upd, lr: float) -> dict[str, float]:
+    """A step's metrics from its scored batch (host values) and its update's statistics (already
+    read from the device): this reads nothing from the device itself."""
     rollout, rewards = batch.rollout, batch.rewards
-    n_tokens = rollout.completion_mask.sum().item()
-    metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-    metrics["loss"] = sum(stats["loss"]) / updates  # the step's loss, not a mean
+    n_tokens = sum(rollout.lengths)
+    cancel, truncated = upd.cancel, rollout.host_truncated()
+    metrics = {k: sum(v) / len(v) for k, v in upd.stats.items()}
+    metrics["loss"] = sum(upd.stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)
     metrics.update(
         reward=rewards.mean().item(),
@@ -135,18 +162,12 @@ def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, ob
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
-        truncated=rollout.truncated.float().mean().item(),
-        grad_norm=grad_norm,
-        skipped_nonfinite=float(skipped),
+        truncated=sum(truncated) / len(truncated),
+        grad_norm=upd.grad_norm,
+        skipped_nonfinite=float(upd.skipped),
         lr=lr,
-        time_rollout=t_gen - t0,
-        time_frozen_logprobs=t_frozen,
-        time_update=t_end - t_gen - t_frozen,
-        step_time=t_end - t0,
-        tokens_per_second=n_tokens / (t_end - t0),
-        peak_memory_gb=peak_memory_gb(rollout.input_ids.device),
     )
-    return gather_metrics(accelerator, metrics)
+    return metrics
 
 
 def lr_lambda(cfg: Config):

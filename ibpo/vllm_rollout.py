@@ -217,7 +217,7 @@ class VLLMEngine:
                                     lora_request=lora, use_tqdm=False)  # fmt: skip
         # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)
         completions = [
-            torch.tensor([list(c.token_ids)], dtype=torch.long)
+            torch.tensor([list(c.token_ids)], dtype=torch.long, device="cpu")
             for out in outputs
             for c in sorted(out.outputs, key=lambda c: c.index) * (num_samples // n)
         ]

@@ -107,7 +107,7 @@ def _free() -> None:
 
 def _peak(device: torch.device) -> tuple[float, float]:
     if device.type != "cuda":
-        return trainer.peak_memory_gb(device), 0.0  # CPU: peak RSS; no allocator reserve
+        return trainer.memory_metrics(device)["peak_memory_gb"], 0.0  # CPU: peak RSS
     return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 

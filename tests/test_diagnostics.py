@@ -15,14 +15,20 @@ TOKENS = torch.tensor([[5, 1, 2, 0], [5, 1, 3, 4], [5, 1, 2, 9], [5, 8, 8, 0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float)
 
 
+def host(tokens, mask) -> list[list[int]]:
+    """Each row's completion ids up to its length, as a rollout keeps them on the host."""
+    return [row[: int(n)] for row, n in zip(tokens.tolist(), mask.sum(-1).tolist())]
+
+
 def test_prefix_nodes_identify_same_token_at_same_context():
-    ids = prefix_node_ids(TOKENS, MASK, G)
+    ids, n_nodes = prefix_node_ids(host(TOKENS, MASK), 4, G)
+    assert n_nodes == len(set(ids.flatten().tolist()) - {-1})
     assert len(set(ids[:, 0].tolist())) == 1  # everyone emits 5 first
     assert ids[0, 1] == ids[1, 1] == ids[2, 1] != ids[3, 1]
     assert ids[0, 2] == ids[2, 2] != ids[1, 2]  # "5 1 2" shared by 0 and 2 only
     assert ids[0, 3] == -1 and ids[3, 3] == -1  # off the mask
     # the same tokens in another group are other nodes (another prompt = another context)
-    two = prefix_node_ids(torch.cat([TOKENS, TOKENS]), torch.cat([MASK, MASK]), G)
+    two, _ = prefix_node_ids(host(TOKENS, MASK) * 2, 4, G)
     assert set(two[:4].flatten().tolist()) & set(two[4:].flatten().tolist()) <= {-1}
 
 
@@ -35,7 +41,7 @@ def _residual(name, old_shift, rewards=(1.0, 0.0, 1.0, 0.0), **overrides):
     adv = token_advantages(seq_adv, MASK)
     _, coef, info = obj.surrogate(logp, old, adv, MASK, seq_adv, G, **kwargs)
     c = coef * token_weights(MASK, obj.aggregation)
-    r = cancellation_residual(c, adv, TOKENS, MASK, G)
+    r = {k: float(v) for k, v in cancellation_residual(c, adv, host(TOKENS, MASK), G).items()}
     return r["residual_num"] / r["residual_den"], r, info
 
 
@@ -69,7 +75,7 @@ def test_adv_orthogonal_cancels_the_token_shared_by_the_whole_group():
     adv = token_advantages(seq_adv, mask)
     kw = {**obj.defaults, "weights": "adv_orthogonal"}
     _, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **kw)
-    r = cancellation_residual(coef, adv, tokens, mask, G)
+    r = {k: float(v) for k, v in cancellation_residual(coef, adv, host(tokens, mask), G).items()}
     assert r["residual_num"] == pytest.approx(0.0, abs=1e-6 * r["residual_den"])
     assert r["shared_tokens"] == 4
 

@@ -207,6 +207,26 @@ def test_launch_check_refuses_what_the_loop_does_not_run():
     check_launch(Fake(), load_config(None, ["rollout.backend=vllm"]))
 
 
+@pytest.mark.parametrize("kind", ["NO", "MULTI_GPU", "FSDP"])
+def test_accelerate_mixed_precision_is_refused_on_every_path(kind):
+    """Accelerate autocasts the wrapped forward, which DDP/FSDP go through and one process does
+    not: one precision switch (model.dtype), so 1 and 2 GPUs compute the same numbers."""
+    from accelerate.utils import DistributedType
+
+    from ibpo.config import ConfigError, load_config
+    from ibpo.distributed import check_launch
+
+    class Fake:
+        distributed_type, is_fsdp2, num_processes = DistributedType[kind], True, 1
+        mixed_precision = "bf16"
+
+    cfg = load_config(None, [])
+    with pytest.raises(ConfigError, match='mixed_precision: "no".*model.dtype=bfloat16'):
+        check_launch(Fake(), cfg)
+    Fake.mixed_precision = "no"
+    check_launch(Fake(), cfg)
+
+
 def test_auto_optimizer_avoids_paged_8bit_under_fsdp(tiny_model_dir):
     from ibpo.trainer import build_optimizer
 

@@ -21,6 +21,11 @@ from ibpo.objectives import (
 G = 4
 
 
+def seq_lengths(mask) -> list[int]:
+    """Completion lengths of a mask's rows: what step_normaliser takes."""
+    return [int(n) for n in mask.sum(-1).tolist()]
+
+
 def shared_token_case(old_shift, lengths=(3, 3, 3, 3), rewards=(1.0, 0.0, 1.0, 0.0)):
     """A group of G sequences; token 0 of every member is the same token at the same context
     (the prompt), so all members share one log-prob parameter `theta_shared`. Other tokens have
@@ -41,7 +46,7 @@ def shared_token_case(old_shift, lengths=(3, 3, 3, 3), rewards=(1.0, 0.0, 1.0, 0
 def shared_grad(surrogate, aggregation, kwargs, **case):
     theta, logp, old, adv, mask, seq_adv = shared_token_case(**case)
     per_tok, _, _ = surrogate(logp, old, adv, mask, seq_adv, G, **kwargs)
-    loss = aggregate(per_tok, mask, aggregation, step_normaliser(aggregation, [mask], 3))
+    loss = aggregate(per_tok, mask, aggregation, step_normaliser(aggregation, seq_lengths(mask), 3))
     loss.backward()
     return theta.grad.item()
 
@@ -96,7 +101,7 @@ def test_subset_shared_token_gets_exactly_subset_advantage_under_min_replace():
     w_min = torch.exp(shifts.flatten()).min()  # w_i = exp(mean_t(logp - old)) = exp(shift_i)
     expected = -(w_min * (seq_adv[0] + seq_adv[1])).item()
     assert theta.grad.item() == pytest.approx(expected, rel=1e-5)
-    assert info["weight_mean"] == pytest.approx(w_min.item(), rel=1e-5)
+    assert info["weight_mean"].item() == pytest.approx(w_min.item(), rel=1e-5)
 
 
 def test_on_policy_exchangeable_equals_reinforce_with_group_baseline():
@@ -172,9 +177,9 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
         agg = obj.aggregation
         full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults)
         (g_full,) = torch.autograd.grad(
-            aggregate(full, mask, agg, step_normaliser(agg, [mask], 6)), logp
+            aggregate(full, mask, agg, step_normaliser(agg, seq_lengths(mask), 6)), logp
         )
-        norm = step_normaliser(agg, [mask[:4], mask[4:]], 6)
+        norm = step_normaliser(agg, seq_lengths(mask[:4]) + seq_lengths(mask[4:]), 6)
         total = 0
         for sl in (slice(0, 4), slice(4, 8)):
             part, _, _ = obj.surrogate(
@@ -215,7 +220,7 @@ def test_reported_coefficient_is_the_applied_one(name):
     seq_adv = group_advantages(torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 0]]), True).flatten()
     adv = token_advantages(seq_adv, mask)
     per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.defaults)
-    Z = step_normaliser(obj.aggregation, [mask], T)
+    Z = step_normaliser(obj.aggregation, seq_lengths(mask), T)
     aggregate(per_tok, mask, obj.aggregation, Z).backward()
     expected = coef * adv * token_weights(mask, obj.aggregation)
     torch.testing.assert_close(-logp.grad * Z, expected, atol=1e-6, rtol=1e-5)
