@@ -5,8 +5,9 @@ A checkpoint `<output_dir>/checkpoints/step-<N>/` holds everything a training st
     adapter/             LoRA weights in PEFT format (usable as is by evaluation and `ibpo push`)
     optimizer.pt         optimizer state (AdamW moments, step counts, learning rates)
     scheduler.pt         learning-rate scheduler state
-    process-<rank>.pt    per process: RNG states (python `random`, numpy, torch CPU and CUDA, the
-                         trainer's repair `random.Random`) and the position in its data stream
+    process-<rank>.pt    per process: RNG states (python `random`, numpy, torch CPU, the CUDA
+                         generator of the process's own GPU, the trainer's repair
+                         `random.Random`) and the position in its data stream
     trainer_state.json   step, held-out accuracy before training, non-finite counters, wall time
     metrics.jsonl        the per-step metrics of steps 1..N
 
@@ -44,6 +45,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,7 +179,19 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _process_state(parts: Resumable) -> dict:
+def _own_cuda_device(device: torch.device | None) -> int | None:
+    """The index of this process's GPU (None when it computes on none): `device`'s, else the
+    current device (Accelerate sets it to the process's GPU). Each process keeps the CUDA RNG of
+    that GPU only: its index depends on how many GPUs the process sees (all of them, or one
+    through CUDA_VISIBLE_DEVICES), and touching another GPU would create a CUDA context there."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return None
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
+def _process_state(parts: Resumable, device: torch.device | None = None) -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -186,8 +200,9 @@ def _process_state(parts: Resumable) -> dict:
         "repair_rng": parts.rng.getstate(),
         "stream": parts.stream.state_dict(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    gpu = _own_cuda_device(device)
+    if gpu is not None:  # keyed by role, not index: the process's GPU is one GPU whatever its index
+        state["cuda_own"] = torch.cuda.get_rng_state(gpu)
     return state
 
 
@@ -242,7 +257,8 @@ def _save(accelerator, root: Path, parts, state, metrics, keep, config) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    torch.save(_process_state(parts), tmp / f"process-{accelerator.process_index}.pt")
+    state_file = tmp / f"process-{accelerator.process_index}.pt"
+    torch.save(_process_state(parts, accelerator.device), state_file)
     save_adapter(accelerator, parts.model, tmp / "adapter")  # under FSDP, these two gather
     optimizer = optimizer_state(parts.model, parts.optimizer)
     if main:
@@ -268,16 +284,39 @@ def _save(accelerator, root: Path, parts, state, metrics, keep, config) -> Path:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _restore_process(state: dict, parts: Resumable) -> None:
+def _restore_cuda(state: dict, device: torch.device | None) -> None:
+    """The saved state of the process's own GPU onto its own GPU. Checkpoints from before that
+    key hold torch.cuda.get_rng_state_all() (every visible GPU, by index): the process's entry is
+    known only if as many GPUs are visible now; otherwise the CUDA RNG keeps the run's seed."""
+    gpu = _own_cuda_device(device)
+    saved = state.get("cuda_own", state.get("cuda"))
+    if saved is None:
+        return
+    if gpu is None:
+        _cuda_rng_not_restored("this process computes on no GPU now")
+    elif "cuda_own" in state:
+        torch.cuda.set_rng_state(saved, gpu)
+    elif len(saved) == torch.cuda.device_count():
+        torch.cuda.set_rng_state(saved[gpu], gpu)
+    else:
+        _cuda_rng_not_restored(f"it saved the RNG of {len(saved)} visible GPU(s) by position and "
+                               f"this process sees {torch.cuda.device_count()}")  # fmt: skip
+
+
+def _cuda_rng_not_restored(why: str) -> None:
+    # a warning (shown once per process): sampling on the GPU differs from an uninterrupted run,
+    # everything else (adapter, optimizer, data order, CPU RNGs) resumes exactly
+    warnings.warn(f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): CUDA "
+                  "sampling continues from the run's seed (train.seed) instead", RuntimeWarning,
+                  stacklevel=3)  # fmt: skip
+
+
+def _restore_process(state: dict, parts: Resumable, device: torch.device | None = None) -> None:
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:  # another number of visible devices: this process's own device only
-            torch.cuda.set_rng_state(state["cuda"][torch.cuda.current_device()])
+    _restore_cuda(state, device)
     parts.rng.setstate(state["repair_rng"])
     parts.stream.load_state_dict(state["stream"])
 
@@ -306,7 +345,7 @@ def load_checkpoint(accelerator, path: Path, parts: Resumable) -> TrainerState:
     load_optimizer_state(parts.model, parts.optimizer, optimizer)
     parts.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     process = torch.load(path / f"process-{accelerator.process_index}.pt", weights_only=True)
-    _restore_process(process, parts)
+    _restore_process(process, parts, accelerator.device)
     return TrainerState(**meta)
 
 

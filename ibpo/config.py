@@ -32,7 +32,9 @@ class ModelConfig:
     name: str = "smollm2-135m"
     quantization: str = "nf4"  # nf4 (QLoRA: 4-bit NF4 base, double quantisation) | none
     dtype: str = (
-        "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
+        # compute dtype: auto (bf16 on GPUs with native bf16, else fp32) | bfloat16 | float32 |
+        # float16 (evaluation only: training refuses it, it would need loss scaling)
+        "auto"
     )
     lora_r: int = 16
     lora_alpha: int = 32

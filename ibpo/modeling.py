@@ -27,28 +27,64 @@ from ibpo.embedded import EMBEDDED_NAME, embedded_model_path
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA with bf16 support, else fp16 on CUDA, fp32 on CPU.
+def native_bf16(device: torch.device) -> bool:
+    """Whether CUDA `device` computes bf16 in hardware: compute capability 8.0+ (Ampere), or ROCm.
+    Not torch.cuda.is_bf16_supported(): by default it also counts bf16 emulated on older GPUs
+    (much slower), and it asks about the current device rather than `device`."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
-    fp32 on CPU is deliberate: without native bf16 units, bf16 generation ran 3.4x slower
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on a CUDA GPU with native bf16 (Ampere and later), else fp32.
+
+    Not fp16 on older GPUs: training in fp16 needs loss scaling, which ibpo does not do
+    (load_policy refuses model.dtype=float16). fp32 there doubles the activations and a
+    non-quantised base; a 4-bit base stays packed (its compute dtype is what changes).
+    fp32 on CPU is deliberate too: without native bf16 units, bf16 generation ran 3.4x slower
     (scripts/bench_cpu_dtype.py).
     """
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cuda" and native_bf16(device):
+        return torch.bfloat16
     return torch.float32
 
 
-def attention(name: str, device: torch.device) -> str:
-    """`auto`: flash_attention_2 on CUDA when flash-attn is installed (extra `gpu`), else sdpa."""
+def attention(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`auto`: flash_attention_2 where it runs, else sdpa. It runs on CUDA with flash-attn
+    installed (extra `gpu`), on compute capability 8.0+ (flash-attn 2 refuses older GPUs) and in
+    bf16/fp16 (it has no fp32 kernels). `dtype`: the model's compute dtype (None: the auto one)."""
     if name != "auto":
         return name
     import importlib.util
 
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return "sdpa"
+    if dtype is None:
+        dtype = compute_dtype("auto", device)
+    ampere = torch.cuda.get_device_capability(device)[0] >= 8
+    return "flash_attention_2" if ampere and dtype in (torch.bfloat16, torch.float16) else "sdpa"
+
+
+def check_training_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse fp16 training: without loss scaling (which ibpo does not do) small gradients
+    underflow to zero in fp16 and the adapter silently stops learning. The fix named is the
+    dtype this device computes well: bf16 where it is native, else fp32."""
+    if dtype != torch.float16:
+        return
+    if device.type == "cuda" and native_bf16(device):
+        fix = "use model.dtype=bfloat16 (or auto)"
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fix = (f"use model.dtype=float32 (or auto) on this GPU (compute capability "
+               f"{major}.{minor} has no native bf16)")  # fmt: skip
+    else:
+        fix = "use model.dtype=float32 (or auto)"
+    raise ConfigError(
+        f"model.dtype=float16 training needs loss scaling, which ibpo does not do. Fix: {fix}."
+    )
 
 
 def resolve_model_path(name: str) -> str:
@@ -101,15 +137,17 @@ def disable_cpu_bf16_repack(model: nn.Module) -> int:
 
 
 def load_policy(cfg: ModelConfig, device: torch.device):
-    """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad."""
+    """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad.
+    A ConfigError for model.dtype=float16 (see check_training_dtype), before anything loads."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name)
     dtype = compute_dtype(cfg.dtype, device)
+    check_training_dtype(dtype, device)  # before any weight is read
     kwargs = dict(
         dtype=dtype,
-        attn_implementation=attention(cfg.attn_implementation, device),
+        attn_implementation=attention(cfg.attn_implementation, device, dtype),
         trust_remote_code=cfg.trust_remote_code,
         revision=cfg.revision,
     )
@@ -245,30 +283,51 @@ def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Modul
     return dequantized_bytes(model) <= AUTO_DEQUANTIZE_MAX_BYTES
 
 
+def _is_parameter_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a parameter or a view of one (autograd's `_base` is the tensor a view was
+    taken from, through any chain of views): its storage is the parameter's, alive anyway."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """`t` with every broadcast (stride-0) dimension narrowed to size 1: the elements it really
+    holds, which `.expand(t.shape)` turns back into `t`."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(dim, 0, 1)
+    return t
+
+
 @contextlib.contextmanager
 def offloaded_activations(enabled: bool, cpu_copies: bool = False) -> Iterator[None]:
     """Within the block (a forward with grad), tensors autograd saves for backward go to pinned
     CPU memory and come back to their device when backward needs them. Under gradient
     checkpointing those are essentially each layer's input (torch's non-reentrant checkpoint saves
-    them this way; what a layer saves inside is recomputed, never stored); parameters stay where
-    they are, and so do CPU tensors unless `cpu_copies` (which the tests use to run the copies on
-    a CPU machine)."""
+    them this way; what a layer saves inside is recomputed, never stored). Left where they are:
+    parameters and views of them, which are alive anyway (under DDP/FSDP lm_head runs inside the
+    model and autograd saves its weight as an expanded [N, H, V] view; FSDP2 frees and refills
+    that storage itself), and CPU tensors unless `cpu_copies` (which the tests use to run the
+    copies on a CPU machine). An expanded (stride-0) tensor travels at the size of the elements it
+    holds and is expanded again on the way back, so no copy is larger than what it views."""
     if not enabled:
         yield
         return
 
     def pack(t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or (t.device.type == "cpu" and not cpu_copies):
+        if _is_parameter_view(t) or (t.device.type == "cpu" and not cpu_copies):
             return t
-        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        host.copy_(t, non_blocking=True)
-        return t.device, host
+        held = _unexpanded(t)
+        # the host buffer: pinned when the tensor is on a GPU, so both copies can be asynchronous
+        host = torch.empty(held.shape, dtype=t.dtype, device="cpu",
+                           pin_memory=t.device.type == "cuda")  # fmt: skip
+        host.copy_(held, non_blocking=True)
+        return t.device, host, t.shape
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)
+        device, host, shape = packed
+        return host.to(device, non_blocking=True).expand(shape)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -310,7 +369,7 @@ def load_for_inference(
     dt = compute_dtype(dtype, device)
     kwargs = dict(
         dtype=dt,
-        attn_implementation=attention(attn_implementation, device),
+        attn_implementation=attention(attn_implementation, device, dt),
         trust_remote_code=trust_remote_code,
         revision=revision,
     )

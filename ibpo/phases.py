@@ -31,7 +31,11 @@ Several GPUs (`gpus` > 1), two ways (`sharding`):
     generate in lock-step: no collective runs while generating). Activations, KV cache and
     logits are per GPU as under DDP. So FSDP lowers the training peak, not the
     generation one; for a small model with a large vocabulary it can cost more than DDP, and the
-    estimate shows it. With one GPU FSDP does not shard (it falls back to NO_SHARD): equals ddp.
+    estimate shows it. With one GPU FSDP divides nothing (a mesh of one) and its state is
+    counted as ddp's.
+  * the log-prob head under FSDP (any number of GPUs, one included: Accelerate wraps a
+    one-process run the same way) is the checkpointed one, not the fused one: FSDP2's hooks on
+    lm_head and its DTensor weight fail logprobs.fused_head_supported (`fused_head`).
 
 Options the estimate follows: rollout.kv_cache=static (the cache at full length from the prefill,
 no regrowth), model.offload_activations (layer inputs in host memory during the update).
@@ -78,7 +82,9 @@ from ibpo.sizes import (
 
 
 def dtype_bytes(model: ModelConfig) -> int:
-    return 4 if model.dtype == "float32" else 2  # auto is bf16 (or fp16) on CUDA
+    # auto is bf16 on a GPU with native bf16 (Ampere+), which the planner assumes; on an older GPU
+    # auto computes in fp32 (modeling.compute_dtype): plan those with model.dtype=float32
+    return 4 if model.dtype == "float32" else 2
 
 
 def _dequant_bytes(shape: ModelShape, model: ModelConfig, b: int) -> int:
@@ -86,13 +92,16 @@ def _dequant_bytes(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return max(a * o for a, o in shape.linears().values()) * b if model.quantization == "nf4" else 0
 
 
-def _persistent(shape: ModelShape, cfg: Config, b: int, shards: int = 1) -> dict[str, int]:
+def _persistent(
+    shape: ModelShape, cfg: Config, b: int, shards: int = 1, fsdp: bool = False
+) -> dict[str, int]:
     """Held from load to exit: the frozen base, the LoRA weights and the optimizer state, each
     divided over `shards` GPUs (FSDP) except the 4-bit quantisation state."""
     mc = cfg.model
     n = lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules)
-    # auto = paged 8-bit AdamW on CUDA, torch AdamW under FSDP (trainer.build_optimizer)
-    fp32 = cfg.train.optimizer == "adamw" or (cfg.train.optimizer == "auto" and shards > 1)
+    # auto = paged 8-bit AdamW on CUDA, torch AdamW under FSDP on any number of GPUs
+    # (trainer.build_optimizer)
+    fp32 = cfg.train.optimizer == "adamw" or (cfg.train.optimizer == "auto" and fsdp)
     base = weight_bytes(shape, mc.quantization, b)
     state = shape.layers * sum(nf4_state_bytes(a * o) for a, o in shape.linears().values())
     state = state if mc.quantization == "nf4" else 0
@@ -175,7 +184,16 @@ def offloaded_bytes(shape: ModelShape, cfg: Config, b: int) -> int:
     return shape.layers * seqs * length * shape.hidden * b
 
 
-def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
+def fused_head(model: ModelConfig, sharding: str = "ddp") -> bool:
+    """Whether the update's log-prob head takes the fused path (logprobs.head_logprobs): not
+    when lm_head is trained (LoRA on it), and not under FSDP, whose hooks on lm_head (Accelerate
+    wraps final norm + lm_head as one unit) and DTensor weight send it to the checkpointed path,
+    on one GPU as on several (tests/test_plan.py checks it against a live FSDP2 model)."""
+    targets = model.lora_target_modules
+    return sharding != "fsdp" and not (isinstance(targets, list) and "lm_head" in targets)
+
+
+def _training(shape: ModelShape, cfg: Config, b: int, sharding: str = "ddp") -> dict[str, int]:
     """LoRA grads + the activations of one micro-batch of whole groups, all full length."""
     tr, mc, G = cfg.train, cfg.model, cfg.rollout.group_size
     seqs = min(tr.micro_batch_groups, tr.prompts_per_step) * G
@@ -196,8 +214,7 @@ def _training(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
         layer = transient
     # final norm (fp32 input saved, b output), the completion hidden states, one head chunk
     head = S * (F32 + b) * shape.hidden + M * shape.hidden * b
-    targets = mc.lora_target_modules
-    fused = not (isinstance(targets, list) and "lm_head" in targets)
+    fused = fused_head(mc, sharding)
     if fused:  # the saved gradient directions, [M, hidden] fp32
         head += M * shape.hidden * F32
     per = HEAD_CHUNK_BYTES if fused else HEAD_CHUNK_BYTES_CHECKPOINTED
@@ -218,7 +235,7 @@ def phase_bytes(
 ) -> dict[str, dict[str, int]]:
     """Bytes per component at the peak of each phase of a step (torch allocations only)."""
     b, ro, V = dtype_bytes(cfg.model), cfg.rollout, shape.vocab
-    shards = gpus if sharding == "fsdp" else 1  # FSDP on one GPU does not shard (NO_SHARD)
+    shards = gpus if sharding == "fsdp" else 1  # FSDP2 on one GPU: a mesh of one divides nothing
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
@@ -231,7 +248,7 @@ def phase_bytes(
         n, p, t = repair
         sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
         phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling, static)
-    train = phases["training"] = _training(shape, cfg, b)
+    train = phases["training"] = _training(shape, cfg, b, sharding)
     train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
     if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
         train["DDP grad buckets"] = train["LoRA grads (fp32)"]
@@ -241,7 +258,7 @@ def phase_bytes(
         phases["evaluation"] = _generation(
             shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling, static
         )
-    base = _persistent(shape, cfg, b, shards)
+    base = _persistent(shape, cfg, b, shards, fsdp=sharding == "fsdp")
     out = {name: {**base, **parts} for name, parts in phases.items()}
     if ro.backend == "vllm":  # the engine generates; the policy only holds its state meanwhile
         engine = _vllm_engine(shape, cfg, b)

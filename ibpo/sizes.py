@@ -36,7 +36,8 @@ ADAMW32_BYTES = 2 * F32  # torch AdamW on fp32 LoRA weights: exp_avg + exp_avg_s
 # [chunk, V] buffer in place into log-prob, entropy and gradient direction (plus per-row-block
 # partial sums, F32 / 16) and keeps nothing of that size for backward: 4.25 measured on CPU
 # (tests/test_logprobs.py). The saved directions add [completion tokens, hidden] fp32. A trained or
-# wrapped head (LoRA on lm_head) falls back to checkpointed chunks: five fp32 copies in backward.
+# wrapped head (LoRA on lm_head; FSDP's hooks and DTensor weight) falls back to checkpointed chunks:
+# five fp32 copies in backward.
 HEAD_CHUNK_BYTES = F32 + F32 / 16
 HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
 # The repair prompt wraps question, failed attempt and a reference completion in the repair

@@ -342,3 +342,108 @@ def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
     else:  # the second press interrupts step 2: nothing saved (save_every=0)
         assert summary["steps"] == 1 and ckpt.latest_checkpoint(root) is None
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+class _FakeCuda:
+    """torch.cuda as one process sees it: `count` visible devices, the process's own device
+    `current` (Accelerate's set_device), one RNG state per visible device; records the devices
+    whose state is read or set. An index outside the visible ones fails (an invalid ordinal)."""
+
+    def __init__(self, monkeypatch, count: int, current: int, states: dict[int, torch.Tensor]):
+        self.count, self.current, self.states = count, current, dict(states)
+        self.gets, self.sets = [], []
+        for name in ("is_available", "device_count", "current_device", "get_rng_state",
+                     "set_rng_state", "get_rng_state_all", "set_rng_state_all"):  # fmt: skip
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self.count
+
+    def current_device(self) -> int:
+        return self.current
+
+    def _index(self, device) -> int:
+        if isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device)
+            index = self.current if device.index is None else device.index
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        return index
+
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        index = self._index(device)
+        self.gets.append(index)
+        return self.states[index].clone()
+
+    def set_rng_state(self, new_state: torch.Tensor, device="cuda") -> None:
+        index = self._index(device)
+        self.states[index] = new_state.clone()
+        self.sets.append(index)
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [self.get_rng_state(i) for i in range(self.count)]
+
+    def set_rng_state_all(self, new_states) -> None:
+        for i, s in enumerate(new_states):
+            self.set_rng_state(s, i)
+
+
+def _rng(value: int) -> torch.Tensor:
+    return torch.full((8,), value, dtype=torch.uint8)
+
+
+def _stream_parts():
+    stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
+    return ckpt.Resumable(None, None, None, stream, random.Random(7))
+
+
+OWN, OTHER, FRESH = _rng(1), _rng(2), _rng(9)  # this process's GPU, another one, untouched
+
+
+@pytest.mark.parametrize(
+    "saved_with, resumed_with",
+    [((2, 1), (1, 0)), ((1, 0), (2, 1)), ((2, 1), (2, 1))],
+    ids=["2-visible-to-1", "1-visible-to-2", "same-layout"],
+)
+def test_resume_restores_the_cuda_rng_of_the_process_own_gpu(monkeypatch, saved_with, resumed_with):
+    """Rank 1 saves, then resumes with another number of visible GPUs (CUDA_VISIBLE_DEVICES per
+    process, or all GPUs visible): its own GPU's RNG state is the one restored, onto its own
+    GPU, whatever index that GPU has now; no other device's state is read or set (touching a
+    device creates a CUDA context there: memory on another process's GPU)."""
+    (count, current), parts = saved_with, _stream_parts()
+    states = {i: OWN if i == current else OTHER for i in range(count)}
+    cuda = _FakeCuda(monkeypatch, count, current, states)
+    saved = ckpt._process_state(parts)
+    assert cuda.gets == [current]
+    count, current = resumed_with
+    cuda = _FakeCuda(monkeypatch, count, current, {i: FRESH for i in range(count)})
+    ckpt._restore_process(saved, parts)
+    assert torch.equal(cuda.states[current], OWN)
+    assert cuda.sets == [current]
+    assert all(torch.equal(s, FRESH) for i, s in cuda.states.items() if i != current)
+
+
+def test_an_older_checkpoint_with_another_gpu_layout_says_the_cuda_rng_is_not_restored(
+    monkeypatch,
+):
+    """Checkpoints written before the own-GPU key hold every visible GPU's state by position:
+    with the same number visible the process's entry is restored; with another, which entry was
+    its own is unknown, so a warning says the CUDA RNG keeps the run's seed (no IndexError, no
+    other process's state)."""
+    parts = _stream_parts()
+    cuda = _FakeCuda(monkeypatch, 2, 1, {0: OTHER, 1: OWN})
+    old = ckpt._process_state(parts)
+    old.pop("cuda_own")
+    old["cuda"] = [OTHER, OWN]  # torch.cuda.get_rng_state_all() on rank 1 of 2 visible
+    ckpt._restore_process(old, parts)
+    assert torch.equal(cuda.states[1], OWN) and cuda.sets == [1]
+    for count, current in ((1, 0), (4, 1)):
+        cuda = _FakeCuda(monkeypatch, count, current, {i: FRESH for i in range(count)})
+        with pytest.warns(RuntimeWarning, match="CUDA RNG state is not restored"):
+            ckpt._restore_process(old, parts)
+        assert cuda.sets == []

@@ -178,24 +178,87 @@ def test_dequantized_base_is_only_for_small_4bit_models_on_cpu(tiny_model_dir, m
     assert size == sum(m.in_features * m.out_features * 4 for m in layers)
 
 
-def test_attention_auto_picks_flash_attention_only_on_cuda_with_the_package(monkeypatch):
+def _fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
+    """torch.cuda as it answers on a GPU of this compute capability. Like torch, it counts
+    emulated bf16 in is_bf16_supported() unless asked not to (sm75 says True by default)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    native = capability >= (8, 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or native)  # fmt: skip
+
+
+def _flash_attn(monkeypatch, present: bool) -> None:
+    """importlib finds the flash-attn package (or not)."""
     import importlib.util
 
+    real, fake = importlib.util.find_spec, object() if present else None
+
+    def find_spec(name, *args):
+        return fake if name == "flash_attn" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_attention_auto_picks_flash_attention_only_on_cuda_with_the_package(monkeypatch):
     from ibpo.modeling import attention
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert attention("eager", cuda) == "eager" and attention("sdpa", cuda) == "sdpa"
-    real = importlib.util.find_spec
-
-    def installed(present):
-        fake = object() if present else None
-        return lambda name, *a: fake if name == "flash_attn" else real(name, *a)
-
-    monkeypatch.setattr(importlib.util, "find_spec", installed(True))
+    _fake_gpu(monkeypatch, (8, 0))
+    _flash_attn(monkeypatch, True)
     assert attention("auto", cuda) == "flash_attention_2"
     assert attention("auto", cpu) == "sdpa"
-    monkeypatch.setattr(importlib.util, "find_spec", installed(False))
+    _flash_attn(monkeypatch, False)
     assert attention("auto", cuda) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "capability, dtype",
+    [((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+    ids=["sm75", "sm80", "sm90"],
+)
+def test_auto_dtype_is_bf16_only_on_gpus_with_native_bf16(monkeypatch, capability, dtype):
+    """A pre-Ampere GPU emulates bf16 (torch.cuda.is_bf16_supported() says True): slow, so auto
+    computes in fp32 there, not in fp16 (fp16 training would need loss scaling)."""
+    _fake_gpu(monkeypatch, capability)
+    cuda = torch.device("cuda", 0)
+    assert compute_dtype("auto", cuda) == dtype
+    assert compute_dtype("float16", cuda) == torch.float16  # as asked (training refuses it)
+
+
+def test_attention_auto_needs_ampere_and_half_precision_for_flash_attention(monkeypatch):
+    """flash-attn 2 refuses GPUs below sm80 and has no fp32 kernels: auto falls back to sdpa."""
+    from ibpo.modeling import attention
+
+    cuda = torch.device("cuda", 0)
+    _flash_attn(monkeypatch, True)
+    _fake_gpu(monkeypatch, (7, 5))
+    assert attention("auto", cuda) == "sdpa"
+    assert attention("auto", cuda, torch.float16) == "sdpa"
+    _fake_gpu(monkeypatch, (8, 0))
+    assert attention("auto", cuda) == "flash_attention_2"  # with the auto dtype, bf16
+    assert attention("auto", cuda, torch.bfloat16) == "flash_attention_2"
+    assert attention("auto", cuda, torch.float32) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "capability, fix",
+    [((7, 5), r"dtype=float32 .*compute capability 7\.5"), ((8, 6), r"dtype=bfloat16")],
+    ids=["sm75", "sm86"],
+)
+def test_float16_training_is_refused_before_loading(monkeypatch, tiny_model_dir, capability, fix):
+    """ibpo does no loss scaling, without which fp16 gradients underflow: training in fp16 is a
+    ConfigError naming model.dtype and what to use on this GPU, raised before any weight loads."""
+    from ibpo.config import ConfigError
+
+    _fake_gpu(monkeypatch, capability)
+    cfg = ModelConfig(name=tiny_model_dir, quantization="none", dtype="float16")
+    refused = r"model\.dtype=float16 training needs loss scaling.*"
+    with pytest.raises(ConfigError, match=refused + fix):
+        load_policy(cfg, torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match=r"model\.dtype=float32"):
+        load_policy(cfg, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
@@ -249,3 +312,77 @@ def test_offload_activations_needs_checkpointing():
 
     with pytest.raises(ConfigError, match="gradient_checkpointing=true"):
         load_config(None, ["model.offload_activations=true", "model.gradient_checkpointing=false"])
+
+
+def _peak_bytes(fn):
+    """(fn's result, peak live tensor bytes while it ran) on the CPU."""
+    from ibpo.memtrack import LiveTensorBytes
+
+    with LiveTensorBytes() as live:
+        out = fn()
+    return out, live.peak
+
+
+def test_offloaded_activations_keep_parameter_views_in_place():
+    """Under DDP/FSDP the training forward runs lm_head inside the model (logits_to_keep=1), and
+    autograd saves lm_head's weight as an expanded stride-0 view ([N, H, V], stride 0 in N): a
+    view of a parameter, alive anyway. Copying it out would materialise N * H * V elements on the
+    host (and a temporary on the GPU): offloading must leave such views where they are. The
+    gradients stay exactly those without offloading."""
+    from ibpo.modeling import offloaded_activations
+    from tests.conftest import make_tiny_qwen3
+
+    model = make_tiny_qwen3(4096)  # H = 64: lm_head's weight is 1 MiB, its [4, H, V] view 4 MiB
+    model.requires_grad_(False)
+    for layer in model.model.layers:  # frozen head, trained layers: as under LoRA
+        layer.self_attn.q_proj.weight.requires_grad_(True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(3, 4096, (4, 10), generator=torch.Generator().manual_seed(0))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(input_ids=ids, logits_to_keep=1, use_cache=False)
+    weight = model.lm_head.weight
+    # the premise: autograd does save an expanded view of the head's weight
+    assert any(t._base is weight and 0 in t.stride() for t in saved)
+
+    def step(hooks):
+        model.zero_grad(set_to_none=True)
+        with hooks:
+            logits, peak = _peak_bytes(
+                lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+            )
+        logits.float().square().sum().backward()
+        return peak, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_peak, plain = step(contextlib.nullcontext())
+    off_peak, offloaded = step(offloaded_activations(True, cpu_copies=True))
+    # what offloading adds on the host is the layer inputs (a few KiB), never a weight-sized copy
+    assert off_peak - plain_peak < weight.nbytes // 4, (off_peak, plain_peak)
+    assert plain.keys() == offloaded.keys() and plain
+    for name in plain:
+        torch.testing.assert_close(offloaded[name], plain[name], atol=0, rtol=0)
+
+
+def test_offloaded_activations_copy_expanded_tensors_at_their_storage_size():
+    """A saved tensor that is an expanded (stride-0) view of an activation goes to the host at
+    the size of what it views, not at its expanded size, and comes back expanded."""
+    from ibpo.modeling import offloaded_activations
+
+    n, h = 4096, 64
+    row = torch.randn(1, h, requires_grad=True)
+    col = torch.randn(n, 1, requires_grad=True)
+
+    def step(hooks):
+        row.grad = col.grad = None
+        with hooks:  # mul saves both operands: [n, h] views of [1, h] and [n, 1]
+            out, peak = _peak_bytes(lambda: (row.expand(n, h) * col.expand(n, h)).sum())
+        out.backward()
+        return peak, row.grad.clone(), col.grad.clone()
+
+    plain_peak, *plain = step(contextlib.nullcontext())
+    off_peak, *offloaded = step(offloaded_activations(True, cpu_copies=True))
+    assert off_peak - plain_peak <= 4 * (n + h) * 2, (off_peak, plain_peak)  # not 2 x n x h x 4
+    for a, b in zip(plain, offloaded):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

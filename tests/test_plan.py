@@ -350,6 +350,19 @@ def test_fsdp_on_one_gpu_equals_ddp():
     assert fsdp.phases == ddp.phases and fsdp.peak_gb == ddp.peak_gb
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_auto_optimizer_under_fsdp_is_counted_as_torch_adamw(gpus):
+    """trainer.build_optimizer takes torch AdamW under FSDP on any number of GPUs (paged 8-bit
+    AdamW does not take FSDP's parameters): the plan counts its fp32 moments, also on one GPU."""
+    shape = _shape(QWEN3_8B)
+    auto = phases.phase_bytes(shape, _cfg(*FSDP_CFG[:-1]), gpus, "fsdp")
+    adamw = phases.phase_bytes(shape, _cfg(*FSDP_CFG), gpus, "fsdp")
+    ddp = phases.phase_bytes(shape, _cfg(*FSDP_CFG[:-1]), gpus, "ddp")
+    assert auto["training"]["optimizer state"] == adamw["training"]["optimizer state"]
+    # 8-bit AdamW (DDP's auto) holds about a quarter of fp32 AdamW's moments
+    assert ddp["training"]["optimizer state"] * 3 < auto["training"]["optimizer state"] * gpus
+
+
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
     shape, cfg = _shape(QWEN3_8B), _cfg(*FSDP_CFG)
@@ -476,3 +489,43 @@ def test_vllm_backend_moves_generation_into_the_engine():
                                                 "rollout.vllm_kv_cache_gb=2"), 1, 24.0)  # fmt: skip
     assert 2.0 <= small.phases["generation"]["vLLM KV cache"] < 2.01  # whole KV blocks
     assert any("estimate, not measured" in n for n in small.notes)
+
+
+def test_fsdp_training_counts_the_checkpointed_log_prob_head():
+    """Under FSDP the live lm_head carries FSDP2's hooks and a DTensor weight, so the update takes
+    the checkpointed log-prob head (five fp32 [chunk, V] copies in backward), not the fused one
+    (test below): at 4096-token chunks of Qwen3's vocabulary that is ~10 GiB more. One GPU under
+    FSDP2 too: Accelerate wraps a one-process run the same way."""
+    shape = _shape(QWEN3_8B)  # one group per micro-batch (as the FSDP recipe): the head dominates
+    cfg = _cfg(*FSDP_CFG, "train.micro_batch_groups=1", "train.logprob_chunk_tokens=4096")
+    checkpointed = sizes.HEAD_CHUNK_BYTES_CHECKPOINTED * 4096 * 151936
+    for gpus in (1, 2):
+        train = phases.phase_bytes(shape, cfg, gpus, "fsdp")["training"]
+        assert train.get("activations: log-prob head chunk", 0) >= checkpointed, gpus
+    ddp, fsdp = (sum(phases.phase_bytes(shape, cfg, 1, s)["training"].values())
+                 for s in ("ddp", "fsdp"))  # fmt: skip
+    # on one GPU nothing else differs: the checkpointed head (12.5 GiB) replaces one layer's
+    # backward (4.5 GiB), which the fused head (2.9 GiB) stayed under
+    assert fsdp - ddp > 7.5 * 2**30
+
+
+def test_the_live_fsdp_head_is_the_checkpointed_one_the_planner_counts(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Two CPU processes (gloo) wrap the tiny policy with Accelerate's FSDP2 as the FSDP recipe's
+    Accelerate config does (tests/dist_head_worker.py): the live lm_head fails
+    fused_head_supported and a training forward of the log-prob path takes the checkpointed
+    head, which is what the planner counts for sharding=fsdp. Without FSDP both say fused."""
+    import tests.test_distributed as dist
+    from ibpo.logprobs import fused_head_supported
+    from tests.conftest import make_tiny_qwen3
+
+    monkeypatch.setattr(dist, "WORKER", ROOT / "tests" / "dist_head_worker.py")
+    dist._torchrun([tiny_model_dir, str(tmp_path)], tmp_path, fsdp=True)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"head-rank{rank}.json").read_text())
+        assert found["fsdp"] and found["called"] == ["checkpointed_head_logprobs"], found
+        assert not found["fused_before"] and not found["fused_after"], found
+    model = load_config(None, [f"model.name={tiny_model_dir}"]).model
+    assert not phases.fused_head(model, "fsdp")
+    assert phases.fused_head(model, "ddp") and fused_head_supported(make_tiny_qwen3(54).lm_head)
