@@ -1,0 +1,577 @@
+"""The prepared device check: everything this repository can only check on CUDA, in one command,
+with one JSON report.
+
+On the device tool (one GPU; Python, torch, transformers, peft and accelerate preinstalled; no
+bitsandbytes, no network), from the repository root, with carry [".whl"]:
+
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
+
+Stages, in order, each under its own timeout (capped by what is left of --budget-s, 480 s by
+default, so that the whole check ends within it: 8 minutes), each recorded as ok / failed /
+timeout / skipped (with the reason); a stage that fails does not stop the next:
+  1. install      the carried wheels (.whl/*.whl) into a temporary folder with `pip install
+                  --no-index --no-deps --target` (nothing is fetched); every later stage gets that
+                  folder first on PYTHONPATH;
+  2. environment  versions (python, torch, CUDA, transformers, peft, accelerate, bitsandbytes,
+                  pytest, ...), the GPU, and which modules the training loop imports are there;
+  3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step
+                  (only with a CUDA device);
+  4. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py`: the real training loop on CUDA, with
+                  IBPO_GPU_REPORT naming the file for its planner-vs-measured memory table;
+  5. bench_gpu    scripts/bench_gpu.py under a 24 GiB allocator cap (--cap-gb): random Qwen3
+                  models at real sizes, peak memory beside `ibpo plan` (only with a CUDA device).
+Progress is printed as it goes (each child's output, prefixed with its stage). The report,
+<out>/gpu_check.json, is rewritten after every stage, so a run cut short keeps what it did:
+environment, each stage's command, status, return code, seconds and output tail, the suite's
+per-test outcomes and memory table, bench_gpu's results. Full logs and the raw files are in
+<out>/gpu_check/. Exit status: 0 when every stage that ran passed, 1 otherwise.
+
+    python3 scripts/gpu_check.py --dry-run --out /tmp/plan   # any machine: the plan, nothing run
+
+--dry-run parses the arguments, prints each stage with its command and timeout (or why it would
+be skipped) and what is carried (whether .whl/ holds a bitsandbytes wheel with CUDA libraries),
+writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it on CPU.
+
+The carried wheels: .whl/ is git-ignored (a line `.whl/` in .git/info/exclude). Fetch them where
+the package index is reachable, at the versions of the development venv (`pip show bitsandbytes`):
+    pip download --no-deps -d .whl bitsandbytes==0.50.2
+    unzip -l .whl/bitsandbytes-*.whl | grep libbitsandbytes_cuda   # manylinux x86_64, CUDA libs
+    pip download --no-deps -d .whl pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \\
+        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --abi cp312 --platform manylinux_2_28_x86_64 -d .whl rapidfuzz==3.14.6
+Besides bitsandbytes: pytest (the suite's runner), and math-verify and rapidfuzz (the math grader
+and the repairs' token alignment, which the loop imports), in case the device lacks them; they
+are pure Python except rapidfuzz, fetched for the device's Python 3.12. The environment stage
+says which were there already.
+
+Not here: what the CPU test suite covers, several GPUs, deciding what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("install", "environment", "bnb_cuda", "gpu_suite", "bench_gpu")
+# Each stage's own timeout (s); the overall --budget-s caps them further. The suite and the bench
+# get most of it; the others are quick unless something hangs (a driver, a lock).
+TIMEOUTS = {"install": 120, "environment": 60, "bnb_cuda": 90, "gpu_suite": 240, "bench_gpu": 300}
+RESERVE_S = 30  # kept back from the budget: ending a stage that timed out (<= 20 s), the report
+MIN_STAGE_S = 15  # a stage with less than this left is skipped rather than started and killed
+TAIL_CHARS = 4000  # output tail per stage in the report (full logs are in <out>/gpu_check/)
+ENV_MARK, BNB_MARK = "GPU_CHECK_ENV ", "GPU_CHECK_BNB "
+
+# Versions, the GPU, and the modules the loop, the suite and the graders import (a missing one is
+# named, not fatal). Printed as one marked JSON line.
+ENV_PROBE = r"""
+import importlib.metadata as md, importlib.util, json, platform, subprocess, sys
+info = {"python": sys.version.split()[0], "platform": platform.platform(), "modules": {}}
+# module -> distribution; found without importing (fast), with where it comes from
+for mod, dist in (("torch", "torch"), ("transformers", "transformers"), ("peft", "peft"),
+                  ("accelerate", "accelerate"), ("bitsandbytes", "bitsandbytes"),
+                  ("pytest", "pytest"), ("yaml", "PyYAML"), ("numpy", "numpy"),
+                  ("safetensors", "safetensors"), ("tokenizers", "tokenizers"), ("tqdm", "tqdm"),
+                  ("rapidfuzz", "rapidfuzz"), ("math_verify", "math-verify"),
+                  ("latex2sympy2_extended", "latex2sympy2_extended"),
+                  ("antlr4", "antlr4-python3-runtime"), ("sympy", "sympy"),
+                  ("datasets", "datasets"), ("matplotlib", "matplotlib"),
+                  ("flash_attn", "flash-attn")):
+    spec = importlib.util.find_spec(mod)
+    if spec is None:
+        info["modules"][mod] = "missing"
+        continue
+    try:
+        version = md.version(dist)
+    except md.PackageNotFoundError:
+        version = "unknown version"
+    info["modules"][mod] = f"{version} ({spec.origin})"
+for mod in ("torch", "bitsandbytes"):  # these two are imported: they must load, not just exist
+    try:
+        importlib.import_module(mod)
+        info[f"{mod}_imports"] = True
+    except Exception as e:
+        info[f"{mod}_imports"] = f"{type(e).__name__}: {e}"[:300]
+try:
+    import torch
+    info.update(torch=torch.__version__, torch_cuda_build=torch.version.cuda,
+                cuda_available=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_count=torch.cuda.device_count(),
+                    gpu_memory_gib=round(p.total_memory / 2**30, 2),
+                    capability=f"{p.major}.{p.minor}", bf16=torch.cuda.is_bf16_supported())
+except Exception as e:
+    info["torch_error"] = f"{type(e).__name__}: {e}"[:300]
+try:
+    info["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=20).stdout.strip()
+except Exception as e:
+    info["nvidia_smi"] = f"not run ({type(e).__name__})"
+print("GPU_CHECK_ENV " + json.dumps(info), flush=True)
+"""
+
+# bitsandbytes on the GPU: NF4 quantise/dequantise (its relative mean error was 0.091 with
+# bitsandbytes' CPU backend on these random values: the bound is about twice that) and one step
+# of the optimizer train.optimizer=auto picks, on a tensor large enough to get 8-bit state
+# (>= 4096 elements) in paged memory (>= 1e5 elements, bitsandbytes' thresholds).
+BNB_PROBE = r"""
+import json, torch, bitsandbytes as bnb, bitsandbytes.functional as F
+torch.manual_seed(0)
+x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+q, state = F.quantize_4bit(x, quant_type="nf4", compress_statistics=True)
+y = F.dequantize_4bit(q, state)
+rel = ((y.float() - x.float()).abs().mean() / x.float().abs().mean()).item()
+p = torch.nn.Parameter(torch.randn(512, 256, device="cuda"))
+opt = bnb.optim.PagedAdamW8bit([p], lr=1e-3)
+p.grad = torch.randn_like(p)
+before = p.detach().clone()
+opt.step()
+torch.cuda.synchronize()
+s = opt.state[p]
+out = {"bitsandbytes": bnb.__version__, "nf4_relative_error": rel,
+       "adam_state_dtype": str(s["state1"].dtype),
+       "adam_state_paged": bool(getattr(s["state1"], "is_paged", False)),
+       "adam_max_change": (p.detach() - before).abs().max().item()}
+print("GPU_CHECK_BNB " + json.dumps(out), flush=True)
+assert y.dtype == torch.bfloat16 and y.shape == x.shape and rel < 0.2, out
+assert out["adam_state_dtype"] == "torch.uint8" and out["adam_state_paged"], out
+assert 0 < out["adam_max_change"] < 1e-2, out
+print("bitsandbytes CUDA kernels: ok", flush=True)
+"""
+
+
+@dataclass
+class Stage:
+    name: str
+    command: list[str]
+    timeout_s: int
+    env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
+    skip: str | None = None  # why it will not run (None: it runs)
+    needs_cuda: bool = False  # decided by the environment stage
+
+
+# --- what is carried --------------------------------------------------------------------------
+
+
+def carried(wheels_dir: Path) -> dict:
+    """The wheels in `wheels_dir`, and whether one is bitsandbytes with CUDA libraries inside."""
+    wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
+    info = {"dir": str(wheels_dir), "exists": wheels_dir.is_dir(),
+            "wheels": [w.name for w in wheels],
+            "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
+            "bitsandbytes_wheel": None, "cuda_libraries": []}  # fmt: skip
+    for w in wheels:
+        if not w.name.lower().startswith("bitsandbytes-"):
+            continue
+        info["bitsandbytes_wheel"] = w.name
+        try:
+            names = zipfile.ZipFile(w).namelist()
+        except zipfile.BadZipFile:
+            info["bitsandbytes_error"] = "not a zip file"
+            continue
+        libs = [Path(n).name for n in names if Path(n).name.startswith("libbitsandbytes_cuda")]
+        info["cuda_libraries"] = sorted(libs)
+    return info
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
+    py = sys.executable
+    raw = out / "gpu_check"
+    suite_env = {
+        "IBPO_GPU_REPORT": str(raw / "gpu_e2e_memory.json"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        # cuBLAS' documented setting for run-to-run reproducible results (the exact-resume test
+        # compares LoRA tensors bit for bit); it must be set before the process first uses cuBLAS
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    }
+    bench = [py, "scripts/bench_gpu.py", "--cap-gb", f"{args.cap_gb:g}", "--out",
+             str(raw / "bench_gpu.json")]  # fmt: skip
+    if args.bench_configs:
+        bench += ["--configs", args.bench_configs]
+    wheels = [str(Path(carry["dir"]) / w) for w in carry["wheels"]]
+    install = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
+               *wheels]  # fmt: skip
+    # -v: each test's outcome is printed as it ends, so a suite cut short by its timeout (no
+    # JUnit file then) still says how far it got
+    suite = [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu_e2e.py", "-v", "-rA", "-p",
+             "no:cacheprovider", "--junitxml", str(raw / "gpu_suite.xml")]  # fmt: skip
+    stages = [
+        Stage("install", install, TIMEOUTS["install"]),
+        Stage("environment", [py, "-c", ENV_PROBE], TIMEOUTS["environment"]),
+        Stage("bnb_cuda", [py, "-c", BNB_PROBE], TIMEOUTS["bnb_cuda"], needs_cuda=True),
+        Stage("gpu_suite", suite, TIMEOUTS["gpu_suite"], env=suite_env),
+        Stage("bench_gpu", bench, TIMEOUTS["bench_gpu"], {"HF_HUB_OFFLINE": "1"}, needs_cuda=True),
+    ]
+    if not carry["wheels"]:
+        stages[0].skip = (f"no wheels in {carry['dir']} (see this script's docstring to fetch "
+                          "them); later stages use whatever python3 can import")  # fmt: skip
+    for s in stages:
+        if s.name in args.skip:
+            s.skip = f"--skip {s.name}"
+    return stages
+
+
+def bench_budget(timeout_s: float) -> int:
+    """bench_gpu's --budget-s (it starts no model size after that many seconds): half its
+    timeout, so that the size started last has the other half to finish."""
+    return max(int(timeout_s // 2), 1)
+
+
+def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> None:
+    bnb = carry["bitsandbytes_wheel"]
+    print("gpu_check: dry run: nothing is installed or run")
+    print(f"report: {out / 'gpu_check.json'} (logs and raw files in {out / 'gpu_check'})")
+    print(f"budget: {args.budget_s:g} s overall; a stage's timeout is its own or what is left, "
+          "whichever is less")  # fmt: skip
+    print(f"carried: {len(carry['wheels'])} wheel(s), {carry['mib']} MiB, in {carry['dir']}"
+          + ("" if carry["exists"] else " (the folder does not exist)"))  # fmt: skip
+    for w in carry["wheels"]:
+        print(f"  {w}")
+    if bnb and carry["cuda_libraries"]:
+        libs = ", ".join(n.removeprefix("libbitsandbytes_").removesuffix(".so")
+                         for n in carry["cuda_libraries"])  # fmt: skip
+        print(f"carried bitsandbytes wheel: yes, {bnb}, CUDA libraries: {libs}")
+    elif bnb:
+        print(f"carried bitsandbytes wheel: yes, {bnb}, but NO libbitsandbytes_cuda*.so inside: "
+              "it cannot run on the GPU")  # fmt: skip
+    else:
+        print("carried bitsandbytes wheel: NO: model.quantization=nf4 and the paged 8-bit "
+              "optimizer need bitsandbytes on the device")  # fmt: skip
+    for i, s in enumerate(stages, 1):
+        timeout = min(s.timeout_s, args.budget_s)
+        if s.skip:
+            print(f"stage {i} {s.name}: would be skipped: {s.skip}")
+            continue
+        when = " (only if the environment stage finds a CUDA device)" if s.needs_cuda else ""
+        print(f"stage {i} {s.name}: would run{when}, timeout {timeout:g} s:")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
+        command = s.command
+        if s.name == "bench_gpu":
+            command = [*command, "--budget-s", str(bench_budget(timeout))]
+        shown = [c if len(c) < 200 else "<probe script, see gpu_check.py>" for c in command]
+        print(f"    {env + ' ' if env else ''}{shlex.join(shown)}")
+        if s.name == "install":
+            print("    (if that fails: each wheel on its own; without pip, unzipped)")
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
+    """Run one stage's command, streaming its output (prefixed) to stdout and to its log."""
+    print(f"\n== {stage.name}: timeout {timeout_s:.0f} s: {shlex.join(stage.command)[:400]}",
+          flush=True)  # fmt: skip
+    log = logs / f"{stage.name}.log"
+    tail: deque[str] = deque(maxlen=400)
+    start = time.monotonic()
+    result = {"status": "failed", "rc": None, "log": str(log)}
+    with open(log, "w") as f:
+        try:
+            # its own session: on timeout the whole process group is ended (a pytest run's
+            # children too), and nothing else
+            proc = subprocess.Popen(stage.command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    start_new_session=True)  # fmt: skip
+        except OSError as e:
+            result.update(status="error", reason=f"could not start: {e}")
+            print(f"[{stage.name}] could not start: {e}", flush=True)
+            return {**result, "seconds": 0.0, "output_tail": ""}
+
+        def pump():
+            for line in proc.stdout:
+                f.write(line)
+                f.flush()
+                tail.append(line)
+                print(f"[{stage.name}] {line}", end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            result["rc"] = proc.wait(timeout=timeout_s)
+            result["status"] = "ok" if result["rc"] == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            result["status"] = "timeout"
+            result["reason"] = f"still running after {timeout_s:.0f} s: ended"
+            _end(proc)
+            result["rc"] = proc.returncode
+        reader.join(timeout=10)
+    result["seconds"] = round(time.monotonic() - start, 1)
+    result["output_tail"] = "".join(tail)[-TAIL_CHARS:]
+    print(f"== {stage.name}: {result['status']} (rc {result['rc']}, {result['seconds']} s)",
+          flush=True)  # fmt: skip
+    return result
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM to the stage's process group, SIGKILL after 10 s if it is still there."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def marked_json(text: str, mark: str) -> dict | None:
+    for line in text.splitlines():
+        if line.startswith(mark):
+            try:
+                return json.loads(line[len(mark) :])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def junit_outcomes(path: Path) -> dict | None:
+    """pytest's JUnit XML -> {test: {outcome, seconds, message}}."""
+    if not path.is_file():
+        return None
+    try:
+        tree = ET.parse(path)
+    except ET.ParseError as e:
+        return {"_error": f"unreadable JUnit XML: {e}"}
+    tests = {}
+    for case in tree.iter("testcase"):
+        outcome, message = "passed", None
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (node.get("message") or node.text or "")[:2000]
+                break
+        tests[case.get("name")] = {"outcome": outcome, "seconds": float(case.get("time", 0)),
+                                   "message": message}  # fmt: skip
+    return tests
+
+
+def outcomes_from_log(log: str) -> dict:
+    """pytest -v's 'file::test OUTCOME' lines (when there is no JUnit file: a suite ended by its
+    timeout); a test that started but has no line is the one that was running."""
+    tests = {}
+    for line in log.splitlines():
+        line = line.removeprefix("[gpu_suite] ")
+        if "::" not in line:
+            continue
+        name, _, rest = line.partition("::")[2].partition(" ")
+        word = rest.split()[0] if rest.split() else ""
+        if word in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS"):
+            tests[name] = {"outcome": word.lower(), "seconds": None, "message": None}
+        elif not word and name not in tests:  # -v writes the name when a test starts
+            tests[name] = {"outcome": "running when the suite ended", "seconds": None,
+                           "message": None}  # fmt: skip
+    return tests
+
+
+def read_json(path: Path):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return {"_error": f"unreadable: {e}"}
+
+
+def write_report(out: Path, report: dict) -> None:
+    tmp = out / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out / "gpu_check.json")  # a run killed mid-write keeps the previous one
+
+
+def stage_record(s: Stage, timeout_s: float | None = None) -> dict:
+    return {"name": s.name, "command": s.command, "env": s.env,
+            "timeout_s": timeout_s if timeout_s is not None else s.timeout_s,
+            "status": "skipped" if s.skip else "planned", "reason": s.skip}  # fmt: skip
+
+
+def retry_install(command: list[str], site: Path, deadline: float, env: dict) -> list[dict]:
+    """After a failed install, each wheel on its own: one that does not fit this Python (rapidfuzz
+    is fetched for 3.12) must not keep bitsandbytes out. Without pip, wheels are unzipped into
+    the folder (what an install with --no-deps amounts to, minus scripts)."""
+    wheels = [c for c in command if c.endswith(".whl")]
+    pip = command[: command.index("--target") + 2]
+    no_pip = subprocess.run([sys.executable, "-c", "import pip"], env=env,
+                            capture_output=True).returncode != 0  # fmt: skip
+    results = []
+    for wheel in wheels:
+        item = {"wheel": Path(wheel).name}
+        try:
+            if no_pip:
+                with zipfile.ZipFile(wheel) as z:
+                    z.extractall(site)
+                item.update(how="unzipped", ok=True)
+            else:
+                left = max(deadline - time.monotonic(), 1)
+                proc = subprocess.run([*pip, "--upgrade", wheel], env=env, capture_output=True,
+                                      text=True, timeout=min(60, left))  # fmt: skip
+                item.update(how="pip", ok=proc.returncode == 0,
+                            output=(proc.stdout + proc.stderr)[-1000:])  # fmt: skip
+        except (OSError, zipfile.BadZipFile, subprocess.TimeoutExpired) as e:
+            item.update(ok=False, output=f"{type(e).__name__}: {e}"[:1000])
+        print(f"[install] one by one: {item['wheel']}: {'ok' if item['ok'] else 'failed'}",
+              flush=True)  # fmt: skip
+        results.append(item)
+    return results
+
+
+def run_all(stages: list[Stage], report: dict, out: Path, site: Path, budget_s: float) -> int:
+    raw = out / "gpu_check"
+    logs = raw / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s - RESERVE_S
+    python_path = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH"))
+                                  if p)  # fmt: skip
+    base_env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+    failed = False
+    for s in stages:
+        record = stage_record(s)
+        report["stages"].append(record)
+        left = deadline - time.monotonic()
+        cuda = (report.get("environment") or {}).get("cuda_available")
+        if not s.skip and s.needs_cuda and not cuda:
+            s.skip = ("no CUDA device (environment stage: "
+                      f"cuda_available={cuda!r})")  # fmt: skip
+        if not s.skip and left < MIN_STAGE_S:
+            s.skip = f"overall budget spent ({max(left, 0):.0f} s left of --budget-s {budget_s:g})"
+        if s.skip:
+            record.update(status="skipped", reason=s.skip)
+            print(f"\n== {s.name}: skipped: {s.skip}", flush=True)
+            write_report(out, report)
+            continue
+        timeout = min(s.timeout_s, left)
+        command = s.command
+        if s.name == "bench_gpu":
+            command = [*command, "--budget-s", str(bench_budget(timeout))]
+        s = Stage(s.name, command, s.timeout_s, s.env)
+        record.update(command=command, timeout_s=round(timeout))
+        record.update(run_stage(s, timeout, {**base_env, **s.env}, logs))
+        several = sum(c.endswith(".whl") for c in s.command) > 1
+        if s.name == "install" and record["status"] == "failed" and several:
+            record["retried"] = retry_install(s.command, site, deadline, base_env)
+            ok = [r["ok"] for r in record["retried"]]
+            if any(ok):  # what did install is used; only a partial install counts as failed
+                record["status"] = "ok (one by one)" if all(ok) else "partial"
+        collect(s.name, record, report, raw)
+        failed |= not record["status"].startswith("ok")
+        write_report(out, report)
+    return 1 if failed else 0
+
+
+def collect(name: str, record: dict, report: dict, raw: Path) -> None:
+    """What a stage produced, into the report."""
+    log = Path(record["log"]).read_text(errors="replace") if record.get("log") else ""
+    if name == "environment":
+        report["environment"] = marked_json(log, ENV_MARK)
+    elif name == "bnb_cuda":
+        report["bnb_cuda"] = marked_json(log, BNB_MARK)
+    elif name == "gpu_suite":
+        tests = junit_outcomes(raw / "gpu_suite.xml") or outcomes_from_log(log)
+        report["gpu_suite"] = {"tests": tests, "memory": read_json(raw / "gpu_e2e_memory.json")}
+        cuda = (report.get("environment") or {}).get("cuda_available")
+        outcomes = {t.get("outcome") for t in (tests or {}).values() if isinstance(t, dict)}
+        if cuda and outcomes == {"skipped"} and record["status"] == "ok":
+            record.update(status="failed", reason="every test skipped, yet the environment "
+                          "stage found a CUDA device")  # fmt: skip
+    elif name == "bench_gpu":
+        report["bench_gpu"] = read_json(raw / "bench_gpu.json")
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="gpu_check.py",
+        description="The device check: install the carried wheels, probe the environment and "
+                    "bitsandbytes' CUDA kernels, run the GPU suite and bench_gpu, one JSON report.",
+        epilog="On the device: PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT "
+               "(carry .whl)",
+    )  # fmt: skip
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="folder for the report (default: $OUT)")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="overall limit (s), capping every stage's timeout")  # fmt: skip
+    ap.add_argument("--cap-gb", type=float, default=24.0,
+                    help="bench_gpu's CUDA allocator cap (GiB): the card it emulates")  # fmt: skip
+    ap.add_argument("--bench-configs", default=None, metavar="SIZE:TOKENS,...",
+                    help="bench_gpu's --configs (default: its own)")  # fmt: skip
+    ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels")
+    ap.add_argument("--skip", nargs="+", default=[], choices=STAGES, metavar="STAGE",
+                    help=f"stages not to run: {', '.join(STAGES)}")  # fmt: skip
+    args = ap.parse_args(argv)
+    if not args.out:
+        ap.error("--out is required when $OUT is not set (the folder for the report)")
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s:g}")
+    if args.cap_gb <= 0:
+        ap.error(f"--cap-gb must be > 0 GiB, got {args.cap_gb:g}")
+    if args.bench_configs is not None and not all(
+        item.count(":") == 1 and all(item.split(":")) for item in args.bench_configs.split(",")
+    ):  # fmt: skip
+        ap.error(f"--bench-configs must look like 8b:1024,4b:2048, got {args.bench_configs!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    carry = carried(Path(args.wheels).resolve())
+    site = Path(tempfile.mkdtemp(prefix="gpu-check-site-")) if not args.dry_run else (
+        Path(tempfile.gettempdir()) / "gpu-check-site-XXXX")  # fmt: skip
+    stages = build_stages(args, out, site, carry)
+    report = {
+        "tool": "scripts/gpu_check.py", "dry_run": args.dry_run, "argv": sys.argv[1:],
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "budget_s": args.budget_s, "carried": carry, "site_packages": str(site),
+        "environment": None, "stages": [],
+    }  # fmt: skip
+    if args.dry_run:
+        print_plan(stages, carry, args, out)
+        report["stages"] = [stage_record(s, min(s.timeout_s, args.budget_s)) for s in stages]
+        write_report(out, report)
+        return 0
+    print(f"gpu_check: {len(stages)} stages, budget {args.budget_s:g} s, report "
+          f"{out / 'gpu_check.json'}", flush=True)  # fmt: skip
+    print(f"carried: {', '.join(carry['wheels']) or 'nothing'}", flush=True)
+    start = time.monotonic()
+    try:
+        rc = run_all(stages, report, out, site, args.budget_s)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)  # the installed wheels: a temporary folder
+        report["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        report["elapsed_s"] = round(time.monotonic() - start, 1)
+        write_report(out, report)
+    summary = ", ".join(f"{s['name']} {s['status']}" for s in report["stages"])
+    print(f"\ngpu_check: {summary}; report {out / 'gpu_check.json'}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
