@@ -5,12 +5,12 @@
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
 names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus N]
 [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config PATH_OR_HUB_ID]` prints the estimated
-peak GPU memory of the recipe per phase (ibpo/plan.py) and settings that fit when it does not.
+peak GPU memory of the recipe per phase (ibpo/plan/) and settings that fit when it does not.
 `ibpo eval BENCHMARK [options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]`
-(ibpo/eval_cli.py).
-`ibpo report OUTPUT_DIR` prints a run's summary and writes its plots (ibpo/report.py).
+(ibpo/evaluation/cli.py).
+`ibpo report OUTPUT_DIR` prints a run's summary and writes its plots (ibpo/run/report.py).
 `ibpo push OUTPUT_DIR --repo-id USER/NAME [--public] [--eval-dir DIR ...] [--dry-run]` uploads a
-run's adapter, tokenizer, recipe, metrics and a model card to the Hugging Face Hub (ibpo/hub.py).
+run's adapter, tokenizer, recipe, metrics and a model card to the Hugging Face Hub (ibpo/hub/).
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ import sys
 import yaml
 
 from ibpo.config import ConfigError, load_config
+from ibpo.evaluation.benchmarks import BENCHMARKS
+from ibpo.evaluation.cli import main as eval_main
+from ibpo.hub.push import main as push_main
+from ibpo.plan.fit import estimate, format_plan
+from ibpo.run.report import main as report_main
+from ibpo.trainer import train
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -53,20 +59,13 @@ def summary_line(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # `ibpo eval BENCHMARK [options]` = scripts/eval_<BENCHMARK>.py
-        from ibpo.benchmarks import BENCHMARKS
-        from ibpo.eval_cli import main as eval_main
-
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
             return 2
         return eval_main(argv[2:], benchmark=argv[1])
     if argv[:1] == ["report"]:  # `ibpo report OUTPUT_DIR`: summary table + plots of a run
-        from ibpo.report import main as report_main
-
         return report_main(argv[1:])
     if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
-        from ibpo.hub import main as push_main
-
         return push_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,14 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
         if ns.command == "plan":
-            from ibpo.plan import estimate, format_plan
-
             plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
             print(format_plan(plan))
             return 0
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from ibpo.trainer import train
-
         summary = train(cfg)
     except ConfigError as e:
         print(f"ibpo: error: {e}", file=sys.stderr)

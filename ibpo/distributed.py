@@ -248,3 +248,25 @@ def check_shared_output(accelerator, out: Path) -> None:
             f"train.output_dir={out} is not shared by all processes (a machine does not see the "
             "main process's files). Fix: put output_dir on a filesystem every machine mounts."
         )
+
+
+def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
+    """One step's metrics over all processes: times and peak memory are the slowest/largest
+    process's, tokens/s and token/repair counts add up, everything else (rates, the residual
+    ratio) is averaged: every process holds the same number of groups."""
+    if accelerator.num_processes == 1:
+        return m
+    from accelerate.utils import gather_object
+
+    every = gather_object([m])
+    out = {}
+    for key in m:
+        values = [d[key] for d in every if key in d]
+        if key.startswith("time_") or key in ("step_time", "peak_memory_gb",
+                                              "device_memory_used_gb"):  # fmt: skip
+            out[key] = max(values)
+        elif key in ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens"):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

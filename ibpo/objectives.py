@@ -23,6 +23,8 @@ Dr.GRPO) and GSPO's per-sequence ratio do not have this property; they are here 
 
 What this module does not do: compute advantages (advantages.py), log-probs (logprobs.py), or
 read configs beyond `resolve_params`, which turns an ObjectiveConfig into plain keyword arguments.
+The objectives' default parameters are data in config.OBJECTIVE_DEFAULTS (config.py checks and
+resolves a run's objective section without importing this module).
 Shapes: n sequences in the micro-batch (whole groups, group-major), T completion tokens.
 """
 
@@ -34,6 +36,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ibpo.config import (
+    COUNTERFACTUAL_OBJECTIVES,
+    OBJECTIVE_DEFAULTS,
+    SURROGATE_KEYS,
+    resolve_objective,
+)
 
 
 def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -226,33 +235,29 @@ class Objective:
     overlong_penalty: float = 0.0
 
 
-OBJECTIVES: dict[str, Objective] = {
-    "ibpo": Objective(
-        exchangeable,
-        "token_mean",
-        True,
-        {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28},
-        counterfactual=True,
-    ),
-    "dfpo": Objective(
-        exchangeable,
-        "token_mean",
-        True,
-        {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28},
-    ),
-    "grpo": Objective(clipped_token, "seq_mean", True, {"eps_low": 0.2, "eps_high": 0.2}),
-    "dr_grpo": Objective(clipped_token, "token_sum", False, {"eps_low": 0.2, "eps_high": 0.2}),
-    # DAPO's buffer 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1
-    "dapo": Objective(
-        clipped_token,
-        "token_mean",
-        True,
-        {"eps_low": 0.2, "eps_high": 0.28},
-        overlong_buffer=0.2,
-        overlong_penalty=0.5,
-    ),
-    "gspo": Objective(gspo_sequence, "seq_mean", True, {"eps_low": 3e-4, "eps_high": 4e-4}),
+def _objective(name: str, surrogate: Callable[..., Any]) -> Objective:
+    """The registry entry of `name` from its defaults (config.OBJECTIVE_DEFAULTS, data)."""
+    d = OBJECTIVE_DEFAULTS[name]
+    return Objective(
+        surrogate,
+        d["aggregation"],
+        d["scale_rewards"],
+        {k: d[k] for k in SURROGATE_KEYS if k in d},
+        counterfactual=name in COUNTERFACTUAL_OBJECTIVES,
+        overlong_buffer=d["overlong_buffer"],
+        overlong_penalty=d["overlong_penalty"],
+    )
+
+
+_SURROGATES = {
+    "ibpo": exchangeable,
+    "dfpo": exchangeable,
+    "grpo": clipped_token,
+    "dr_grpo": clipped_token,
+    "dapo": clipped_token,
+    "gspo": gspo_sequence,
 }
+OBJECTIVES: dict[str, Objective] = {n: _objective(n, s) for n, s in _SURROGATES.items()}
 
 
 @dataclass(frozen=True)
@@ -269,44 +274,20 @@ class ResolvedObjective:
 
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
-    """ObjectiveConfig -> the objective's defaults overridden by the fields the user set."""
-    from ibpo.config import ConfigError
-
+    """ObjectiveConfig -> the objective's defaults overridden by the fields the user set
+    (config.resolve_objective checks the section and fills its None fields; a resolved one
+    passes through unchanged)."""
+    cfg = resolve_objective(cfg)
     obj = OBJECTIVES[cfg.name]
-    kwargs = dict(obj.defaults)
-    for key in ("weights", "gate", "eps_low", "eps_high"):
-        value = getattr(cfg, key)
-        if value is None:
-            continue
-        if key not in kwargs:
-            raise ConfigError(
-                f"objective.{key} does not apply to '{cfg.name}' "
-                f"(it takes: {', '.join(kwargs) or 'none'})"
-            )
-        kwargs[key] = value
-    if kwargs.get("weights", "min_replace") not in WEIGHT_TRANSFORMS:
-        raise ConfigError(
-            f"objective.weights={kwargs['weights']!r}; "
-            f"choose one of: {', '.join(WEIGHT_TRANSFORMS)}"
-        )
-    if kwargs.get("gate", "none") not in GATES:
-        raise ConfigError(f"objective.gate={kwargs['gate']!r}; choose one of: {', '.join(GATES)}")
-    aggregation = cfg.aggregation or obj.aggregation
-    if aggregation not in AGGREGATIONS:
-        raise ConfigError(
-            f"objective.aggregation={aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}"
-        )
-    if cfg.kl_coef < 0:
-        raise ConfigError("objective.kl_coef must be >= 0")
-    scale = obj.scale_rewards if cfg.scale_rewards is None else cfg.scale_rewards
-    buffer = obj.overlong_buffer if cfg.overlong_buffer is None else cfg.overlong_buffer
-    penalty = obj.overlong_penalty if cfg.overlong_penalty is None else cfg.overlong_penalty
-    if not 0.0 <= buffer < 1.0:
-        raise ConfigError("objective.overlong_buffer must lie in [0, 1): a share of "
-                          "rollout.max_new_tokens (0 = no overlong penalty)")  # fmt: skip
-    if penalty < 0:
-        raise ConfigError("objective.overlong_penalty must be >= 0 (it is subtracted)")
+    kwargs = {key: getattr(cfg, key) for key in obj.defaults}
     return ResolvedObjective(
-        cfg.name, obj.surrogate, kwargs, aggregation, scale, obj.counterfactual, cfg.kl_coef,
-        buffer, penalty,
-    )  # fmt: skip
+        cfg.name,
+        obj.surrogate,
+        kwargs,
+        cfg.aggregation,
+        cfg.scale_rewards,
+        obj.counterfactual,
+        cfg.kl_coef,
+        cfg.overlong_buffer,
+        cfg.overlong_penalty,
+    )

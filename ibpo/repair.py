@@ -14,7 +14,7 @@ grader. From them:
 `advantages.shape_rewards` and `advantages.token_advantages` turn these into R' and token
 advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the rewards they
 come from (the grader's verdicts, token alignments of host token lists): this module reads no
-value from the device, and scoring.py moves the masks to the rollout's device in one place.
+value from the device, and step.py moves the masks to the rollout's device in one place.
 Repairs are scored, never trained on. A partly correct completion (0 < R < 1, e.g. a
 fraction of a problem's code tests) is neither repaired nor a preferred reference: IBPO.md's phi
 needs R_i = 0, and a bonus on R_i = 0.9 could lift it above a fully correct sibling.

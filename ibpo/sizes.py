@@ -1,6 +1,6 @@
 """What a model holds, in bytes: architecture shapes and exact or per-token sizes.
 
-The arithmetic under the memory planner (phases.py, plan.py): a dense decoder's dimensions
+The arithmetic under the memory planner (plan/phases.py, plan/fit.py): a dense decoder's dimensions
 (ModelShape, from a config.json, a Hub id's config or the tabulated Qwen3 models in
 KNOWN_ARCHITECTURES), exact byte counts of the NF4 weights and their quantisation state, LoRA
 parameters and the KV cache (tests/test_plan.py checks them against bitsandbytes, PEFT and a
@@ -9,7 +9,7 @@ forward and logprobs.py keep (checked on CPU against live-tensor accounting).
 
 Also the request sizes a run's generation calls imply (repair_generation, vllm_budget: the vLLM
 engine's KV budget and longest request). Not here: which of these a phase of a step holds at
-once (phases.py), or whether it fits (plan.py).
+once (plan/phases.py), or whether it fits (plan/fit.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibpo.config import VLLM_BATCHED_TOKENS as VLLM_BATCHED_TOKENS  # re-exported
 from ibpo.config import ConfigError, ModelConfig
+from ibpo.embedded import EMBEDDED_NAME
+from ibpo.objectives import resolve_params
 
 GIB = 2**30
 F32 = 4  # bytes of fp32: LoRA weights and grads, upcast activations, logits
@@ -46,9 +49,8 @@ REPAIR_TEMPLATE_TOKENS = 96
 # The vLLM rollout engine (vllm_rollout.py). LoRA ranks it has adapter slots for, in every release
 # the vllm extra admits (an adapter is served by the next one up):
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-# The most prompt tokens it runs per step (chunked prefill; the engine is started with it): bounds
-# its activation workspace, and the sequences it decodes at once (config.py checks the batch).
-VLLM_BATCHED_TOKENS = 8192
+# The most prompt tokens it runs per step, VLLM_BATCHED_TOKENS (config.py, which checks the batch
+# against it), is imported above.
 VLLM_KV_ROUND = 256  # tokens: a multiple of vLLM's KV block sizes (16 by default)
 # Outside torch's allocator, awake or asleep: CUDA graphs, NCCL/cuBLAS workspaces, sampler buffers
 # (an estimate: no GPU measurement yet)
@@ -147,8 +149,6 @@ def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig
     if isinstance(spec, Mapping):
         return ModelShape.from_dict(spec)
     name = spec or model.name
-    from ibpo.embedded import EMBEDDED_NAME
-
     if name == EMBEDDED_NAME:
         return ModelShape.from_dict(SMOLLM2_135M)
     path = Path(name).expanduser()
@@ -274,8 +274,6 @@ def repair_generation(cfg) -> tuple[int, int, int] | None:
     rep = getattr(cfg, "repair", None)
     enabled = getattr(rep, "enabled", None)
     if rep is not None and enabled is None:
-        from ibpo.objectives import resolve_params
-
         enabled = getattr(resolve_params(cfg.objective), "counterfactual", False)
     if not enabled:
         return None

@@ -1,25 +1,17 @@
-"""The training loop on Accelerate, readable top to bottom.
+"""The run around the step: `train(cfg)` from a recipe to a saved adapter and a summary.
 
-One step (B prompts, G completions each, N = B * G sequences):
-  1. take B prompts from the stream;
-  2. rollout: G sampled completions per prompt (eval mode, KV cache, no grad);
-  3. rewards: grade each completion with the same grader evaluation uses -> [B, G];
-  4. advantages: group-centred (the objective decides std scaling) -> token advantages [N, T];
-     (IBPO.md Part 2's counterfactual shaping plugs in here through advantages.py);
-  5-7. the update (update.py): frozen log-probs where they matter, micro-batches of whole
-     groups -> objective -> backward with a normaliser from the whole step and all processes,
-     then clip, optimizer step, scheduler;
-  8. log (metrics gathered over processes).
-With several processes (Accelerate DDP or FSDP2; DeepSpeed is refused) each one takes its own
-shard of prompts, generates, grades and normalises its own groups; DDP averages the gradients (FSDP
-reduce-scatters them). Under FSDP generation runs on gathered weights (distributed.gathered).
-Before the first and after the last step the held-out set is evaluated greedily; the adapter is
-saved in PEFT format with the tokenizer, and `summary.json` records before/after accuracy.
-Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM) resume a run exactly
-(checkpoint.py); a step whose loss or gradient is not finite is skipped, and too many in a row
-stop the run; running out of memory ends it with advice on what to lower.
+In order: launch checks (one process, DDP or FSDP2; DeepSpeed and FSDP1 are refused); the output
+folder (a fresh start, or a resume from a checkpoint: run/outdir.py, run/checkpoint.py); data,
+the QLoRA policy, optimizer and scheduler, prepared by Accelerate; the held-out accuracy before
+training; then the loop, one `step.rl_step` per step, with its metrics logged (run/log.py),
+periodic held-out evaluations and checkpoints; at the end the adapter in PEFT format with the
+tokenizer, `summary.json`, the held-out accuracy after, plots and an optional Hub upload.
+Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM, and when non-finite
+steps stop the run) resume a run exactly; a step whose loss or gradient is not finite is
+skipped, and too many in a row stop the run; running out of memory ends it with advice on what
+to lower (run/failures.py).
 
-Not here: the math of objectives/advantages, model loading, data sources (their own modules).
+Not here: the step itself (step.py) and the math it runs (objectives, advantages, repair).
 """
 
 from __future__ import annotations
@@ -27,43 +19,38 @@ from __future__ import annotations
 import json
 import math
 import random
-import resource
 import sys
 import time
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import yaml
 
-from ibpo import checkpoint as ckpt
-from ibpo import failures, rundir
-from ibpo.advantages import flat_groups
 from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_note
 from ibpo.distributed import (
     check_launch,
     check_shared_output,
-    gathered,
     is_fsdp,
     launch_kind,
     save_adapter,
 )
-from ibpo.evaluation import evaluate_accuracy
+from ibpo.evaluation.evaluate import evaluate_accuracy
+from ibpo.hub import push as hub_push
 from ibpo.modeling import (
-    dequantized_base,
     load_policy,
-    use_dequantized_base,
 )
 from ibpo.objectives import (
     ResolvedObjective,
     resolve_params,
 )
 from ibpo.rewards import REWARDS
-from ibpo.rollout import hf_generator, set_kv_cache
-from ibpo.runlog import finish_run, gather_metrics, log_eval, log_step
-from ibpo.scoring import collect_batch
-from ibpo.update import update_policy
+from ibpo.rollout import set_kv_cache
+from ibpo.run import checkpoint as ckpt
+from ibpo.run import failures, outdir, report
+from ibpo.run.log import log_eval, log_step
+from ibpo.step import StepParts, generating, rl_step
+from ibpo.vllm_rollout import VLLMEngine
 
 
 def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False):
@@ -82,92 +69,6 @@ def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False
     return torch.optim.AdamW(
         params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
     )
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a step's peak-memory window (CUDA); on CPU the process's peak RSS cannot be reset."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    """peak_memory_gb: on CUDA torch's allocator peak during this step (since
-    reset_peak_memory); device_memory_used_gb: the GPU's memory in use at the step's end as the
-    driver reports it, which also counts what torch does not allocate (a vLLM engine's weights
-    and KV cache, the CUDA context, other processes). On CPU the process's peak RSS since start."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-                "device_memory_used_gb": (total - free) / 2**30}  # fmt: skip
-    return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-
-@contextmanager
-def generating(model, cfg: Config, device: torch.device, engine=None):
-    """A Generator (rollout.py) for one generation phase: the vLLM engine serving the current
-    adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on gathered
-    weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
-    if engine is not None:
-        with engine.serving(model) as generator:
-            yield generator
-        return
-    fast = use_dequantized_base(cfg.model, device, model)
-    with gathered(model):
-        with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            yield hf_generator(model)
-
-
-def rl_step(model, tokenizer, optimizer, scheduler, accelerator, stream, cfg, objective, rng,
-            engine=None):  # fmt: skip
-    """One full RL step; returns a dict of metrics (gathered over processes). `engine`: the
-    vLLM engine that generates (rollout.backend=vllm), else the policy does."""
-    t0 = time.perf_counter()
-    reset_peak_memory(accelerator.device)
-    # 1-4. rollout, rewards, (IBPO) repairs, token advantages [N, T]; each process scores and
-    # normalises the groups it generated
-    with generating(model, cfg, accelerator.device, engine) as generator:
-        batch = collect_batch(generator, tokenizer, stream, cfg, objective,
-                              REWARDS[cfg.objective.reward], rng)  # fmt: skip
-    t_gen = time.perf_counter()
-    lr = scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
-    fast = use_dequantized_base(cfg.model, accelerator.device, model)  # CPU: dequantise once
-    with dequantized_base(model) if fast else nullcontext():
-        upd = update_policy(model, optimizer, scheduler, accelerator, batch, cfg, objective)
-    t_end = time.perf_counter()
-    metrics = step_metrics(batch, upd, lr)
-    metrics.update(
-        time_rollout=t_gen - t0,
-        time_frozen_logprobs=upd.time_frozen,
-        time_update=t_end - t_gen - upd.time_frozen,
-        step_time=t_end - t0,
-        tokens_per_second=sum(batch.rollout.lengths) / (t_end - t0),
-        **memory_metrics(accelerator.device),
-    )
-    return gather_metrics(accelerator, metrics)
-
-
-def step_metrics(batch, upd, lr: float) -> dict[str, float]:
-    """A step's metrics from its scored batch (host values) and its update's statistics (already
-    read from the device): this reads nothing from the device itself."""
-    rollout, rewards = batch.rollout, batch.rewards
-    n_tokens = sum(rollout.lengths)
-    cancel, truncated = upd.cancel, rollout.host_truncated()
-    metrics = {k: sum(v) / len(v) for k, v in upd.stats.items()}
-    metrics["loss"] = sum(upd.stats["loss"]) / upd.updates  # the step's loss, not a mean
-    metrics.update(batch.stats)
-    metrics.update(
-        reward=rewards.mean().item(),
-        accuracy=(rewards >= 1.0).float().mean().item(),
-        zero_variance_groups=flat_groups(rewards).float().mean().item(),
-        residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
-        shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
-        completion_length=n_tokens / rollout.num_sequences,
-        truncated=sum(truncated) / len(truncated),
-        grad_norm=upd.grad_norm,
-        skipped_nonfinite=float(upd.skipped),
-        lr=lr,
-    )
-    return metrics
 
 
 def lr_lambda(cfg: Config):
@@ -190,7 +91,7 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
+def _build(cfg: Config, accelerator) -> tuple[StepParts, object, list]:
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
     train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
     model, tokenizer = load_policy(cfg.model, accelerator.device)
@@ -211,13 +112,13 @@ def _build(cfg: Config, accelerator) -> tuple[ckpt.Resumable, object, list]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
-    return ckpt.Resumable(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
+    return StepParts(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
 
 
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    removed = rundir.clear_previous_run(out) if resume is None else []
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
+    removed = outdir.clear_previous_run(out) if resume is None else []
     if removed:
         print(f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
               "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
@@ -231,11 +132,11 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: C
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
         accelerator.print(f"resumed from {resume} (step {state.step})")
-        applied = rundir.apply_optimizer_settings(parts, cfg.train.learning_rate,
+        applied = outdir.apply_optimizer_settings(parts, cfg.train.learning_rate,
                                                 cfg.train.weight_decay)  # fmt: skip
         if applied:
             accelerator.print(f"ibpo: resuming with {'; '.join(applied)}")
-        changed = rundir.resume_changes(resume, cfg.to_dict())
+        changed = outdir.resume_changes(resume, cfg)
         if changed:
             accelerator.print(
                 "ibpo: warning: these settings differ from the checkpoint's run, which continues "
@@ -263,10 +164,32 @@ def _final_eval(held_out, accelerator) -> dict | None:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def finish_run(out: Path, cfg: Config, status: str) -> None:
+    """Main process, after summary.json: plots, the end-of-run table, the Hub upload.
+    None of them may cost a finished run: their failures are reported, not raised."""
+    tr = cfg.train
+    if tr.plots:
+        try:
+            report.plot_run(out)
+            if tr.progress:
+                print(report.summary_table(out), file=sys.stderr)
+        except Exception as e:  # a figure is never worth a traceback after hours of training
+            print(f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
+                  file=sys.stderr)  # fmt: skip
+    if tr.push_to_hub and status == "completed":
+        try:
+            url = hub_push.push(out, tr.hub_repo_id, private=tr.hub_private)
+            print(f"ibpo: pushed to {url}", file=sys.stderr)
+        except Exception as e:  # the run is saved: a failed upload must not fail it
+            detail = str(e) if isinstance(e, hub_push.HubError) else repr(e)
+            print(f"ibpo: push to the Hub failed: {detail}\n  Retry: ibpo push {out} "
+                  f"--repo-id {tr.hub_repo_id}", file=sys.stderr)  # fmt: skip
+
+
 def train(cfg: Config) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
 
-    Checkpoints (checkpoint.py) are saved every train.save_every steps, at the end, on
+    Checkpoints (run/checkpoint.py) are saved every train.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; train.resume_from resumes one exactly.
     Running out of memory ends the run with advice instead of a traceback.
     """
@@ -284,7 +207,7 @@ def train(cfg: Config) -> dict:
     out, main = Path(tr.output_dir), accelerator.is_main_process
     resume = ckpt.resolve_resume(tr.resume_from, out)
     if resume is None:
-        rundir.check_fresh_start(out, tr.overwrite)
+        outdir.check_fresh_start(out, tr.overwrite)
     if main:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
@@ -292,8 +215,6 @@ def train(cfg: Config) -> dict:
     parts, tokenizer, eval_examples = _build(cfg, accelerator)
     engine = None
     if cfg.rollout.backend == "vllm":
-        from ibpo.vllm_rollout import VLLMEngine
-
         engine = VLLMEngine.start(cfg, parts.model, tokenizer)
     try:
         if tr.log_with:
@@ -317,7 +238,7 @@ def train(cfg: Config) -> dict:
             state.wall_seconds = prior + time.time() - start
             root = out / ckpt.CHECKPOINTS
             return ckpt.save_checkpoint(accelerator, root, parts, state, metrics_path,
-                                        tr.keep_checkpoints, cfg.to_dict())  # fmt: skip
+                                        tr.keep_checkpoints, cfg.to_dict(recipe=True))  # fmt: skip
 
         metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
         bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
@@ -329,9 +250,7 @@ def train(cfg: Config) -> dict:
             with failures.GracefulStop() as stop:
                 while state.step < tr.steps:
                     phase = "step"
-                    m = rl_step(parts.model, tokenizer, parts.optimizer, parts.scheduler,
-                                accelerator, parts.stream, cfg, objective, parts.rng,
-                                engine)  # fmt: skip
+                    m = rl_step(parts, tokenizer, accelerator, cfg, objective, engine)
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
                     log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
@@ -387,7 +306,7 @@ def train(cfg: Config) -> dict:
             print(f"ibpo: {who}{message}", file=sys.stderr)
         adapter = out / "adapter"
         if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-            adapter = rundir.keep_checkpoint_adapter(last, adapter) if main else None
+            adapter = outdir.keep_checkpoint_adapter(last, adapter) if main else None
         else:
             save_adapter(accelerator, parts.model, adapter)
             if main:

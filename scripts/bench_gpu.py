@@ -3,7 +3,7 @@
 Each configuration (model size x forced completion length) builds the Qwen3 architecture from its
 config with random weights (no download), saves it once and loads it through the package's own
 path (ibpo.modeling.load_policy: 4-bit NF4 + LoRA), caps the CUDA allocator to a consumer card
-(--cap-gb, default 24 GiB), and runs ibpo.trainer.rl_step: G completions of one prompt, sampled
+(--cap-gb, default 24 GiB), and runs ibpo.step.rl_step: G completions of one prompt, sampled
 at full length (random weights do not stop on EOS reliably, so EOS is suppressed until the last
 token), the reference-KL forward and one update with micro_batch_groups=1. It prints the peak
 memory of the rollout and of the update (allocated and reserved), rollout and training tokens/s
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import itertools
 import json
 import random
@@ -36,16 +35,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from ibpo import plan, sizes, trainer  # noqa: E402
+from ibpo import (  # noqa: E402
+    sizes,  # noqa: E402
+    step,
+    trainer,
+)
 from ibpo.config import load_config  # noqa: E402
 from ibpo.data import Example, PromptStream, render_prompt  # noqa: E402
 from ibpo.logprobs import unwrap  # noqa: E402
 from ibpo.modeling import load_policy  # noqa: E402
 from ibpo.objectives import resolve_params  # noqa: E402
+from ibpo.plan import fit as plan  # noqa: E402
 from ibpo.rewards import REWARDS  # noqa: E402
 from ibpo.rollout import set_kv_cache  # noqa: E402
 
-# The published Qwen3 architectures by size (ibpo.plan's table), and a tiny one for --smoke.
+# The published Qwen3 architectures by size (ibpo.plan.fit's table), and a tiny one for --smoke.
 ARCHS = {name.split("-")[-1].lower(): arch for name, arch in sizes.KNOWN_ARCHITECTURES.items()}
 ARCHS["tiny"] = ARCHS["8b"] | dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -107,15 +111,15 @@ def _free() -> None:
 
 def _peak(device: torch.device) -> tuple[float, float]:
     if device.type != "cuda":
-        return trainer.memory_metrics(device)["peak_memory_gb"], 0.0  # CPU: peak RSS
+        return step.memory_metrics(device)["peak_memory_gb"], 0.0  # CPU: peak RSS
     return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
 
 def _track_rollout(device: torch.device, record: dict):
     """Wrap the trainer's rollout call: its peak memory is recorded, then the peak counter is
     reset so that what rl_step reports afterwards is the update's peak."""
-    name = "collect_batch" if hasattr(trainer, "collect_batch") else "generate"
-    inner = getattr(trainer, name)
+    name = "collect_batch"
+    inner = getattr(step, name)
 
     def wrapped(*args, **kwargs):
         record["phase"] = "rollout"
@@ -128,8 +132,8 @@ def _track_rollout(device: torch.device, record: dict):
         record["phase"] = "update"
         return out
 
-    setattr(trainer, name, wrapped)
-    return lambda: setattr(trainer, name, inner)
+    setattr(step, name, wrapped)
+    return lambda: setattr(step, name, inner)
 
 
 def bench_config(arch_name, new_tokens, args, root, device) -> dict:
@@ -186,18 +190,15 @@ def _run_steps(cfg, question, args, device, record) -> dict:
     record["load_alloc_gb"] = _peak(device)[0]
     objective = resolve_params(cfg.objective)
     examples = [Example(question, "0")]
-    stream = PromptStream(examples, 0, False)
-    kwargs = {"stream": stream, "rng": random.Random(0)}
-    if "stream" not in inspect.signature(trainer.rl_step).parameters:  # older signature
-        kwargs = {"examples": examples}
+    parts = step.StepParts(model, optimizer, scheduler, PromptStream(examples, 0, False),
+                           random.Random(0))  # fmt: skip
     try:
         for _ in range(args.steps):  # the last step's numbers are reported
             record["phase"] = "rollout"
-            m = trainer.rl_step(model, tok, optimizer, scheduler, accelerator, cfg=cfg,
-                                objective=objective, **kwargs)  # fmt: skip
+            m = step.rl_step(parts, tok, accelerator, cfg, objective)
     finally:
         accelerator.free_memory()
-        del model, optimizer, scheduler
+        del model, optimizer, scheduler, parts
     n, T = cfg.rollout.group_size, cfg.rollout.max_new_tokens
     t_gen = m.get("time_generate", m.get("time_rollout"))
     alloc, reserved = _peak(device)

@@ -21,7 +21,7 @@ def _timed(fn) -> tuple[float, object]:
 def main() -> int:
     from ibpo.rewards.code import code_reward, humaneval_spec
     from ibpo.rewards.math import math_reward
-    from ibpo.sandbox import TestCase, isolation_mode, run_tests
+    from ibpo.sandbox.run import TestCase, isolation_mode, run_tests
 
     plain = [(f"The answer is {i % 97}.", str(i % 97)) for i in range(1000)]
     s, _ = _timed(lambda: [math_reward(c, a) for c, a in plain])

@@ -15,7 +15,7 @@ per-token weights w like advantages. Variants:
                 (`checkpointed_head_logprobs`, the fallback path of `completion_logprobs`)
     fused       `completion_logprobs` as the trainer calls it (`fused_head_logprobs`)
 Peak memory is what the call adds at its peak to what was allocated before it (model, inputs).
-"peak MiB", the figure the target is about, counts tensors, as the planner (ibpo.plan) does:
+"peak MiB", the figure the target is about, counts tensors, as the planner (ibpo.plan.fit) does:
   * CUDA: torch.cuda.max_memory_allocated after a reset, minus memory_allocated at that moment.
   * CPU: the same quantity, tracked: every tensor storage an op creates is counted from the op
     that returns it until it is freed (`LiveTensorBytes`, a TorchDispatchMode).
@@ -52,7 +52,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ibpo.logprobs import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts.memtrack, run uninstalled
+
+from ibpo.logprobs import (  # noqa: E402
     checkpointed_head_logprobs,
     completion_hidden,
     completion_logprobs,
@@ -61,7 +63,7 @@ from ibpo.logprobs import (
     naive_completion_logprobs,
     unwrap,
 )
-from ibpo.memtrack import LiveTensorBytes
+from scripts.memtrack import LiveTensorBytes  # noqa: E402
 
 MEMORY = dict(vocab=151_936, hidden=128, sequences=4, tokens=1024, prompt=16, chunk=1024)
 SPEED = dict(vocab=49_152, hidden=576, tokens=1024, chunk=1024)

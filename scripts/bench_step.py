@@ -6,7 +6,7 @@
     (--cpu keeps a CUDA machine's run on the CPU; the device is Accelerate's choice otherwise)
 
 The steps are the package's own: the model, optimizer, scheduler and prompt stream are built as
-`ibpo.trainer.train` builds them and each step is `ibpo.trainer.rl_step`. No held-out evaluation,
+`ibpo.trainer.train` builds them and each step is `ibpo.step.rl_step`. No held-out evaluation,
 no checkpoint. Phases of a step (seconds, mean over the timed steps):
 
     generate    sampling the G completions per prompt            (metric time_generate)
@@ -14,7 +14,7 @@ no checkpoint. Phases of a step (seconds, mean over the timed steps):
     score       grading and advantages: the rest of the rollout phase
     frozen      old / reference log-probs without grad           (metric time_frozen_logprobs)
     update      micro-batch updates + optimizer                  (metric time_update), split into
-      forward   log-probs with grad: `ibpo.update.sequence_logprobs` timed by a wrapper here
+      forward   log-probs with grad: `ibpo.step.sequence_logprobs` timed by a wrapper here
       backward  `accelerator.backward`, timed by a wrapper
       optimizer gradient clipping + `optimizer.step`, timed by wrappers
       other     objective math and per-step diagnostics
@@ -147,7 +147,7 @@ def _timed(fn, totals: dict[str, float], key: str, sync):
 @contextlib.contextmanager
 def phase_timers(run: Run) -> Iterator[dict[str, float]]:
     """Time forward / backward / optimizer inside `rl_step`'s update loop; restores on exit."""
-    import ibpo.update as update
+    import ibpo.step as update
 
     totals: dict[str, float] = defaultdict(float)
     cuda = run.device.type == "cuda"
@@ -206,11 +206,12 @@ def step_phases(m: dict, totals: dict[str, float], wall: float) -> dict[str, flo
 
 def run_steps(run: Run, steps: int, warmup: int) -> dict:
     """Warmup steps, then `steps` timed steps; returns the per-step figures and their means."""
-    from ibpo.trainer import rl_step
+    from ibpo.step import StepParts, rl_step
+
+    parts = StepParts(run.model, run.optimizer, run.scheduler, run.stream, run.rng)
 
     def one_step() -> dict:
-        return rl_step(run.model, run.tokenizer, run.optimizer, run.scheduler, run.accelerator,
-                       run.stream, run.cfg, run.objective, run.rng)  # fmt: skip
+        return rl_step(parts, run.tokenizer, run.accelerator, run.cfg, run.objective)
 
     for _ in range(warmup):
         one_step()

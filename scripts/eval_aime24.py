@@ -13,7 +13,7 @@ samples.jsonl (a restarted run resumes from it), summary.json, results.md. Optio
 
 import sys
 
-from ibpo.eval_cli import main
+from ibpo.evaluation.cli import main
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -5,12 +5,12 @@
 
 Uploads the adapter, tokenizer, recipe (ibpo_config.yaml), summary.json, metrics.jsonl, plots and a
 README.md model card; never checkpoints or optimizer state. Private unless --public. The token comes
-from HF_TOKEN or `hf auth login`. Options: --help (ibpo/hub.py).
+from HF_TOKEN or `hf auth login`. Options: --help (ibpo/hub/push.py).
 """
 
 import sys
 
-from ibpo.hub import main
+from ibpo.hub.push import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,7 @@ def fixed_batch(tok, rows_of_groups: list[int]):
     """Deterministic prompts, completions of varied lengths and rewards; the chosen groups."""
     from ibpo.advantages import group_advantages, token_advantages
     from ibpo.rollout import Rollout
-    from ibpo.scoring import ScoredBatch
+    from ibpo.step import ScoredBatch
 
     rng = random.Random(7)
     chars = "0123456789+-*=?:. abcdefghijklmnopqrstuvwxyz"
@@ -115,7 +115,8 @@ def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     """Two updates (off-policy on the second) of update_policy on the fixed batch's groups."""
     from ibpo.distributed import is_fsdp, load_optimizer_state, optimizer_state
     from ibpo.objectives import resolve_params
-    from ibpo.trainer import build_optimizer, update_policy
+    from ibpo.step import update_policy
+    from ibpo.trainer import build_optimizer
 
     cfg, model, tok = make_policy(model_dir, objective, accelerator.device)
     opt = build_optimizer(model, cfg, accelerator.device)
@@ -191,10 +192,10 @@ def main(argv: list[str]) -> None:
 
 
 def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
-    import ibpo.trainer as trainer
+    import ibpo.step as step
     from ibpo.cli import main as cli_main
 
-    update, calls = trainer.update_policy, []
+    update, calls = step.update_policy, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -202,7 +203,7 @@ def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return update(*args, **kwargs)
 
-    trainer.update_policy = failing
+    step.update_policy = failing
     return cli_main(["train", f"model.name={model_dir}", *overrides])
 
 
@@ -216,18 +217,18 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
     # deterministic in the text and about half right on the random tiny model: real advantages
     REWARDS["parity"] = lambda text, answer: float(sum(map(ord, text)) % 2)
     seen = {}
-    step = trainer.rl_step
+    real_step = trainer.rl_step
 
-    def spy(model, *args, **kwargs):  # keep a handle on the live (wrapped) policy
-        seen["model"] = model
-        assert is_fsdp(model) == FSDP, type(model)  # the wrapping the test asked for
-        return step(model, *args, **kwargs)
+    def spy(parts, *args, **kwargs):  # keep a handle on the live (wrapped) policy
+        seen["model"] = parts.model
+        assert is_fsdp(parts.model) == FSDP, type(parts.model)  # the wrapping the test asked for
+        return real_step(parts, *args, **kwargs)
 
     trainer.rl_step = spy
     try:
         summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))
     finally:
-        trainer.rl_step = step
+        trainer.rl_step = real_step
     base = getattr(seen["model"], "module", seen["model"]).get_base_model()
     w = base.model.layers[0].self_attn.q_proj.base_layer.weight  # 4-bit codes under nf4
     local = w.to_local() if hasattr(w, "to_local") else w

@@ -27,10 +27,10 @@ def _json_line(out: str) -> dict:
 
 
 def test_bench_step_smoke_splits_the_step(tiny_model_dir, capsys):
-    import ibpo.update
+    import ibpo.step
 
     bench = _script("bench_step")
-    original = ibpo.update.sequence_logprobs
+    original = ibpo.step.sequence_logprobs
     assert bench.main(["--smoke", "--model", tiny_model_dir]) == 0
     out = capsys.readouterr().out
     for phase in ("generate", "repair", "frozen", "forward", "backward", "optimizer", "**step**"):
@@ -50,7 +50,7 @@ def test_bench_step_smoke_splits_the_step(tiny_model_dir, capsys):
     assert 0 < m["completion_tokens"] <= 2 * 2 * 4  # B * G * max_new_tokens
     assert res["tokens_per_second"] == pytest.approx(m["completion_tokens"] / m["step"])
     assert 0.05 < res["peak_memory_gb"] <= res["process_peak_memory_gb"]
-    assert ibpo.update.sequence_logprobs is original  # the timing wrappers are gone
+    assert ibpo.step.sequence_logprobs is original  # the timing wrappers are gone
 
 
 def test_bench_step_reports_a_bad_override(tiny_model_dir, capsys):

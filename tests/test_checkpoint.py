@@ -23,11 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 import ibpo.trainer as trainer_mod
-from ibpo import checkpoint as ckpt
 from ibpo.config import ConfigError, load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.rewards import REWARDS
+from ibpo.run import checkpoint as ckpt
+from ibpo.step import StepParts
 from ibpo.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,7 +179,7 @@ def _parts(model_dir: str):
     sched.step()
     stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
     stream.take(13)  # into the second epoch
-    return acc, ckpt.Resumable(model, opt, sched, stream, random.Random(7))
+    return acc, StepParts(model, opt, sched, stream, random.Random(7))
 
 
 def _draws(parts) -> tuple:
@@ -399,7 +400,7 @@ def _rng(value: int) -> torch.Tensor:
 
 def _stream_parts():
     stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
-    return ckpt.Resumable(None, None, None, stream, random.Random(7))
+    return StepParts(None, None, None, stream, random.Random(7))
 
 
 OWN, OTHER, FRESH = _rng(1), _rng(2), _rng(9)  # this process's GPU, another one, untouched

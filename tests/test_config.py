@@ -65,3 +65,189 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert "unknown key 'train.nope'" in err and "Traceback" not in err
     assert main(["config", "objective.name=gspo"]) == 0
     assert "name: gspo" in capsys.readouterr().out
+
+
+# --- rules declared on the fields --------------------------------------------------------------
+
+
+def _rule_fields():
+    """(section, field) for every field that declares a choice or a range."""
+    import dataclasses
+
+    from ibpo.config import Config
+
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):
+            if "choices" in f.metadata or "low" in f.metadata:
+                yield section.name, f
+
+
+def test_every_declared_rule_rejects_a_value_outside_it():
+    """A sweep over the fields' metadata: each choice refuses another word, each range a value
+    beyond each of its ends, with a message naming the key."""
+    checked = 0
+    for section, f in _rule_fields():
+        key, meta = f"{section}.{f.name}", f.metadata
+        bad = []
+        if "choices" in meta:
+            bad.append(("'nope'", f"{key}='nope'; choose one of: {', '.join(meta['choices'])}"))
+        if "low" in meta:
+            bad.append((meta["low"] - 1 if not meta["open_low"] else meta["low"], f"{key} must "))
+            if meta["high"] is not None:
+                high = meta["high"] if meta["open_high"] else meta["high"] + 1
+                bad.append((high, f"{key} must lie in"))
+        if "low" in meta and "int" not in str(f.type):
+            bad.append((".nan", f"{key} must "))  # NaN satisfies no range
+        for value, message in bad:
+            with pytest.raises(ConfigError) as e:
+                load_config(None, [f"{key}={value}"])
+            assert message in str(e.value), (key, value, str(e.value))
+            checked += 1
+    assert checked > 50
+
+
+def test_fields_that_allow_null_accept_it():
+    nullable = [
+        "repair.max_new_tokens",
+        "repair.temperature",
+        "repair.batch_size",
+        "repair.enabled",
+        "rollout.vllm_kv_cache_gb",
+        "data.eval_answer_format",
+        "data.eval_question_column",
+        "objective.weights",
+        "objective.gate",
+        "objective.eps_low",
+        "objective.eps_high",
+        "objective.aggregation",
+        "objective.scale_rewards",
+        "objective.overlong_buffer",
+        "objective.overlong_penalty",
+        "model.cpu_dequantize",
+    ]
+    load_config(None, [f"{key}=null" for key in nullable])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.quantization=x", "model.quantization='x'; choose one of: nf4, none"),
+        ("rollout.group_size=0", "rollout.group_size must be >= 2"),
+        ("rollout.generation_batch_size=0", "rollout.generation_batch_size must be > 0"),
+        ("data.eval_answer_format=latex", "code_tests (or null: data.answer_format)"),
+        ("rollout.vllm_kv_cache_gb=0", "rollout.vllm_kv_cache_gb must be > 0 (or null"),
+        ("repair.max_new_tokens=0", "must be > 0 (or null: rollout.max_new_tokens)"),
+        ("repair.rho=1.5", "repair.rho must lie in [0, 1]"),
+        ("repair.shaping_lambda=-1", "repair.shaping_lambda must be >= 0"),
+        ("repair.template=fix {question} {attempt}", "repair.template must contain '{reference}'"),
+        ("objective.overlong_buffer=1", "objective.overlong_buffer must lie in [0, 1)"),
+        ("objective.kl_coef=-0.1", "objective.kl_coef must be >= 0"),
+        ("objective.eps_low=1", "objective.eps_low must lie in [0, 1)"),
+        ("objective.gate=token", None),  # ibpo takes a gate
+        ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1 (resuming needs one)"),
+        ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0 = no token cap)"),
+        ("train.resume_from=' '", "train.resume_from must be null, 'latest' or a checkpoint path"),
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens must be > 0"),
+    ],
+)
+def test_field_messages(override, message):
+    if message is None:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+# --- checks that span fields, and the new ranges -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.answer_format=code_tests"],
+            "data.answer_format=code_tests gives test specs, "
+            "which objective.reward=math scores 0 for every completion: set objective.reward=code",
+        ),
+        (["data.eval_answer_format=code_tests"], "data.eval_answer_format=code_tests gives test"),
+        (
+            ["objective.reward=code", "data.answer_format=gsm8k"],
+            "objective.reward=code runs the answer as a JSON test spec, not a gsm8k answer: "
+            "set data.answer_format=code_tests",
+        ),
+        (
+            [
+                "objective.reward=code",
+                "data.answer_format=code_tests",
+                "data.eval_answer_format=boxed",
+            ],
+            "set data.eval_answer_format=code_tests",
+        ),
+        (["train.learning_rate=0"], "train.learning_rate must be > 0"),
+        (["train.learning_rate=-1e-4"], "train.learning_rate must be > 0"),
+        (["train.max_grad_norm=0"], "train.max_grad_norm must be > 0 (.inf = no clipping)"),
+        (["train.max_grad_norm=-1"], "train.max_grad_norm must be > 0"),
+        (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
+        (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
+        (["rollout.top_p=0"], "rollout.top_p must lie in (0, 1]"),
+        (["rollout.top_p=1.1"], "rollout.top_p must lie in (0, 1]"),
+        (["rollout.top_k=-1"], "rollout.top_k must be >= 0 (0 = off)"),
+        (["train.push_to_hub=true"], "train.push_to_hub=true needs train.hub_repo_id"),
+        (["train.push_to_hub=true", "train.hub_repo_id=a--b/c"], "Fix: train.hub_repo_id="),
+        (
+            ["objective.name=grpo", "objective.weights=min_replace"],
+            "objective.weights does not apply to 'grpo' (it takes: eps_low, eps_high)",
+        ),
+        (["objective.reward=nope"], "objective.reward='nope'; choose one of: math, code"),
+        (["rollout.backend=vllm", "rollout.generation_batch_size=9000"], "<= 8192"),
+    ],
+)
+def test_cross_field_and_range_checks(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_values_at_the_edges_are_accepted():
+    cfg = load_config(
+        None,
+        [
+            "rollout.top_p=1",
+            "rollout.top_p=0.9",
+            "rollout.top_k=0",
+            "train.max_grad_norm=.inf",
+            "train.weight_decay=0",
+            "train.warmup_steps=0",
+            "train.learning_rate=1e-8",
+            "objective.reward=code",
+            "data.answer_format=code_tests",
+        ],
+    )
+    assert cfg.train.max_grad_norm == float("inf") and cfg.data.eval_answer_format == "code_tests"
+    # the code grader also takes a column that already holds its JSON specs
+    assert load_config(None, ["objective.reward=code"]).data.answer_format == "plain"
+
+
+def test_a_reward_registered_at_run_time_is_accepted(monkeypatch):
+    from ibpo.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "parity", lambda text, answer: float(len(text) % 2))
+    assert load_config(None, ["objective.reward=parity"]).objective.reward == "parity"
+    monkeypatch.delitem(REWARDS, "parity")
+    with pytest.raises(ConfigError, match="choose one of: math, code"):
+        load_config(None, ["objective.reward=parity"])
+
+
+def test_a_renamed_key_names_its_new_name(monkeypatch, tmp_path):
+    import ibpo.config
+
+    monkeypatch.setitem(ibpo.config.RENAMED, "train.foo", "run.foo")
+    with pytest.raises(ConfigError, match=r"'train\.foo' was renamed to 'run\.foo'; use that"):
+        load_config(None, ["train.foo=1"])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("train:\n  foo: 1\n")
+    with pytest.raises(ConfigError, match=r"old\.yaml: 'train\.foo' was renamed to 'run\.foo'"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="unknown key 'train.bar'"):  # others: as before
+        load_config(None, ["train.bar=1"])

@@ -94,7 +94,7 @@ CASES = {
 
 
 def collect(rounds, objective="ibpo", extra=()):
-    from ibpo.scoring import collect_batch
+    from ibpo.step import collect_batch
 
     cfg = load_config(None, [f"rollout.group_size={G}", "train.prompts_per_step=2",
                              f"objective.name={objective}", *extra])  # fmt: skip
@@ -133,8 +133,7 @@ def test_update_stages_read_no_device_value(case):
     cancellation diagnostic, the statistics stack and the step's metrics, on the device batch."""
     from ibpo.batching import micro_batches
     from ibpo.diagnostics import cancellation_residual
-    from ibpo.trainer import step_metrics
-    from ibpo.update import UpdateResult, global_normaliser, stack_stats
+    from ibpo.step import UpdateResult, global_normaliser, stack_stats, step_metrics
 
     class OneProcess:
         num_processes = 1

@@ -98,7 +98,8 @@ class _Tok:
 
 def _fake_rounds(monkeypatch, reward_rows):
     """Each round returns the next list of group reward rows (one row per requested prompt)."""
-    import ibpo.scoring as scoring
+    import ibpo.step as step
+    from ibpo.step import Round
 
     rows = iter(reward_rows)
 
@@ -110,9 +111,9 @@ def _fake_rounds(monkeypatch, reward_rows):
 
         ro = Rollout(torch.ones(n * g, 5, dtype=torch.long), torch.ones(n * g, 5, dtype=torch.long),
                      mask, 2, ["x"] * (n * g), torch.zeros(n * g, dtype=torch.bool))  # fmt: skip
-        return ro, r, r, None, {"generated_tokens": float(n * g * 3)}
+        return Round(ro, r, r, None, {"generated_tokens": float(n * g * 3)})
 
-    monkeypatch.setattr(scoring, "_score_round", fake_round)
+    monkeypatch.setattr(step, "score_round", fake_round)
 
 
 def _cfg(dynamic, rounds, B=3):
@@ -125,7 +126,7 @@ def _cfg(dynamic, rounds, B=3):
 
 def _collect(cfg):
     from ibpo.objectives import resolve_params
-    from ibpo.scoring import collect_batch
+    from ibpo.step import collect_batch
 
     stream = _Stream()
     b = collect_batch(None, _Tok(), stream, cfg, resolve_params(cfg.objective), None,
@@ -181,8 +182,9 @@ def test_overlong_penalty_is_zero_before_the_buffer_then_linear_to_the_maximum()
 
 def _lengths_round(monkeypatch, rewards, lengths, width=16):
     """One round of `collect_batch` whose completions have the given lengths (tokens)."""
-    import ibpo.scoring as scoring
+    import ibpo.step as step
     from ibpo.rollout import Rollout
+    from ibpo.step import Round
 
     def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng):
         r = torch.tensor(rewards[: len(examples)], dtype=torch.float32)
@@ -191,9 +193,9 @@ def _lengths_round(monkeypatch, rewards, lengths, width=16):
         ids = torch.ones(n, 5 + width, dtype=torch.long)
         none = torch.zeros(n, dtype=torch.bool)
         ro = Rollout(ids, torch.ones_like(ids), mask, 5, ["x"] * n, none)
-        return ro, r, r, None, {"generated_tokens": float(mask.sum())}
+        return Round(ro, r, r, None, {"generated_tokens": float(mask.sum())})
 
-    monkeypatch.setattr(scoring, "_score_round", fake_round)
+    monkeypatch.setattr(step, "score_round", fake_round)
 
 
 @pytest.mark.parametrize("objective", ["dapo", "dfpo"])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ibpo.benchmarks import BENCHMARKS, decode_lcb_tests, lcb_files, load_problems
 from ibpo.config import ConfigError
-from ibpo.eval_cli import markdown_row
-from ibpo.evaluation import (
+from ibpo.evaluation.benchmarks import BENCHMARKS, decode_lcb_tests, lcb_files, load_problems
+from ibpo.evaluation.cli import markdown_row
+from ibpo.evaluation.evaluate import (
     append_samples,
     majority_correct,
     pass_at_k,
@@ -89,8 +89,8 @@ def test_majority_vote_groups_answers_the_grader_calls_equal():
 def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answer(tmp_path):
     """Templates that open <think> in the prompt leave "</think>" alone in the completion: one cut
     off mid-thought must not be graded on a draft answer inside its thinking."""
-    from ibpo.benchmarks import Problem
-    from ibpo.evaluation import run_benchmark
+    from ibpo.evaluation.benchmarks import Problem
+    from ibpo.evaluation.evaluate import run_benchmark
     from ibpo.rewards.math import as_graded, extract_answer, math_reward
 
     class OpensThinking:  # a chat template ending in an open think block
@@ -389,7 +389,7 @@ def test_adapter_is_applied_on_a_4bit_base(smollm2_dir, run_script, cached_loade
 def test_missing_vllm_is_a_clear_error(tmp_path, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed")
-    from ibpo.eval_cli import main
+    from ibpo.evaluation.cli import main
 
     args = ["--data", fixture("gsm8k"), "--backend", "vllm", "--output-dir", str(tmp_path)]
     assert main(args, benchmark="gsm8k") == 2

@@ -17,7 +17,7 @@ member (Harness), so that each run reaches the paths it is about:
 * scripts/eval_gsm8k.py on the saved adapter (4-bit base, the local GSM8K fixture rows).
 
 Memory: each phase's torch.cuda.max_memory_allocated (generation, repair, training, evaluation)
-is recorded beside the planner's estimate for it (ibpo.plan.estimate), in the JSON file named by
+is recorded beside the planner's estimate for it (ibpo.plan.fit.estimate), in the JSON file named by
 IBPO_GPU_REPORT when that is set. The one memory assertion is loose: a phase's peak above what was
 allocated before the run is at most 1.5 x the plan + 64 MiB. The plan of this tiny model is a few
 MiB, so the bound catches an allocation the planner does not know of (full [N, L, V] logits, a
@@ -41,14 +41,13 @@ import torch
 from safetensors.torch import load_file
 
 import ibpo.modeling as modeling
-import ibpo.scoring as scoring
+import ibpo.step as step_mod
 import ibpo.trainer as trainer_mod
-import ibpo.update as update_mod
-from ibpo import checkpoint as ckpt
-from ibpo import plan
 from ibpo.config import load_config
 from ibpo.logprobs import unwrap
+from ibpo.plan import fit as plan
 from ibpo.rewards import REWARDS
+from ibpo.run import checkpoint as ckpt
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
@@ -114,14 +113,14 @@ class Harness:
         self.offload: list[bool] = []
         monkeypatch.setitem(REWARDS, REWARD, self.reward)
         _wrap(monkeypatch, trainer_mod, "rl_step", self._rl_step)
-        _wrap(monkeypatch, scoring, "_score_round", self._score_round)
-        _wrap(monkeypatch, trainer_mod, "hf_generator", self._generator)
-        _wrap(monkeypatch, scoring, "run_repairs", lambda real: self._labelled("repair", real))
+        _wrap(monkeypatch, step_mod, "score_round", self._score_round)
+        _wrap(monkeypatch, step_mod, "hf_generator", self._generator)
+        _wrap(monkeypatch, step_mod, "run_repairs", lambda real: self._labelled("repair", real))
         _wrap(monkeypatch, trainer_mod, "evaluate_accuracy",
               lambda real: self._labelled("evaluation", real))  # fmt: skip
-        _wrap(monkeypatch, trainer_mod, "update_policy",
+        _wrap(monkeypatch, step_mod, "update_policy",
               lambda real: lambda *a, **k: self.measure("training", real, *a, **k))  # fmt: skip
-        _wrap(monkeypatch, update_mod, "offloaded_activations", self._offload)
+        _wrap(monkeypatch, step_mod, "offloaded_activations", self._offload)
 
     # rewards
     def reward(self, text: str, answer: str) -> float:
@@ -129,19 +128,19 @@ class Harness:
         rule = self.script.get(self.step) if self.in_step else None
         if rule is None:
             return parity(text)
-        if k < self.rollout_calls:  # _score_round grades the rollouts first, in order
+        if k < self.rollout_calls:  # score_round grades the rollouts first, in order
             return float(rule(self.round, k // G, k % G))
         return float((k - self.rollout_calls) % 2 == 0)
 
     def _rl_step(self, real):
-        def step(model, tokenizer, optimizer, *args, **kwargs):
+        def step(parts, *args, **kwargs):
             self.step, self.round, self.in_step = self.step + 1, 0, True
-            self.facts.setdefault("model", model_facts(model))
+            self.facts.setdefault("model", model_facts(parts.model))
             try:
-                return real(model, tokenizer, optimizer, *args, **kwargs)
+                return real(parts, *args, **kwargs)
             finally:
                 self.in_step = False
-                self.facts["optimizer"] = optimizer_facts(optimizer)
+                self.facts["optimizer"] = optimizer_facts(parts.optimizer)
 
         return step
 

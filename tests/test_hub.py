@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ibpo import hub
 from ibpo.cli import main as cli_main
-from ibpo.hub import HubError, build_model_card, check_repo_id, prepare_upload, push
+from ibpo.hub import push as hub
+from ibpo.hub.card import license_for
+from ibpo.hub.push import HubError, build_model_card, check_repo_id, prepare_upload, push
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 FAKE_TOKEN = "hf_" + "FakeTokenForTests" * 2  # the shape of a real token, 37 characters
@@ -29,7 +30,7 @@ def run(tiny_model_dir, tmp_path_factory):
     """A finished run's output_dir (adapter, checkpoints, records, a plot, an evaluation)."""
     import ibpo.trainer as trainer
     from ibpo.config import load_config
-    from ibpo.eval_cli import main as eval_main
+    from ibpo.evaluation.cli import main as eval_main
 
     out = tmp_path_factory.mktemp("hub") / "run"
     cfg = load_config(None, [
@@ -157,12 +158,13 @@ def test_good_repo_ids_pass():
 
 
 def test_card_parses_and_reports_the_run(run):
-    from ibpo.eval_cli import markdown_row
+    from ibpo.evaluation.cli import markdown_row
 
     card = build_model_card(run, "alice/tiny-ibpo")
     data = _card_data(card)
     assert data.library_name == "peft" and data.pipeline_tag == "text-generation"
     assert data.base_model is None and data.license == "other"  # a local base folder
+    assert "base_model" not in data.to_dict() and "names no `base_model`" in card
     assert {"ibpo", "lora", "peft", "reinforcement-learning"} <= set(data.tags)
     assert "qlora" not in data.tags  # model.quantization=none
     assert "set it to the base model's license" in card
@@ -187,6 +189,85 @@ def test_card_parses_and_reports_the_run(run):
     assert 'PeftModel.from_pretrained(base, "alice/tiny-ibpo")' in card
     assert "lora_r: 16" in card and "reward: alternating" in card  # the recipe
     assert all(f"](plots/{p.name})" in card for p in run.glob("plots/*.png"))
+
+
+def test_model_index_holds_the_adapters_evaluation(run, tmp_path, monkeypatch):
+    """The written README.md parses back with huggingface_hub, model-index and all; the card is
+    never sent to the Hub's validator (it needs the network)."""
+    from huggingface_hub import ModelCard, metadata_load
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ModelCard.validate posts the card to the Hub")
+
+    monkeypatch.setattr(ModelCard, "validate", refuse)
+    staged = prepare_upload(run, "alice/tiny-ibpo", tmp_path / "stage")
+    card = ModelCard.load(staged / "README.md")
+    assert "model-index" in metadata_load(staged / "README.md")
+    assert card.data.model_name == "tiny-ibpo"
+    s = json.loads((run / "eval" / "gsm8k" / "summary.json").read_text())
+    got = {r.metric_type: r for r in card.data.eval_results}
+    assert {k: r.metric_value for k, r in got.items()} == {
+        "accuracy": s["avg@2"], "pass@1": s["pass@1"], "pass@2": s["pass@2"], "maj@2": s["maj@2"],
+    }  # fmt: skip
+    for r in got.values():
+        assert r.task_type == "text-generation" and r.dataset_type == "gsm8k"  # --data: local
+        assert r.dataset_name == "gsm8k (gsm8k.jsonl, local)" and r.dataset_split is None
+        assert r.metric_name.endswith("(2 problems, T=0.6, 4 new tokens)")
+    assert got["accuracy"].metric_name.startswith("avg@2 ")
+    assert "/" not in str(card.data.to_dict()["model-index"])  # no local path
+
+
+def _eval_copy(run: Path, dest: Path, **changes) -> None:
+    dest.mkdir(parents=True)
+    s = json.loads((run / "eval" / "gsm8k" / "summary.json").read_text())
+    (dest / "summary.json").write_text(json.dumps({**s, **changes}))
+
+
+def test_model_index_names_hub_benchmarks_and_leaves_out_the_base_alone(run, tmp_path):
+    from ibpo.evaluation.benchmarks import BENCHMARKS
+
+    out = _copy(run, tmp_path)
+    shutil.rmtree(out / "eval")
+    hub_data = {"data": BENCHMARKS["gsm8k"].dataset, "revision": "a" * 40, "problems": 1319}
+    scores = {"avg@2": 0.25, "pass@1": 0.25, "pass@2": 0.5, "maj@2": 0.5}
+    _eval_copy(run, out / "eval" / "hub", **hub_data, **scores)
+    base = {"adapter": None, "avg@2": 0.75, "pass@1": 0.75, "pass@2": 1.0, "maj@2": 1.0}
+    _eval_copy(run, out / "eval" / "base", **hub_data, **base)
+    card = build_model_card(out, "alice/x")
+    assert "| gsm8k | tiny-qwen30 | - | 2 | 0.750 |" in card  # the base's row is in the table
+    results = _card_data(card).eval_results
+    assert {r.metric_type: r.metric_value for r in results} == {
+        "accuracy": 0.25, "pass@1": 0.25, "pass@2": 0.5, "maj@2": 0.5,
+    }  # fmt: skip
+    r = results[0]
+    where = (r.dataset_type, r.dataset_name, r.dataset_config, r.dataset_split, r.dataset_revision)
+    assert where == ("openai/gsm8k", "gsm8k", "main", "test", "a" * 40)
+    assert r.metric_name == "avg@2 (1319 problems, T=0.6, 4 new tokens)"
+
+    shutil.rmtree(out / "eval" / "hub")  # only the base model evaluated: no model-index
+    card = build_model_card(out, "alice/x")
+    assert "## Evaluation" in card and "model-index" not in card.split("\n---\n")[0]
+    assert _card_data(card).eval_results is None
+
+
+def test_base_model_override_is_a_hub_id(run, tmp_path):
+    card = build_model_card(run, "alice/x", base_model="Qwen/Qwen3-0.6B")
+    data = _card_data(card)
+    assert data.base_model == "Qwen/Qwen3-0.6B" and data.license == "apache-2.0"
+    assert "names no `base_model`" not in card and "A LoRA adapter for `Qwen/Qwen3-0.6B`" in card
+    with pytest.raises(HubError, match="--base-model"):  # a path would be published as is
+        prepare_upload(run, "alice/x", tmp_path / "stage", base_model="/home/alice/qwen3")
+
+
+def test_a_local_bases_license_comes_from_its_card(tmp_path):
+    base = tmp_path / "my-base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: mit\ntags: [x]\n---\n# base\n")
+    assert license_for(None, str(base)) == "mit"
+    (base / "README.md").write_text("---\n- not a mapping\n---\n")
+    assert license_for(None, str(base)) is None
+    (base / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    assert license_for(None, str(base)) is None
 
 
 def test_card_reports_evaluations_given_explicitly(run, tmp_path):

@@ -13,7 +13,8 @@ from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
 from ibpo.rollout import generate
-from ibpo.trainer import build_optimizer, rl_step
+from ibpo.step import StepParts, rl_step
+from ibpo.trainer import build_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +34,9 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     stream = PromptStream(builtin_examples("arithmetic", "train"), seed=0, shuffle=False)
-    rng = random.Random(0)
+    parts = StepParts(model, opt, sched, stream, random.Random(0))
     for _ in range(2):
-        m = rl_step(model, tok, opt, sched, acc, stream, cfg, resolve_params(cfg.objective), rng)
+        m = rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective))
         assert 0.0 <= m["reward"] <= 1.0 and m["completion_length"] > 0
         # the embedded model repairs some of its wrong answers: IBPO's counterfactuals ran
         assert m["repairs"] > 0 and 0.0 <= m["repair_success_rate"] <= 1.0

@@ -316,7 +316,7 @@ def test_offload_activations_needs_checkpointing():
 
 def _peak_bytes(fn):
     """(fn's result, peak live tensor bytes while it ran) on the CPU."""
-    from ibpo.memtrack import LiveTensorBytes
+    from scripts.memtrack import LiveTensorBytes
 
     with LiveTensorBytes() as live:
         out = fn()

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ibpo import phases, plan, sizes
+from ibpo import sizes
 from ibpo.cli import main
 from ibpo.config import ConfigError, load_config
-from ibpo.memtrack import LiveTensorBytes
+from ibpo.plan import fit as plan
+from ibpo.plan import phases
+from scripts.memtrack import LiveTensorBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ibpo import plan
 from ibpo.cli import main
 from ibpo.config import load_config
+from ibpo.plan import fit as plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))

@@ -220,7 +220,7 @@ def test_repair_config_errors_name_the_key(override, message):
 def test_repairs_default_on_for_ibpo_only():
     from ibpo.config import load_config
     from ibpo.objectives import resolve_params
-    from ibpo.scoring import repairs_enabled
+    from ibpo.step import repairs_enabled
 
     for name, expected in [("ibpo", True), ("dfpo", False), ("grpo", False)]:
         cfg = load_config(None, [f"objective.name={name}"])

@@ -8,7 +8,7 @@ import random
 import pytest
 from matplotlib.image import imread
 
-from ibpo import report
+from ibpo.run import report
 
 ALL_PANELS = [
     "training reward",

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import ibpo.trainer as trainer_mod
-from ibpo import checkpoint as ckpt
-from ibpo import failures
 from ibpo.config import ConfigError, load_config
 from ibpo.rewards import REWARDS
+from ibpo.run import checkpoint as ckpt
+from ibpo.run import failures
 from ibpo.trainer import train
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 

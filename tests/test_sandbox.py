@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ibpo import sandbox
-from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests
-from ibpo.sandbox_verdict import stdout_matches
+from ibpo.sandbox import run as sandbox
+from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox.verdict import stdout_matches
 
 FAST = Limits(time_s=0.5)  # wall-clock limit 2 s
 NAMESPACES = isolation_mode() == "namespaces"
@@ -231,7 +231,7 @@ def test_sandboxes_die_with_their_parent(tmp_path):
 
     before = marked()
     script = (
-        "from ibpo.sandbox import Limits, TestCase, run_tests\n"
+        "from ibpo.sandbox.run import Limits, TestCase, run_tests\n"
         "r = run_tests('import time\\ntime.sleep(60)', [TestCase('script')] * 2,\n"
         "              Limits(time_s=30))\n"
         "print(r)"  # reached only if the sandboxes ended by themselves: says why

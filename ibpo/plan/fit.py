@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ibpo.config import Config, ConfigError
-from ibpo.phases import dtype_bytes, offloaded_bytes, phase_bytes
+from ibpo.plan.phases import dtype_bytes, offloaded_bytes, phase_bytes
 from ibpo.sizes import GIB, ModelShape, load_model_shape, lora_parameter_count
 
 # CUDA context, cuBLAS workspaces and loaded kernels sit outside torch's allocator: ~0.5 GiB for

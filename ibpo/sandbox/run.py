@@ -29,12 +29,13 @@ Cost: about 35 ms of CPU per test (interpreter start ~20 ms; unshare, ctypes, mo
 Limits: the sandbox protects the machine, not the grade from a program written to forge it
 (the result channel is written from inside the same interpreter as the tested code).
 
-Not here: judging a finished test's output (sandbox_verdict.py), grading policy and test specs
+Not here: judging a finished test's output (verdict.py), grading policy and test specs
 (rewards/code.py), languages other than Python.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import marshal
 import math
@@ -55,7 +56,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from ibpo.sandbox_verdict import classify
+from ibpo.sandbox.child import FUNCTIONS
+from ibpo.sandbox.verdict import classify
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +251,6 @@ def _command(mode: str) -> list[str]:
 
 @cache
 def _child_source() -> str:
-    import inspect
-
-    from ibpo.sandbox_child import FUNCTIONS
-
     return "\n".join(inspect.getsource(f) for f in FUNCTIONS) + "\n_child_main()\n"
 
 

@@ -4,7 +4,7 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
 * `GracefulStop`: SIGINT / SIGTERM finish the current step, then the run saves and ends.
 * `is_oom` and the `*_message` helpers: the advice the trainer prints and writes to summary.json.
 
-Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (trainer.py).
+Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (ibpo/trainer.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ibpo.checkpoint import TrainerState
 from ibpo.config import Config
+from ibpo.run.checkpoint import TrainerState
 
 
 class GracefulStop:

@@ -1,13 +1,18 @@
 """The model card of a trained adapter, and what a run left behind that it describes.
 
 `locate` finds the adapter under a run's output_dir (or takes an adapter folder such as a
-checkpoint's), `build_model_card` writes the Hub README.md: YAML front matter (base_model,
-library_name: peft, license, tags, datasets) as the Hub's model-card metadata defines it, then
-what the adapter is, the objective and its paper, the recipe (credential-like keys dropped by
-`scrub`), training metrics, ibpo evaluation results found under `<output_dir>/eval*/` or given
-explicitly, and a usage snippet. Also the repo-id rule (`check_repo_id`) and `HubError`.
+checkpoint's). `build_model_card` writes the Hub README.md with huggingface_hub's `ModelCard`:
+its front matter is a `ModelCardData` (base_model, library_name: peft, license, pipeline_tag, tags,
+datasets, and the adapter's `ibpo eval` results as `model-index` EvalResults, which the Hub shows
+as evaluation results), dumped, parsed back and checked by huggingface_hub. The body says what the
+adapter is, the objective and its paper, the recipe (credential-like keys dropped and absolute
+local paths hidden by `scrub`), training metrics, the evaluation table (results found under
+`<output_dir>/eval*/` or given explicitly) and a usage snippet. Also the repo-id rule
+(`check_repo_id`) and `HubError`.
 
-Not here: staging the upload and talking to the Hub (hub.py).
+Not here: staging the upload and talking to the Hub (push.py). The card is never sent to the Hub's
+validator (`ModelCard.validate` needs the network), and the held-out accuracy the trainer measures
+(a training check) is in the body only, not in model-index.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from pathlib import Path
 
 import yaml
 
-from ibpo.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.config import ConfigError
 from ibpo.embedded import EMBEDDED_NAME
+from ibpo.evaluation.benchmarks import BENCHMARKS
+from ibpo.evaluation.cli import markdown_row
+from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded copy was made from
 # Base model licenses we have checked, by Hub id prefix; anything else is 'other' until the user
@@ -147,6 +154,11 @@ def _is_hub_id(name: str | None) -> bool:
 
 def base_model_id(model_name: str | None, override: str | None = None) -> str | None:
     if override:
+        if not _REPO_ID.fullmatch(override):  # a path would land in the card and adapter config
+            raise HubError(
+                f"--base-model {override!r} is not a Hub model id. Fix: the Hub id the local base "
+                "was copied from, e.g. --base-model Qwen/Qwen3-1.7B"
+            )
         return override
     if model_name == EMBEDDED_NAME:
         return EMBEDDED_HUB_ID
@@ -155,31 +167,17 @@ def base_model_id(model_name: str | None, override: str | None = None) -> str | 
 
 def license_for(base_id: str | None, model_name: str | None) -> str | None:
     """The base's license from a local base folder's card, else the table; None when unknown."""
+    from huggingface_hub import metadata_load
+
     card = Path(model_name or "") / "README.md"
     if model_name and card.is_file():
-        front = card.read_text(errors="replace").split("---")
-        meta = yaml.safe_load(front[1]) if len(front) > 2 else None
-        if isinstance(meta, dict) and isinstance(meta.get("license"), str):
-            return meta["license"]
+        try:
+            found = (metadata_load(card) or {}).get("license")
+        except (ValueError, yaml.YAMLError):  # a card whose front matter is not a mapping
+            found = None
+        if isinstance(found, str):
+            return found
     return next((lic for prefix, lic in LICENSES if (base_id or "").startswith(prefix)), None)
-
-
-def _metadata(cfg: dict, base_id: str | None, license: str | None) -> str:
-    from huggingface_hub import ModelCardData
-
-    data, objective = cfg.get("data", {}), cfg.get("objective", {}).get("name", "ibpo")
-    datasets = [d for d in (data.get("dataset"), data.get("eval_dataset")) if _is_hub_id(d)]
-    tags = ["ibpo", objective, "lora", "peft", "reinforcement-learning"]
-    if cfg.get("model", {}).get("quantization") == "nf4":
-        tags.insert(3, "qlora")
-    if base_id:
-        tags.append(f"base_model:adapter:{base_id}")
-    card_data = ModelCardData(
-        base_model=base_id, library_name="peft", license=license or "other",
-        pipeline_tag="text-generation", tags=list(dict.fromkeys(tags)),
-        datasets=list(dict.fromkeys(datasets)) or None,
-    )  # fmt: skip
-    return card_data.to_yaml().rstrip("\n") + "\n"
 
 
 def _fmt(v, digits: int = 3) -> str:
@@ -233,27 +231,77 @@ def find_eval_results(output_dir: Path, eval_dirs=()) -> list[Path]:
     return sorted({p.parent for p in found})
 
 
-def _eval_section(folders: list[Path]) -> str:
-    from ibpo.eval_cli import markdown_row
+def _eval_results(s: dict) -> list:
+    """One `ibpo eval` summary as model-index entries: avg@n as accuracy, every pass@k, maj@n.
+    The dataset is the benchmark's Hub id (with its config, split and revision), or for a local
+    --data file the benchmark's name and the file's name, never its path. The metric's name says
+    how many problems and how it sampled (a --limit run is not the whole benchmark)."""
+    from huggingface_hub import EvalResult
 
-    rows = []
+    n, name, bench = s["n"], s["benchmark"], BENCHMARKS.get(s["benchmark"])
+    if bench is not None and s.get("data") == bench.dataset:
+        where = dict(dataset_type=bench.dataset, dataset_name=name, dataset_split=bench.split)
+        config = s.get("subset") or (bench.subsets[0] if len(bench.subsets) == 1 else None)
+        where.update(dataset_config=config, dataset_revision=s.get("revision"))
+    else:
+        where = dict(dataset_type=name, dataset_name=f"{name} ({Path(s['data']).name}, local)")
+    setting = f"{s['problems']} problems, T={s['temperature']}, {s['max_new_tokens']} new tokens"
+    if s.get("start_date") or s.get("end_date"):
+        setting += f", contests {s.get('start_date') or '...'} to {s.get('end_date') or '...'}"
+    keys = {f"avg@{n}": "accuracy", **{k: k for k in s if k.startswith("pass@")}, f"maj@{n}": None}
+    return [
+        EvalResult(
+            "text-generation",
+            **where,
+            metric_type=kind or key,
+            metric_value=s[key],
+            metric_name=f"{key} ({setting})",
+        )
+        for key, kind in keys.items()
+        if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])
+    ]
+
+
+def _evaluations(folders: list[Path]) -> tuple[str, list]:
+    """The card's evaluation table (every row found) and the adapter's rows as EvalResults (not
+    the base model's alone, adapter '-': those are not this model's results)."""
+
+    rows, results = [], []
     for folder in folders:
         s = _read_json(folder / "summary.json")
         try:
-            rows.append(markdown_row(s, header=not rows).rstrip("\n"))
+            row = markdown_row(s, header=not rows).rstrip("\n")
+            results += _eval_results(s) if s["adapter"] else []
+            rows.append(row)
         except (KeyError, TypeError, ValueError):  # not an evaluation summary: its markdown row
             md = folder / "results.md"
             lines = md.read_text().splitlines() if md.is_file() else []
             rows += [ln for ln in lines[(2 if rows else 0) :] if ln.startswith("|")]
     if not rows:
-        return ""
-    note = "By ibpo's evaluation scripts (`ibpo eval`); adapter '-' is the base model alone."
-    return "\n".join(["## Evaluation", "", note, "", *rows, "", ""])
+        return "", []
+    note = "By ibpo's evaluation scripts (`ibpo eval`); adapter '-' is the base model alone. "
+    note += "The adapter's rows are also the card's `model-index` metadata."
+    return "\n".join(["## Evaluation", "", note, "", *rows, "", ""]), results
 
 
-CARD = """---
-{metadata}---
+def _card_data(cfg: dict, base_id: str | None, license, title: str, results: list):
+    from huggingface_hub import ModelCardData
 
+    data, objective = cfg.get("data", {}), cfg.get("objective", {}).get("name", "ibpo")
+    datasets = [d for d in (data.get("dataset"), data.get("eval_dataset")) if _is_hub_id(d)]
+    tags = ["ibpo", objective, "lora", "peft", "reinforcement-learning"]
+    if cfg.get("model", {}).get("quantization") == "nf4":
+        tags.insert(3, "qlora")
+    if base_id:
+        tags.append(f"base_model:adapter:{base_id}")
+    return ModelCardData(
+        base_model=base_id, library_name="peft", license=license or "other",
+        pipeline_tag="text-generation", tags=tags, datasets=list(dict.fromkeys(datasets)) or None,
+        model_name=title, eval_results=results or None,
+    )  # fmt: skip
+
+
+CARD = """
 # {title}
 
 {intro}
@@ -316,7 +364,10 @@ def _intro(name: str | None, base_id: str | None, override, cfg: dict, license, 
             f"(`--model {EMBEDDED_NAME}` in ibpo uses the same copy)."
         )
     elif base_id is None:
-        lines.append(f"The base was a local folder (`{name}`) whose Hub id is not known.")
+        lines.append(
+            f"The base was a local folder (`{name}`) whose Hub id is not known, so the card's "
+            "metadata names no `base_model` (`ibpo push --base-model <Hub id>` sets it)."
+        )
     if license is None:
         lines.append("**License:** ibpo does not know the base model's license, so this card says "
                      "`other`: set it to the base model's license before sharing.")  # fmt: skip
@@ -326,7 +377,9 @@ def _intro(name: str | None, base_id: str | None, override, cfg: dict, license, 
 
 
 def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: str | None = None):
-    """README.md for the Hub repo: YAML front matter, what the adapter is, how it was made."""
+    """README.md for the Hub repo: front matter, what the adapter is, how it was made."""
+    from huggingface_hub import ModelCard
+
     check_repo_id(repo_id)
     loc = locate(output_dir)
     files = run_files(loc)
@@ -339,15 +392,19 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     license = license_for(base_id, name)
     metrics = _read_metrics(files.get("metrics.jsonl"))
     training = _training_lines(summary, metrics, loc["step"])
-    training += [f"![{p.stem}](plots/{p.name})" for p in plot_files(loc)]
-    reward = cfg.get("objective", {}).get("reward", "math")
-    return CARD.format(
-        metadata=_metadata(cfg, base_id, license), title=repo_id.split("/")[1],
-        intro=_intro(name, base_id, base_model, cfg, license, loc["step"]), citation=CITATION,
-        training="\n".join(training),
-        evaluation=_eval_section(find_eval_results(loc["run"] or loc["adapter"], eval_dirs)),
+    plots = [f"![{p.stem}](plots/{p.name})" for p in plot_files(loc)]
+    training += [*plots, ""] if plots else []
+    evaluation, results = _evaluations(find_eval_results(loc["run"] or loc["adapter"], eval_dirs))
+    reward, title = cfg.get("objective", {}).get("reward", "math"), repo_id.split("/")[1]
+    body = CARD.format(
+        title=title, intro=_intro(name, base_id, base_model, cfg, license, loc["step"]),
+        citation=CITATION, training="\n".join(training), evaluation=evaluation,
         base=base_id or "<base model>", repo_id=repo_id,
         eval_model=name if name == EMBEDDED_NAME or not base_id else base_id,
         benchmark="humaneval" if reward == "code" else "math500",
         recipe=RECIPE.format(config=yaml.safe_dump(cfg, sort_keys=False)) if cfg else "",
     )  # fmt: skip
+    # ModelCard parses the front matter back (ModelCardData checks the model-index) and writes it.
+    # card.validate() is never called: it posts the card to the Hub.
+    card_data = _card_data(cfg, base_id, license, title, results)
+    return str(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}"))

@@ -17,8 +17,9 @@ import json
 import shutil
 from pathlib import Path
 
-from ibpo.checkpoint import CHECKPOINTS, Resumable, latest_checkpoint
-from ibpo.config import ConfigError
+from ibpo.config import Config, ConfigError, from_dict
+from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
+from ibpo.step import StepParts
 
 # what a run leaves in its output_dir besides config.yaml and metrics.jsonl (rewritten anyway)
 RUN_OUTPUTS = (CHECKPOINTS, "adapter", "summary.json", "plots")
@@ -85,13 +86,19 @@ _RESUMABLE_CHANGES = {
 }  # fmt: skip
 
 
-def resume_changes(checkpoint: Path, config: dict) -> list[str]:
+def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
     """'section.key: old -> new' for settings that differ from the checkpoint's run and change
-    what a step computes (checkpoints written before config.json existed: none known)."""
+    what a step computes, both resolved (a checkpoint keeps its recipe's nulls, which inherit;
+    checkpoints written before config.json existed: none known)."""
     saved = Path(checkpoint) / "config.json"
     if not saved.is_file():
         return []
     old = json.loads(saved.read_text())
+    try:  # resolved as the run resolved it (an older version's settings may no longer load)
+        old = from_dict(old, str(saved)).to_dict()
+    except ConfigError:
+        pass
+    config = cfg.to_dict()
     return [
         f"{section}.{key}: {old[section][key]!r} -> {value!r}"
         for section, values in config.items() if isinstance(values, dict)
@@ -101,7 +108,7 @@ def resume_changes(checkpoint: Path, config: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def apply_optimizer_settings(parts: Resumable, lr: float, weight_decay: float) -> list[str]:
+def apply_optimizer_settings(parts: StepParts, lr: float, weight_decay: float) -> list[str]:
     """After loading: the configured learning rate and weight decay replace the checkpoint's
     (its optimizer and scheduler state carry the old ones); -> what changed."""
     sched, changed = getattr(parts.scheduler, "scheduler", parts.scheduler), []  # Accelerate's

@@ -3,8 +3,8 @@
 Two entry points:
 * `evaluate_accuracy`: greedy held-out accuracy used by the trainer before and after a run
   (deterministic; with several processes each evaluates its shard and the counts are summed).
-* `run_benchmark` (driven by eval_cli.py's `main`, the eval scripts' entry point): one
-  benchmark (ibpo/benchmarks.py) for a base model with an optional LoRA adapter, n samples per
+* `run_benchmark` (driven by evaluation/cli.py's `main`, the eval scripts' entry point): one
+  benchmark (benchmarks.py) for a base model with an optional LoRA adapter, n samples per
   problem. Every graded sample is appended to <output-dir>/samples.jsonl as soon as
   its batch finishes, so a killed run resumes where it stopped (a half-written last line is
   dropped; the rest is drawn afresh from --seed, so it differs from an uninterrupted run's
@@ -33,7 +33,7 @@ import torch
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_prompt
-from ibpo.rewards.math import as_graded
+from ibpo.rewards.math import answers_match, as_graded
 from ibpo.rollout import Generator
 
 # (prompts) -> one (completion text, length in tokens, hit max_new_tokens) per prompt
@@ -94,7 +94,6 @@ def pass_ks(n: int) -> list[int]:
 def vote_clusters(answers: list[str | None]) -> list[int | None]:
     """For each extracted answer, the index of the first answer equal to it under the grader's
     comparison (`\\dfrac{1}{2}`, `0.5` and `1/2` vote together; None: no answer)."""
-    from ibpo.rewards.math import answers_match
 
     firsts: dict[str, int] = {}  # an answer's text without spaces -> its cluster
     heads: list[int] = []  # the first answer of each cluster, compared against

@@ -23,17 +23,17 @@ newest complete step-<N>. Only the newest `keep` checkpoints are kept.
 Several processes (DDP, FSDP): each writes its own process-<rank>.pt into the temporary folder (one
 file system shared by all processes is assumed, as Accelerate does); the main process writes the
 rest and renames. Under FSDP the adapter and the optimizer state are gathered whole first
-(distributed.py). Every process loads. A checkpoint resumes only with the number of processes that
-wrote it, since data shards and RNG streams are per process, and with FSDP only if it was written
-with FSDP (the optimizer state is keyed by parameter name there). Accelerate's save_state is not
-used: it would store the whole model (the frozen base too) and is not atomic.
+(ibpo/distributed.py). Every process loads. A checkpoint resumes only with the number of processes
+that wrote it, since data shards and RNG streams are per process, and with FSDP only if it was
+written with FSDP (the optimizer state is keyed by parameter name there). Accelerate's save_state
+is not used: it would store the whole model (the frozen base too) and is not atomic.
 
 Each checkpoint also records the run's configuration (config.json), which resuming compares
-(rundir.py). A save after resuming from an earlier step removes the later checkpoints of the
+(outdir.py). A save after resuming from an earlier step removes the later checkpoints of the
 abandoned history.
 
 Not here: the training loop (trainer.py); what a failure prints (failures.py); a fresh start or
-a resume with changed settings (rundir.py); gathering sharded state (distributed.py); uploading
+a resume with changed settings (outdir.py); gathering sharded state (ibpo/distributed.py); uploading
 to the Hub.
 """
 
@@ -48,13 +48,11 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from ibpo.config import ConfigError
-from ibpo.data import PromptStream
 from ibpo.distributed import (
     is_fsdp,
     load_adapter,
@@ -62,6 +60,7 @@ from ibpo.distributed import (
     optimizer_state,
     save_adapter,
 )
+from ibpo.step import StepParts
 
 CHECKPOINTS = "checkpoints"  # sub-folder of output_dir
 LATEST = "latest"  # pointer file: the folder name of the newest checkpoint
@@ -82,18 +81,6 @@ class TrainerState:
     def count_step(self, skipped: bool) -> None:
         self.nonfinite_total += int(skipped)
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
-
-
-@dataclass
-class Resumable:
-    """What a training step changes besides TrainerState (model, optimizer, scheduler prepared
-    by Accelerate; the process's data stream and the trainer's repair rng)."""
-
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    stream: PromptStream
-    rng: random.Random
 
 
 # --- finding checkpoints -------------------------------------------------------------------------
@@ -191,7 +178,7 @@ def _own_cuda_device(device: torch.device | None) -> int | None:
     return torch.cuda.current_device()
 
 
-def _process_state(parts: Resumable, device: torch.device | None = None) -> dict:
+def _process_state(parts: StepParts, device: torch.device | None = None) -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -229,7 +216,7 @@ def _prune(root: Path, keep: int, protect: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator, root: Path, parts: Resumable, state: TrainerState, metrics: Path | None,
+    accelerator, root: Path, parts: StepParts, state: TrainerState, metrics: Path | None,
     keep: int, config: dict | None = None,
 ) -> Path:  # fmt: skip
     """Write checkpoint step-<state.step> under `root` atomically; every process must call it.
@@ -311,7 +298,7 @@ def _cuda_rng_not_restored(why: str) -> None:
                   stacklevel=3)  # fmt: skip
 
 
-def _restore_process(state: dict, parts: Resumable, device: torch.device | None = None) -> None:
+def _restore_process(state: dict, parts: StepParts, device: torch.device | None = None) -> None:
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
@@ -321,7 +308,7 @@ def _restore_process(state: dict, parts: Resumable, device: torch.device | None 
     parts.stream.load_state_dict(state["stream"])
 
 
-def load_checkpoint(accelerator, path: Path, parts: Resumable) -> TrainerState:
+def load_checkpoint(accelerator, path: Path, parts: StepParts) -> TrainerState:
     """Restore everything `save_checkpoint` wrote (RNG last); every process must call it."""
     path = Path(path)
     meta = json.loads((path / "trainer_state.json").read_text())

@@ -2,7 +2,7 @@
 here, build a sampler (HF `generate`, or vLLM with the adapter as a LoRA request), run the
 benchmark (evaluation.run_benchmark) and write summary.json and results.md.
 
-Not here: metrics, the resumable sample file and the generation loop (evaluation.py), benchmark
+Not here: metrics, the resumable sample file and the generation loop (evaluate.py), benchmark
 schemas and prompts (benchmarks.py).
 """
 
@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 
 from ibpo.config import ConfigError
-from ibpo.evaluation import Sampler, check_run, run_benchmark, summarize
+from ibpo.embedded import EMBEDDED_NAME
+from ibpo.evaluation.benchmarks import BENCHMARKS, grader, load_problems
+from ibpo.evaluation.evaluate import Sampler, check_run, run_benchmark, summarize
+from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.rollout import generate
+from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
 
 def hf_sampler(args) -> tuple[Sampler, object]:
-    from ibpo.modeling import load_for_inference
 
     model, tok = load_for_inference(
         args.model, args.adapter, args.quantization, args.dtype, revision=args.model_revision
@@ -42,8 +45,6 @@ def hf_sampler(args) -> tuple[Sampler, object]:
 
 def vllm_sampler(args) -> tuple[Sampler, object]:
     """vLLM with the adapter as a LoRA request (never merged into a quantised base)."""
-    from ibpo.modeling import load_tokenizer, resolve_model_path
-    from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
     vllm, LoRARequest = import_vllm()
     path = resolve_model_path(args.model)
@@ -90,8 +91,6 @@ def default_output_dir(benchmark: str, model: str, adapter: str | None) -> Path:
 
 
 def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
-    from ibpo.benchmarks import BENCHMARKS
-    from ibpo.embedded import EMBEDDED_NAME
 
     p = argparse.ArgumentParser(
         prog=f"eval_{benchmark}.py" if benchmark else "ibpo-eval",
@@ -141,7 +140,6 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
 def evaluate(args) -> dict:
     """Run one benchmark from parsed arguments; -> the summary (also written to disk)."""
-    from ibpo.benchmarks import BENCHMARKS, grader, load_problems
 
     bench = BENCHMARKS[args.benchmark]
     grade, extract = grader(bench)

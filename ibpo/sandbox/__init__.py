@@ -1,0 +1,2 @@
+"""Running untrusted generated code against tests: the runner and its isolation (run), the program
+started inside each sandbox (child), turning what it reported into a verdict (verdict)."""

@@ -1,0 +1,502 @@
+"""One RL step, read top to bottom: `rl_step` and the stages it runs, in data-flow order.
+
+A step (B prompts per process, G completions each, N = B * G sequences, T completion tokens):
+  1. prompts: B from this process's shard of the stream;
+  2. rollout: G sampled completions per prompt (eval mode, KV cache, no grad), by the policy's
+     generate() or a vLLM engine;
+  3. rewards [B, G]: each completion graded by the grader evaluation uses;
+  4. (IBPO) repairs: each failed completion repaired locally given a sibling, the repairs
+     graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py). With
+     dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
+  5. advantages: group-centred (std-scaled when the objective says so), DAPO's length penalty
+     where on, broadcast to tokens [N, T] with the edit masks applied (advantages.py);
+  6. frozen log-probs: old (only when a rollout is reused, updates_per_rollout > 1) and
+     reference (only when kl_coef > 0 or the KL is logged: the same model, adapter disabled);
+  7. micro-batches of whole groups: log-probs with grad -> objective -> backward, each loss
+     divided by a normaliser from the whole step and all processes (objectives.py);
+  8. clip, then the optimizer and scheduler step, unless a loss or the gradient is not finite;
+  9. metrics, gathered over processes.
+Stages hand each other small dataclasses: `Round` (one generation round), `ScoredBatch` (what
+the update trains on), `UpdateResult` (what the update did).
+
+Device contract: a rollout's tensors stay on its device and it carries host copies of its
+tokens and lengths; rewards, phi, shaped rewards and edit masks are host (CPU) tensors;
+`assemble_batch` is the one place they move to the device. Update statistics stay on the device
+and are read once per update. No stage between rollout and loss reads a device value
+(tests/test_device_contract.py runs them on a stand-in device to hold them to it).
+
+With several processes (Accelerate DDP or FSDP2) each one generates, grades, repairs and
+normalises its own groups; every process runs as many forwards and backwards (DDP syncs buffers
+and FSDP gathers weights in each), a process with fewer micro-batches repeating its last one
+with zero weight. Under FSDP generation runs on gathered weights (distributed.gathered).
+
+Not here: the run around the step (trainer.py: output dir, resume, signals, evaluation,
+checkpoints, summary), the math (objectives, advantages, repair, diagnostics), model loading.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ibpo.advantages import (
+    flat_groups,
+    group_advantages,
+    overlong_penalty,
+    shape_rewards,
+    token_advantages,
+)
+from ibpo.batching import MicroBatch, micro_batches
+from ibpo.config import Config
+from ibpo.data import PromptStream, render_prompt
+from ibpo.diagnostics import cancellation_residual
+from ibpo.distributed import agreed_count, gather_metrics, gathered
+from ibpo.logprobs import completion_logprobs
+from ibpo.modeling import (
+    dequantized_base,
+    offloaded_activations,
+    reference_mode,
+    use_dequantized_base,
+)
+from ibpo.objectives import ResolvedObjective, aggregate, k3_kl, step_normaliser, token_weights
+from ibpo.repair import run_repairs
+from ibpo.rewards import REWARDS
+from ibpo.rewards.math import as_graded
+from ibpo.rollout import Generator, Rollout, concat_rollouts, hf_generator
+
+# --- what the stages hand each other ------------------------------------------------------------
+
+
+@dataclass
+class StepParts:
+    """What a step changes besides the run's counters: the policy, optimizer and scheduler
+    (prepared by Accelerate), this process's prompt stream and the repair planner's rng.
+    Checkpoints save and restore exactly these (run/checkpoint.py)."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    stream: PromptStream
+    rng: random.Random
+
+
+@dataclass
+class Round:
+    """One generation round: its rollout (on the device) and, on the host, rewards and shaped
+    rewards [B, G] and the edit masks [N, T] (None when repairs are off)."""
+
+    rollout: Rollout
+    rewards: Tensor
+    shaped: Tensor
+    edited: Tensor | None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def select(self, groups: list[int], group_size: int) -> Round:
+        rows = [b * group_size + i for b in groups for i in range(group_size)]
+        edited = None if self.edited is None else self.edited[rows]
+        return Round(self.rollout.select(rows), self.rewards[groups], self.shaped[groups], edited)
+
+
+@dataclass
+class ScoredBatch:
+    rollout: Rollout  # N = B' * G sequences (B' <= B with dynamic sampling)
+    rewards: Tensor  # [B', G] grader rewards
+    seq_adv: Tensor  # [N] sequence advantages (from shaped rewards)
+    adv: Tensor  # [N, T] token advantages (edit masks applied)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class UpdateResult:
+    """What one step's update did (update_policy), read from the device once."""
+
+    stats: dict[str, list[float]]  # per micro-batch: loss, entropy, kl, clip/gate fractions...
+    cancel: dict[str, float]  # the cancellation diagnostic's sums over micro-batches
+    grad_norm: float  # of the last update (before clipping)
+    updates: int  # optimizer updates attempted (updates_per_rollout, fewer when one was skipped)
+    skipped: bool  # an update was dropped because a loss or the gradient was not finite
+    time_frozen: float  # seconds spent on old/reference log-probs
+
+
+# --- the step ------------------------------------------------------------------------------------
+
+
+def rl_step(parts: StepParts, tokenizer, accelerator, cfg: Config, objective: ResolvedObjective,
+            engine=None) -> dict[str, float]:  # fmt: skip
+    """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
+    engine that generates (rollout.backend=vllm), else the policy does."""
+    model, device = parts.model, accelerator.device
+    t0 = time.perf_counter()
+    reset_peak_memory(device)
+    # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
+    # normalises the groups it generated
+    with generating(model, cfg, device, engine) as generator:
+        batch = collect_batch(generator, tokenizer, parts.stream, cfg, objective,
+                              REWARDS[cfg.objective.reward], parts.rng)  # fmt: skip
+    t_gen = time.perf_counter()
+    lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
+    # 6-8. frozen log-probs, micro-batched backward, optimizer step(s)
+    fast = use_dequantized_base(cfg.model, device, model)  # CPU: dequantise the base once
+    with dequantized_base(model) if fast else nullcontext():
+        upd = update_policy(model, parts.optimizer, parts.scheduler, accelerator, batch, cfg,
+                            objective)  # fmt: skip
+    t_end = time.perf_counter()
+    # 9. metrics
+    metrics = step_metrics(batch, upd, lr)
+    metrics.update(
+        time_rollout=t_gen - t0,
+        time_frozen_logprobs=upd.time_frozen,
+        time_update=t_end - t_gen - upd.time_frozen,
+        step_time=t_end - t0,
+        tokens_per_second=sum(batch.rollout.lengths) / (t_end - t0),
+        **memory_metrics(device),
+    )
+    return gather_metrics(accelerator, metrics)
+
+
+# --- 1-5. rollout, rewards, repairs, advantages -------------------------------------------------
+
+
+@contextmanager
+def generating(model, cfg: Config, device: torch.device, engine=None):
+    """A Generator (rollout.py) for one generation phase: the vLLM engine serving the current
+    adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on gathered
+    weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
+    if engine is not None:
+        with engine.serving(model) as generator:
+            yield generator
+        return
+    fast = use_dequantized_base(cfg.model, device, model)
+    with gathered(model):
+        with dequantized_base(model, merge_lora=True) if fast else nullcontext():
+            yield hf_generator(model)
+
+
+def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
+    return objective.counterfactual if cfg.repair.enabled is None else cfg.repair.enabled
+
+
+def collect_batch(
+    generator: Generator, tokenizer, stream: PromptStream, cfg: Config,
+    objective: ResolvedObjective, reward_fn, rng: random.Random,
+) -> ScoredBatch:  # fmt: skip
+    """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
+    batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
+    dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
+    rounds; if every group was dropped the last round is kept as is (zero advantages), so a step
+    never fails for lack of signal."""
+    G, B = cfg.rollout.group_size, cfg.train.prompts_per_step
+    repairing = repairs_enabled(cfg, objective)
+    kept: list[Round] = []
+    sampled: list[Tensor] = []
+    stats: dict[str, float] = {}
+    need, dropped, rounds = B, 0, 0
+    while True:
+        r = score_round(generator, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng)
+        _add(stats, r.stats)
+        sampled.append(r.rewards)
+        live = (~flat_groups(r.shaped)).tolist()
+        if cfg.rollout.dynamic_sampling:
+            groups = [b for b, ok in enumerate(live) if ok]
+        else:
+            groups = list(range(len(live)))
+        dropped += len(live) - len(groups)
+        last = r
+        if groups:
+            kept.append(r.select(groups, G))
+            need -= len(groups)
+        if need == 0 or rounds == cfg.rollout.max_resample_rounds:
+            break
+        rounds += 1
+    no_signal = not kept
+    if no_signal:  # nothing had signal: train on the last round as is (zero advantages)
+        kept = [last]
+    batch = assemble_batch(kept, objective, cfg.rollout.max_new_tokens,
+                           cfg.repair.unchanged_weight, tokenizer.pad_token_id,
+                           no_signal)  # fmt: skip
+    all_rewards = torch.cat(sampled)
+    stats.update(
+        sampled_reward=all_rewards.mean().item(),
+        sampled_accuracy=(all_rewards >= 1.0).float().mean().item(),
+        sampled_zero_variance_groups=flat_groups(all_rewards).float().mean().item(),
+        dropped_groups=float(dropped),
+        resample_rounds=float(rounds),
+    )
+    batch.stats.update(stats)
+    return batch
+
+
+def score_round(generator: Generator, tokenizer, examples, cfg: Config, repairing: bool,
+                reward_fn, rng: random.Random) -> Round:  # fmt: skip
+    """One round: generate G completions per example, grade them, and (IBPO) repair the failed
+    ones, which shapes the rewards and gives the edit masks."""
+    ro, G = cfg.rollout, cfg.rollout.group_size
+    t0 = time.perf_counter()
+    prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
+    rollout = generator(
+        tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
+        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+    )  # fmt: skip
+    t1 = time.perf_counter()
+    answers = [ex.answer for ex in examples]
+    flat = [reward_fn(as_graded(prompts[n // G], t), answers[n // G])
+            for n, t in enumerate(rollout.texts)]  # fmt: skip
+    rewards = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
+    stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
+    if not repairing:
+        return Round(rollout, rewards, rewards, None, stats)
+    rep = cfg.repair
+    gen = {
+        "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
+        "batch_size": rep.batch_size or ro.generation_batch_size,
+        "temperature": rep.temperature or ro.temperature,
+        "top_p": ro.top_p,
+        "top_k": ro.top_k,
+    }
+    out = run_repairs(generator, tokenizer, [ex.question for ex in examples], rollout, rewards,
+                      answers, reward_fn, rep, cfg.data, gen, rng)  # fmt: skip
+    shaped = shape_rewards(rewards, out.phi, rep.shaping_lambda, rewards >= 1.0)
+    stats.update(out.stats)
+    stats["time_repair"] = time.perf_counter() - t1
+    stats["generated_tokens"] += out.stats["repair_tokens"]
+    return Round(rollout, rewards, shaped, out.edited, stats)
+
+
+def _add(total: dict[str, float], part: dict[str, float]) -> None:
+    for k, v in part.items():
+        total[k] = total.get(k, 0.0) + v
+
+
+def assemble_batch(
+    kept: list[Round], objective: ResolvedObjective, max_new_tokens: int, unchanged_weight: float,
+    pad: int, no_signal: bool = False,
+) -> ScoredBatch:  # fmt: skip
+    """The kept rounds (rollout on its device; rewards, shaped rewards [B', G] and edit masks
+    [N', T'] on the host) -> one scored batch whose advantages live on the rollout's device."""
+    rollout = concat_rollouts([k.rollout for k in kept], pad) if len(kept) > 1 else kept[0].rollout
+    rewards = torch.cat([k.rewards for k in kept])
+    shaped = torch.cat([k.shaped for k in kept])
+    edited = _join_edits([k.edited for k in kept], rollout.completion_mask.shape[1])
+    # DAPO's length penalty joins the rewards the advantages see, after dynamic sampling (which
+    # judges the task's rewards, as DAPO filters on accuracy) and after repairs (graded on R)
+    lengths = torch.tensor(rollout.lengths, device="cpu").view_as(shaped)
+    long = overlong_penalty(lengths, max_new_tokens, objective.overlong_buffer,
+                            objective.overlong_penalty)  # fmt: skip
+    if no_signal:  # dynamic sampling found no task signal: no length-only update either
+        long = torch.zeros_like(long)
+    # host -> device, here only: the sequence advantages and the edit masks
+    device = rollout.input_ids.device
+    seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten().to(device)
+    if edited is not None:
+        edited = edited.to(device)
+    adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
+    stats = {"overlong_penalty": long.mean().item()}
+    return ScoredBatch(rollout, rewards, seq_adv, adv, stats)
+
+
+def _join_edits(parts: list[Tensor | None], width: int) -> Tensor | None:
+    """Host edit masks of several rounds, right-padded with True (blame) to one width."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("every round of a step has edit masks, or none has")
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(p, (0, width - p.shape[1]), value=True) for p in parts])
+
+
+# --- 6-8. frozen log-probs, micro-batched backward, optimizer step -----------------------------
+
+
+def update_policy(
+    model, optimizer, scheduler, accelerator, batch: ScoredBatch, cfg, objective
+) -> UpdateResult:
+    """Steps 5-8 on a scored batch: frozen log-probs, micro-batched backward, optimizer steps."""
+    t0 = time.perf_counter()
+    ro, tr, G = cfg.rollout, cfg.train, cfg.rollout.group_size
+    mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups, tr.micro_batch_tokens)
+    # Every process runs as many forwards and backwards: DDP syncs buffers in each forward and
+    # FSDP gathers weights in each. One with fewer micro-batches (dynamic sampling, token caps)
+    # repeats its last one, with zero weight.
+    n = agreed_count(accelerator, len(mbs))
+    chunk, temp = tr.logprob_chunk_tokens, ro.temperature
+    old = None  # 5. frozen log-probs, only when they matter
+    if tr.updates_per_rollout > 1:
+        old = frozen_logprobs(model, mbs, chunk, temp, reference=False, count=n)
+    ref = None
+    if objective.kl_coef > 0 or tr.log_reference_kl:
+        ref = frozen_logprobs(model, mbs, chunk, temp, reference=True, count=n)
+    t_frozen = time.perf_counter() - t0
+    norm = global_normaliser(accelerator, objective, mbs, ro.max_new_tokens)
+    stats: dict[str, list[Tensor]] = {}
+    cancel: dict[str, Tensor] = {}
+    model.train()
+    skipped, updates, grad_norm = False, 0, 0.0
+    for _ in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
+        losses, updates = [], updates + 1
+        for k in range(n):
+            i = min(k, len(mbs) - 1)
+            mb = mbs[i]
+            frozen = [None if f is None else f[i] for f in (old, ref)]
+            with nullcontext() if k == n - 1 else accelerator.no_sync(model):
+                loss, info, c, a = micro_batch_loss(model, mb, batch, *frozen, norm, cfg, objective)
+                accelerator.backward(loss if k == i else loss * 0.0)
+            if k != i:  # a repeat: no stats
+                continue
+            for key, v in cancellation_residual(c, a, mb.tokens, G).items():
+                cancel[key] = cancel[key] + v if key in cancel else v
+            info["loss"] = loss.detach()
+            losses.append(info["loss"])
+            for key, v in info.items():
+                stats.setdefault(key, []).append(v)
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tr.max_grad_norm))
+        if not update_is_finite(accelerator, losses, grad_norm):
+            # one NaN/inf update would poison the adapter and the optimizer moments for good:
+            # drop it (no optimizer or scheduler step); train() counts such steps
+            optimizer.zero_grad(set_to_none=True)
+            skipped = True
+            break
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    values, sums = read_stats(stats, cancel)
+    return UpdateResult(values, sums, grad_norm, updates, skipped, t_frozen)
+
+
+def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
+    """Log-probs/entropies [n, t] of one micro-batch (already cut to its widths)."""
+    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                               mb.completion_mask, chunk, temperature)  # fmt: skip
+
+
+@torch.no_grad()
+def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference: bool, count: int):
+    """Detached log-probs per micro-batch: rollout policy (old) or reference (adapter off). Runs
+    `count` forwards (>= len(mbs)), repeating the last micro-batch: see `update_policy`."""
+    ctx = reference_mode(model) if reference else nullcontext()
+    # eval mode: LoRA dropout would make "old" a random perturbation of the rollout policy
+    # (two calls would disagree), not the policy that sampled
+    was_training = model.training
+    model.eval()
+    try:
+        with ctx:
+            out = [sequence_logprobs(model, mb, chunk, temperature)[0] for mb in mbs]
+            for _ in range(count - len(mbs)):
+                sequence_logprobs(model, mbs[-1], chunk, temperature)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tokens: int):
+    """The step's Z, such that the gradient averaged by DDP over processes equals one process's
+    gradient on all their rows: each process divides by the mean of the processes' Z."""
+    lengths = [len(t) for mb in mbs for t in mb.tokens]
+    z = step_normaliser(objective.aggregation, lengths, max_new_tokens)
+    if accelerator.num_processes > 1:
+        z = accelerator.reduce(torch.tensor([z], device=accelerator.device), "mean").item()
+    return z
+
+
+def micro_batch_loss(model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, cfg, objective):
+    """Log-probs with grad, the objective and the loss of one micro-batch (backward is the
+    caller's); also its stats and the coefficients the cancellation diagnostic needs."""
+    tr, G = cfg.train, cfg.rollout.group_size
+    with offloaded_activations(cfg.model.offload_activations):
+        logp, ent = sequence_logprobs(model, mb, tr.logprob_chunk_tokens, cfg.rollout.temperature)
+    mask, a = mb.completion_mask, mb.take(batch.adv)
+    old_logp = logp.detach() if old is None else old
+    per_token, coef, info = objective.surrogate(
+        logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
+    )
+    if ref is not None:
+        kl = k3_kl(logp, ref)
+        info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).detach()
+        if objective.kl_coef > 0:
+            per_token = per_token + objective.kl_coef * kl
+    loss = aggregate(per_token, mask, objective.aggregation, norm)
+    info["entropy"] = (ent * mask).sum() / mask.sum().clamp_min(1)
+    return loss, info, coef * token_weights(mask, objective.aggregation), a
+
+
+def update_is_finite(accelerator, losses: list[Tensor], grad_norm: float) -> bool:
+    """One verdict for all processes: every micro-batch loss (0-dim tensors on the device) and
+    the gradient norm are finite. One read of the device per process."""
+    finite = torch.stack([torch.isfinite(x) for x in losses]).all()
+    bad = (~finite).float().reshape(1) + float(not math.isfinite(grad_norm))
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad.to(accelerator.device), "sum")
+    return bad.item() == 0
+
+
+def stack_stats(stats: dict[str, list[Tensor]], cancel: dict[str, Tensor]) -> Tensor:
+    """An update's 0-dim statistics as one float64 tensor on their device (float64 holds every
+    float32 value exactly, so each reads back as .item() would), in `stats` then `cancel` order."""
+    values = [v for vs in stats.values() for v in vs] + list(cancel.values())
+    device = next((v.device for v in values if isinstance(v, Tensor)), None)
+    return torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64, device=device).detach() for v in values]
+    )
+
+
+def read_stats(stats: dict[str, list[Tensor]], cancel: dict[str, Tensor]):
+    """All of an update's statistics to Python floats in one transfer."""
+    if not any(stats.values()) and not cancel:
+        return {k: [] for k in stats}, {}
+    flat = stack_stats(stats, cancel).tolist()
+    out, pos = {}, 0
+    for key, vs in stats.items():
+        out[key], pos = flat[pos : pos + len(vs)], pos + len(vs)
+    return out, dict(zip(cancel, flat[pos:]))
+
+
+# --- 9. metrics ----------------------------------------------------------------------------------
+
+
+def step_metrics(batch, upd, lr: float) -> dict[str, float]:
+    """A step's metrics from its scored batch (host values) and its update's statistics (already
+    read from the device): this reads nothing from the device itself."""
+    rollout, rewards = batch.rollout, batch.rewards
+    n_tokens = sum(rollout.lengths)
+    cancel, truncated = upd.cancel, rollout.host_truncated()
+    metrics = {k: sum(v) / len(v) for k, v in upd.stats.items()}
+    metrics["loss"] = sum(upd.stats["loss"]) / upd.updates  # the step's loss, not a mean
+    metrics.update(batch.stats)
+    metrics.update(
+        reward=rewards.mean().item(),
+        accuracy=(rewards >= 1.0).float().mean().item(),
+        zero_variance_groups=flat_groups(rewards).float().mean().item(),
+        residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
+        shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
+        completion_length=n_tokens / rollout.num_sequences,
+        truncated=sum(truncated) / len(truncated),
+        grad_norm=upd.grad_norm,
+        skipped_nonfinite=float(upd.skipped),
+        lr=lr,
+    )
+    return metrics
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a step's peak-memory window (CUDA); on CPU the process's peak RSS cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """peak_memory_gb: on CUDA torch's allocator peak during this step (since
+    reset_peak_memory); device_memory_used_gb: the GPU's memory in use at the step's end as the
+    driver reports it, which also counts what torch does not allocate (a vLLM engine's weights
+    and KV cache, the CUDA context, other processes). On CPU the process's peak RSS since start."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                "device_memory_used_gb": (total - free) / 2**30}  # fmt: skip
+    return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

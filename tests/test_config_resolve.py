@@ -1,0 +1,196 @@
+"""What None inherits (config.resolve), the names config.py declares for the registries it may not
+import, and that it imports nothing from ibpo."""
+
+import ast
+import dataclasses
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ibpo import config
+from ibpo.cli import main
+from ibpo.config import Config, ConfigError, ObjectiveConfig, load_config, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- no import cycle -----------------------------------------------------------------------------
+
+
+def test_config_imports_nothing_from_ibpo():
+    tree = ast.parse((ROOT / "ibpo/config.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("ibpo"), node.module
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("ibpo") for a in node.names)
+    code = "import sys, ibpo.config; print(sorted(m for m in sys.modules if m.startswith('ibpo')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['ibpo', 'ibpo.config']"
+    assert not (ROOT / "ibpo/config_checks.py").exists()
+
+
+# --- names declared for the registries ------------------------------------------------------------
+
+
+def test_declared_names_equal_the_registries():
+    from ibpo import objectives
+    from ibpo.rewards import REWARDS
+
+    assert (
+        config.OBJECTIVE_NAMES == tuple(objectives.OBJECTIVES) == tuple(config.OBJECTIVE_DEFAULTS)
+    )
+    shipped = {k for k, fn in REWARDS.items() if fn.__module__.startswith("ibpo.rewards")}
+    assert set(config.REWARD_NAMES) == shipped
+    assert config.WEIGHTS == tuple(objectives.WEIGHT_TRANSFORMS)
+    assert config.GATES == objectives.GATES
+    assert config.AGGREGATIONS == objectives.AGGREGATIONS
+    for aggregation in config.AGGREGATIONS:  # what the step normaliser accepts
+        objectives.step_normaliser(aggregation, [3, 4], 8)
+    with pytest.raises(ValueError):
+        objectives.step_normaliser("sum", [3, 4], 8)
+    counterfactual = tuple(n for n, o in objectives.OBJECTIVES.items() if o.counterfactual)
+    assert config.COUNTERFACTUAL_OBJECTIVES == counterfactual == ("ibpo",)
+    for name, obj in objectives.OBJECTIVES.items():  # the surrogates take exactly those keys
+        params = inspect.signature(obj.surrogate).parameters
+        assert set(obj.defaults) == {k for k in config.SURROGATE_KEYS if k in params}, name
+
+
+def test_moved_names_are_importable_from_their_old_homes():
+    from ibpo import sizes
+    from ibpo.hub.card import HubError
+    from ibpo.hub.push import check_repo_id
+
+    assert sizes.VLLM_BATCHED_TOKENS == config.VLLM_BATCHED_TOKENS == 8192
+    assert check_repo_id("alice/run") == "alice/run"
+    with pytest.raises(HubError, match="Fix: --repo-id"):
+        check_repo_id("a--b/c")
+    with pytest.raises(ConfigError, match="Fix: --repo-id"):
+        config.check_repo_id("noslash")
+
+
+# --- resolve --------------------------------------------------------------------------------------
+
+
+def _inherit_fields(cfg: Config):
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("inherit"):
+                yield obj, f
+
+
+def test_resolve_fills_every_inherit_field():
+    cfg = load_config(
+        None,
+        [
+            "rollout.max_new_tokens=40",
+            "rollout.temperature=0.7",
+            "rollout.generation_batch_size=32",
+            "data.question_column=q",
+            "data.answer_column=a",
+            "data.answer_format=gsm8k",
+        ],
+    )
+    rep, data = cfg.repair, cfg.data
+    assert (rep.max_new_tokens, rep.temperature, rep.batch_size) == (40, 0.7, 32)
+    assert (data.eval_question_column, data.eval_answer_column) == ("q", "a")
+    assert data.eval_answer_format == "gsm8k" and rep.enabled is True
+    assert all(getattr(obj, f.name) is not None for obj, f in _inherit_fields(cfg))
+    # "the same source" is not a copy: left as it is
+    assert data.eval_dataset is None and data.eval_subset is None
+    own = load_config(
+        None, ["repair.max_new_tokens=7", "data.eval_answer_format=boxed", "repair.enabled=false"]
+    )
+    assert own.repair.max_new_tokens == 7 and own.data.eval_answer_format == "boxed"
+    assert own.repair.enabled is False
+
+
+@pytest.mark.parametrize("name", config.OBJECTIVE_NAMES)
+def test_resolve_fills_the_objective_defaults(name):
+    from ibpo.objectives import resolve_params
+
+    cfg = load_config(None, [f"objective.name={name}"])
+    obj, defaults = cfg.objective, config.OBJECTIVE_DEFAULTS[name]
+    for key, value in defaults.items():
+        assert getattr(obj, key) == value, key
+    for key in config.SURROGATE_KEYS:  # one it does not take stays null
+        assert (getattr(obj, key) is None) == (key not in defaults)
+    assert cfg.repair.enabled is (name in config.COUNTERFACTUAL_OBJECTIVES)
+    # the unresolved section resolves to the same parameters
+    assert resolve_params(cfg.objective) == resolve_params(ObjectiveConfig(name=name))
+
+
+def test_resolve_is_idempotent_and_a_written_config_loads_back_to_itself(tmp_path):
+    for overrides in (
+        [],
+        ["objective.name=dapo", "objective.eps_high=0.3"],
+        ["objective.name=grpo", "repair.enabled=true", "rollout.top_p=0.9"],
+    ):
+        cfg = load_config(None, overrides)
+        assert resolve(cfg) == cfg and resolve(cfg) is not cfg
+        path = tmp_path / "config.yaml"  # what the trainer writes to output_dir
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        assert load_config(path) == cfg
+        assert config.from_dict(yaml.safe_load(path.read_text())) == cfg
+
+
+def test_a_config_written_with_nulls_by_an_older_version_loads():
+    old = Config().to_dict()  # unresolved: every inherit field null, as older versions wrote it
+    assert old["repair"]["max_new_tokens"] is None and old["objective"]["eps_low"] is None
+    assert config.from_dict(old) == load_config()
+
+
+def test_a_resolved_config_keeps_its_objective_parameters_under_another_objective():
+    """A resolved config.yaml pins the parameters of its objective: reused as a recipe for
+    another objective, one that objective does not take is an error naming the fix."""
+    cfg = load_config()
+    tree = cfg.to_dict()
+    tree["objective"]["name"] = "grpo"
+    with pytest.raises(ConfigError, match=r"objective\.weights does not apply to 'grpo'.*=null"):
+        config.from_dict(tree)
+
+
+def test_ibpo_config_prints_the_resolved_config(capsys):
+    assert main(["config", "objective.name=dapo", "rollout.max_new_tokens=30"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (
+        printed == load_config(None, ["objective.name=dapo", "rollout.max_new_tokens=30"]).to_dict()
+    )
+    assert printed["objective"]["overlong_buffer"] == 0.2 and printed["repair"]["enabled"] is False
+    assert printed["repair"]["max_new_tokens"] == 30
+
+
+def test_a_runs_config_yaml_is_its_recipe_and_inherits_afresh(tmp_path):
+    """The trainer writes the recipe form (to_dict(recipe=True)): what resolve filled in is null
+    again, so the file rerun with another objective or a shorter rollout inherits anew."""
+    cfg = load_config(None, ["rollout.max_new_tokens=40", "repair.temperature=0.5"])
+    assert cfg.repair.max_new_tokens == 40 and "repair.max_new_tokens" in cfg.inherited
+    assert "repair.temperature" not in cfg.inherited  # set by the user: kept
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
+    assert load_config(path) == cfg
+    rerun = load_config(path, ["objective.name=grpo", "rollout.max_new_tokens=20"])
+    assert rerun.repair.max_new_tokens == 20 and rerun.repair.temperature == 0.5
+    assert rerun.objective.weights is None and rerun.repair.enabled is False
+    assert rerun.objective.eps_high == config.OBJECTIVE_DEFAULTS["grpo"]["eps_high"]
+
+
+def test_resume_compares_resolved_settings(tmp_path):
+    """A checkpoint's recipe-form config.json (and one an older version wrote, all nulls)
+    against the resumed run's resolved config: only real changes are named."""
+    import json
+
+    from ibpo.run.outdir import resume_changes
+
+    cfg = load_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict(recipe=True)))
+    assert resume_changes(tmp_path, cfg) == []
+    (tmp_path / "config.json").write_text(json.dumps(Config().to_dict()))
+    assert resume_changes(tmp_path, cfg) == []
+    changed = resume_changes(tmp_path, load_config(None, ["objective.eps_low=0.1"]))
+    assert changed == ["objective.eps_low: 0.2 -> 0.1"]

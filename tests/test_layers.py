@@ -1,0 +1,156 @@
+"""The package's import graph: no cycles, one direction of imports, no imports hidden in functions.
+
+Layers, bottom to top (a module imports only from its own layer or below):
+  config                      imports nothing of the package
+  math                        advantages, diagnostics, objectives: torch and config only
+  core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
+                              distributed, repair, sizes (shapes and byte counts, which the
+                              planner and the vLLM engine share), rewards/, sandbox/
+  step                        the RL step
+  satellites                  plan/, evaluation/, hub/, run/
+  top                         trainer (the run around the step), cli
+
+Satellites do not import each other except where an arrow says so below (the Hub card shows
+evaluation rows and checkpoint facts). The graph is read from the source with `ast`, so a
+module-level import and one inside a function count alike; an import is allowed inside a
+function only for heavy optional dependencies, never for a module of this package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ibpo"
+
+LAYERS = {
+    "config": 0,
+    "advantages": 1, "diagnostics": 1, "objectives": 1,
+    "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
+    "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
+    "step": 3,
+    "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
+    "trainer": 5, "cli": 5,
+}  # fmt: skip
+# satellite -> the satellites it may import
+SATELLITE_ARROWS = {"hub": {"evaluation", "run"}, "run": set(), "plan": set(), "evaluation": set()}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+    """(imported ibpo module, inside a function?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # type-only imports do not run
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names if a.name.startswith("ibpo")]
+                found.extend((name, in_function) for name in names)
+            elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("ibpo"):
+                for a in child.names:  # `from ibpo.pkg import module` imports that module
+                    sub = f"{child.module}.{a.name}"
+                    found.append((sub if sub in known else child.module, in_function))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = modules()
+    known = set(mods)
+    edges, local = {m: set() for m in mods}, []
+    for name, path in mods.items():
+        for target, in_function in imports(path, known):
+            if target != name and target in known:
+                edges[name].add(target)
+            if in_function:
+                local.append(f"{name} imports {target} inside a function")
+    return edges, local
+
+
+def top(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def test_every_module_has_a_layer():
+    missing = {top(m) for m in modules()} - set(LAYERS) - {"__init__"}
+    assert not missing, f"give these a layer in this test: {sorted(missing)}"
+
+
+def test_no_import_cycles():
+    edges, _ = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(m: str):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n) :] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                walk(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            walk(m)
+
+
+def test_imports_go_down_the_layers():
+    edges, _ = graph()
+    wrong = []
+    for m, targets in edges.items():
+        for t in targets:
+            a, b = top(m), top(t)
+            if a == b or "__init__" in (a, b):
+                continue
+            if LAYERS[b] > LAYERS[a]:
+                wrong.append(f"{m} ({a}, layer {LAYERS[a]}) imports {t} (layer {LAYERS[b]})")
+            elif LAYERS[a] == LAYERS[b] == 4 and b not in SATELLITE_ARROWS[a]:
+                wrong.append(f"{m} imports the satellite {t}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_config_imports_nothing_of_the_package_and_math_only_config():
+    edges, _ = graph()
+    assert edges["ibpo.config"] == set()
+    for m in ("ibpo.advantages", "ibpo.diagnostics", "ibpo.objectives"):
+        assert edges[m] <= {"ibpo.config"}, (m, edges[m])
+
+
+def test_no_package_import_inside_a_function():
+    _, local = graph()
+    assert not local, "\n".join(local)
+
+
+def test_the_graph_reader_sees_what_it_must():
+    """The reader itself: a nested import, a submodule through `from pkg import mod`, and a
+    TYPE_CHECKING import (ignored) in a made-up module."""
+    import tempfile
+
+    src = (
+        "from typing import TYPE_CHECKING\nfrom ibpo.run import checkpoint\n"
+        "if TYPE_CHECKING:\n    from ibpo.step import StepParts\n"
+        "def f():\n    from ibpo.plan.fit import estimate\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.py"
+        path.write_text(src)
+        found = imports(path, {"ibpo.run.checkpoint", "ibpo.plan.fit", "ibpo.step"})
+    assert found == [("ibpo.run.checkpoint", False), ("ibpo.plan.fit", True)]
