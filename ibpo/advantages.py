@@ -29,7 +29,10 @@ def group_advantages(rewards: Tensor, scale: bool, eps: float = 1e-6) -> Tensor:
     centred = torch.where(flat_groups(rewards).unsqueeze(1), 0.0, centred)
     if not scale:
         return centred
-    # unbiased=False keeps G=2 groups finite and matches the population std of the group
+    # The population std (divide by G): the group is the whole set being compared, not a sample
+    # of a larger one. TRL divides by G - 1 (Bessel), which makes its advantages
+    # sqrt(G / (G - 1)) smaller (1.069x at G = 8). Adam's update barely depends on that scale;
+    # what it moves is the weight of the policy term against objective.kl_coef.
     return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
 
 

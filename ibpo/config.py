@@ -46,6 +46,7 @@ REWARD_NAMES = ("math", "code")  # ibpo.rewards.REWARDS as shipped
 WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
 GATES = ("none", "group", "token")  # objectives.GATES
 AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")  # objectives.step_normaliser
+KL_ESTIMATORS = ("k3", "k3_ratio")  # objectives.KL_ESTIMATORS
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
 # The surrogate keyword arguments; an objective whose defaults lack one does not take it.
 SURROGATE_KEYS = ("weights", "gate", "eps_low", "eps_high")
@@ -302,6 +303,10 @@ class ObjectiveConfig:
     aggregation: str | None = choice(*AGGREGATIONS, default=None, null=_OWN)
     # k3 KL to the reference (the base with the adapter disabled)
     kl_coef: float = at_least(0.0, 0.0, "0 = no KL term")
+    # k3: the per-token k3 estimate as the loss term | k3_ratio: k3 times the token's ratio to the
+    # rollout policy (differentiable), whose gradient is the unbiased reverse-KL gradient, also
+    # on-policy (TRL's GRPOTrainer default since 1.x: use_bias_correction_kl)
+    kl_estimator: str = choice(*KL_ESTIMATORS)
     # DAPO's soft overlong punishment, for any objective (dapo's default: 0.2 and 0.5; others 0):
     # completions longer than (1 - overlong_buffer) x rollout.max_new_tokens lose reward linearly,
     # up to overlong_penalty at full length

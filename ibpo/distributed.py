@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 
 from ibpo.config import Config, ConfigError
@@ -250,23 +251,34 @@ def check_shared_output(accelerator, out: Path) -> None:
         )
 
 
+# Rates over tokens: across processes they are weighted by each process's trained tokens; the
+# other rates (reward, accuracy, lengths...) by its sequences, since dynamic sampling and the
+# no-signal fallback leave processes with different numbers of groups.
+TOKEN_RATES = frozenset(
+    {"entropy", "kl", "clip_fraction", "gate_fraction", "residual", "shared_token_fraction"}
+)
+MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb")
+SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
+        "trained_sequences", "dropped_groups")  # fmt: skip
+
+
 def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
     """One step's metrics over all processes: times and peak memory are the slowest/largest
-    process's, tokens/s and token/repair counts add up, everything else (rates, the residual
-    ratio) is averaged: every process holds the same number of groups."""
+    process's, counts add up, rates are weighted means (TOKEN_RATES by trained tokens, the
+    others by trained sequences)."""
     if accelerator.num_processes == 1:
         return m
-    from accelerate.utils import gather_object
-
     every = gather_object([m])
     out = {}
     for key in m:
-        values = [d[key] for d in every if key in d]
-        if key.startswith("time_") or key in ("step_time", "peak_memory_gb",
-                                              "device_memory_used_gb"):  # fmt: skip
+        rows = [d for d in every if key in d]
+        values = [d[key] for d in rows]
+        if key.startswith("time_") or key in MAXIMA:
             out[key] = max(values)
-        elif key in ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens"):
+        elif key in SUMS:
             out[key] = sum(values)
         else:
-            out[key] = sum(values) / len(values)
+            weight = "trained_tokens" if key in TOKEN_RATES else "trained_sequences"
+            w = [d.get(weight, 1.0) for d in rows]
+            out[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
     return out

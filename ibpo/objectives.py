@@ -178,10 +178,26 @@ def _share(flags: Tensor, mask: Tensor) -> Tensor:
     return (flags * mask).sum().double() / mask.sum().double().clamp_min(1.0)
 
 
-def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+def k3_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None = None) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0.
+
+    As a loss term its gradient is (1 - ref/pi) grad logp, whose expectation under pi is the
+    gradient of KL(pi || ref) only to first order (`k3_ratio_kl` is unbiased)."""
     d = ref_logp - logp
     return d.exp() - d - 1
+
+
+def k3_ratio_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor) -> Tensor:
+    """k3 times r = pi/pi_old (r differentiable, old detached). Its value is k3's on-policy
+    (r = 1), and its gradient there, (k3 + 1 - ref/pi) grad logp = (logp - ref) grad logp, is
+    the score-function form of grad KL(pi || ref): unbiased for samples from pi_old."""
+    return k3_kl(logp, ref_logp) * (logp - old_logp.detach()).exp()
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "k3": k3_kl,
+    "k3_ratio": k3_ratio_kl,
+}
 
 
 # --- aggregation: normaliser from the whole step ----------------------------------------------
@@ -271,6 +287,7 @@ class ResolvedObjective:
     kl_coef: float
     overlong_buffer: float = 0.0
     overlong_penalty: float = 0.0
+    kl: Callable[[Tensor, Tensor, Tensor], Tensor] = k3_kl  # (logp, ref_logp, old_logp) -> [n, T]
 
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
@@ -290,4 +307,5 @@ def resolve_params(cfg: Any) -> ResolvedObjective:
         cfg.kl_coef,
         cfg.overlong_buffer,
         cfg.overlong_penalty,
+        KL_ESTIMATORS[cfg.kl_estimator],
     )

@@ -66,7 +66,7 @@ from ibpo.modeling import (
     reference_mode,
     use_dequantized_base,
 )
-from ibpo.objectives import ResolvedObjective, aggregate, k3_kl, step_normaliser, token_weights
+from ibpo.objectives import ResolvedObjective, aggregate, step_normaliser, token_weights
 from ibpo.repair import run_repairs
 from ibpo.rewards import REWARDS
 from ibpo.rewards.math import as_graded
@@ -354,6 +354,9 @@ def update_policy(
                 cancel[key] = cancel[key] + v if key in cancel else v
             info["loss"] = loss.detach()
             losses.append(info["loss"])
+            # what each statistic averages over, for the step's weighted means (step_metrics)
+            info["trained_tokens"] = float(sum(len(t) for t in mb.tokens))
+            info["groups"] = float(len(mb.tokens) // G)
             for key, v in info.items():
                 stats.setdefault(key, []).append(v)
         grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tr.max_grad_norm))
@@ -417,7 +420,7 @@ def micro_batch_loss(model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, 
         logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
     )
     if ref is not None:
-        kl = k3_kl(logp, ref)
+        kl = objective.kl(logp, ref, old_logp)
         info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).detach()
         if objective.kl_coef > 0:
             per_token = per_token + objective.kl_coef * kl
@@ -460,14 +463,25 @@ def read_stats(stats: dict[str, list[Tensor]], cancel: dict[str, Tensor]):
 # --- 9. metrics ----------------------------------------------------------------------------------
 
 
+# Per-micro-batch statistics that are rates over groups; the others are rates over tokens.
+PER_GROUP = frozenset({"weight_mean"})
+
+
 def step_metrics(batch, upd, lr: float) -> dict[str, float]:
     """A step's metrics from its scored batch (host values) and its update's statistics (already
-    read from the device): this reads nothing from the device itself."""
+    read from the device): this reads nothing from the device itself. A per-micro-batch rate is
+    averaged with its micro-batch's weight (trained tokens; groups for PER_GROUP), so the figure
+    does not depend on how the step was split into micro-batches."""
     rollout, rewards = batch.rollout, batch.rewards
     n_tokens = sum(rollout.lengths)
     cancel, truncated = upd.cancel, rollout.host_truncated()
-    metrics = {k: sum(v) / len(v) for k, v in upd.stats.items()}
-    metrics["loss"] = sum(upd.stats["loss"]) / upd.updates  # the step's loss, not a mean
+    stats = dict(upd.stats)
+    weights = {"tokens": stats.pop("trained_tokens"), "groups": stats.pop("groups")}
+    metrics = {}
+    for key, values in stats.items():
+        w = weights["groups" if key in PER_GROUP else "tokens"]
+        metrics[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
+    metrics["loss"] = sum(stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)
     metrics.update(
         reward=rewards.mean().item(),
@@ -476,6 +490,8 @@ def step_metrics(batch, upd, lr: float) -> dict[str, float]:
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
+        trained_tokens=float(n_tokens),
+        trained_sequences=float(rollout.num_sequences),
         truncated=sum(truncated) / len(truncated),
         grad_norm=upd.grad_norm,
         skipped_nonfinite=float(upd.skipped),

@@ -111,7 +111,8 @@ def _build(cfg: Config, accelerator) -> tuple[StepParts, object, list]:
     optimizer = build_optimizer(model, cfg, accelerator.device, launch_kind(accelerator) == "FSDP")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    rng = random.Random(cfg.train.seed)  # repair planning (which members, which references)
+    # repair planning (which members, which references): each process its own stream
+    rng = random.Random(cfg.train.seed + accelerator.process_index)
     return StepParts(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
 
 
@@ -213,6 +214,11 @@ def train(cfg: Config) -> dict:
     check_shared_output(accelerator, out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     parts, tokenizer, eval_examples = _build(cfg, accelerator)
+    if accelerator.num_processes > 1:
+        # The same seed built the same LoRA init on every process; from here each process samples
+        # its own completions (torch, CUDA, numpy, random seeded with seed + process index), or
+        # every rank would draw the same random streams and generate correlated groups.
+        set_seed(tr.seed, device_specific=True)
     engine = None
     if cfg.rollout.backend == "vllm":
         engine = VLLMEngine.start(cfg, parts.model, tokenizer)

@@ -221,6 +221,8 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
 
     def spy(parts, *args, **kwargs):  # keep a handle on the live (wrapped) policy
         seen["model"] = parts.model
+        # the random streams each process samples from at its first step
+        seen.setdefault("rng", (torch.get_rng_state(), parts.rng.getstate()))
         assert is_fsdp(parts.model) == FSDP, type(parts.model)  # the wrapping the test asked for
         return real_step(parts, *args, **kwargs)
 
@@ -233,7 +235,8 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
     w = base.model.layers[0].self_attn.q_proj.base_layer.weight  # 4-bit codes under nf4
     local = w.to_local() if hasattr(w, "to_local") else w
     shard = {"type": type(local).__name__, "local": local.numel(), "full": w.numel()}
-    return {"lora": lora_state(seen["model"]), "summary": summary, "q_proj_weight": shard}
+    return {"lora": lora_state(seen["model"]), "summary": summary, "q_proj_weight": shard,
+            "torch_rng": seen["rng"][0], "repair_rng": seen["rng"][1]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -258,8 +258,9 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
     monkeypatch.setitem(REWARDS, REWARD, _counting_reward({2, 4, 5}, per_step=8))
     out = tmp_path / "run"
     args = _args(tiny_model_dir, out, 8, "objective.name=grpo", "train.max_nonfinite_steps=2",
-                 "train.save_every=0")  # fmt: skip
-    summary = train(load_config(None, args))
+                 "train.save_every=0", "train.lr_scheduler=linear")  # fmt: skip
+    cfg = load_config(None, args)
+    summary = train(cfg)
     assert summary["status"] == "nonfinite" and summary["steps"] == 5
     assert summary["nonfinite_steps"] == 3
     assert "2 consecutive steps (4-5)" in summary["message"]
@@ -270,12 +271,19 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
              for x in (out / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
     assert [m["skipped_nonfinite"] for m in lines] == [0, 1, 0, 1, 1]
     assert lines[1]["loss"] is None or lines[1]["grad_norm"] is None
+    # the schedule counts updates made: a skipped step does not advance it (linear over 8 steps:
+    # 8/8 for step 1; step 2 skipped, so steps 2 and 3 both run at 7/8; steps 4-5 at 6/8)
+    base = cfg.train.learning_rate
+    assert [m["lr"] for m in lines] == pytest.approx(
+        [base * f for f in (1, 7 / 8, 7 / 8, 6 / 8, 6 / 8)]
+    )
     last = out / "checkpoints" / "step-5"
     assert (
         summary["checkpoint"] == str(last) and ckpt.latest_checkpoint(out / "checkpoints") == last
     )
     state = torch.load(last / "optimizer.pt", weights_only=True)["state"]
     assert {float(s["step"]) for s in state.values()} == {2.0}  # steps 1 and 3 only
+    assert torch.load(last / "scheduler.pt", weights_only=True)["last_epoch"] == 2
     weights = _lora(out / "adapter")
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert torch.equal(weights[next(iter(weights))], _lora(last / "adapter")[next(iter(weights))])

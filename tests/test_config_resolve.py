@@ -49,6 +49,7 @@ def test_declared_names_equal_the_registries():
     assert config.WEIGHTS == tuple(objectives.WEIGHT_TRANSFORMS)
     assert config.GATES == objectives.GATES
     assert config.AGGREGATIONS == objectives.AGGREGATIONS
+    assert config.KL_ESTIMATORS == tuple(objectives.KL_ESTIMATORS)
     for aggregation in config.AGGREGATIONS:  # what the step normaliser accepts
         objectives.step_normaliser(aggregation, [3, 4], 8)
     with pytest.raises(ValueError):

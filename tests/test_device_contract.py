@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from ibpo.config import load_config
-from ibpo.objectives import OBJECTIVES, aggregate, k3_kl, resolve_params, token_weights
+from ibpo.objectives import (
+    KL_ESTIMATORS,
+    OBJECTIVES,
+    aggregate,
+    resolve_params,
+    token_weights,
+)
 from ibpo.rollout import Rollout
 
 DEVICE = torch.device("meta")
@@ -152,7 +158,8 @@ def test_update_stages_read_no_device_value(case):
             a, seq_adv = mb.take(batch.adv), mb.take(batch.seq_adv)
             per_token, coef, info = obj.surrogate(logp, logp.detach(), a, mask, seq_adv, G,
                                                   **obj.kwargs)  # fmt: skip
-            per_token = per_token + 0.1 * k3_kl(logp, ref)
+            for kl in KL_ESTIMATORS.values():
+                per_token = per_token + 0.1 * kl(logp, ref, logp.detach())
             loss = aggregate(per_token, mask, obj.aggregation, norm)
             assert loss.device == DEVICE and coef.device == DEVICE
             c = coef * token_weights(mask, obj.aggregation)
@@ -164,11 +171,13 @@ def test_update_stages_read_no_device_value(case):
                 stats.setdefault(key, []).append(v)
         assert stack_stats(stats, cancel).device == DEVICE  # one tensor, read once
     # the metrics assembly reads host values only (the update's numbers already read)
-    upd = UpdateResult({"loss": [0.5, 0.25], "entropy": [1.0, 1.0]},
+    upd = UpdateResult({"loss": [0.5, 0.25], "entropy": [1.0, 2.0], "trained_tokens": [3.0, 1.0],
+                        "groups": [1.0, 1.0]},
                        {"residual_num": 0.0, "residual_den": 1.0, "shared_tokens": 3.0,
                         "tokens": 9.0}, 1.0, 1, False, 0.0)  # fmt: skip
     m = step_metrics(batch, upd, 1e-4)
     assert m["completion_length"] == sum(batch.rollout.lengths) / (2 * G)
+    assert m["entropy"] == (3.0 * 1.0 + 1.0 * 2.0) / 4.0  # weighted by trained tokens
 
 
 def test_objectives_under_fake_cuda_tensors():

@@ -140,6 +140,9 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     assert r0["lora"].keys() == r1["lora"].keys() and r0["lora"]
     for name in r0["lora"]:
         assert torch.equal(r0["lora"][name], r1["lora"][name]), name
+    # one LoRA init, then each process its own sampling streams (torch, the repair planner)
+    assert not torch.equal(r0["torch_rng"], r1["torch_rng"])
+    assert r0["repair_rng"] != r1["repair_rng"]
     assert r0["summary"]["status"] == r1["summary"]["status"] == "completed"
     assert r0["summary"]["eval_after"]["n"] == 4  # evaluation is split over processes, then joined
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

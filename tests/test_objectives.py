@@ -224,3 +224,27 @@ def test_reported_coefficient_is_the_applied_one(name):
     aggregate(per_tok, mask, obj.aggregation, Z).backward()
     expected = coef * adv * token_weights(mask, obj.aggregation)
     torch.testing.assert_close(-logp.grad * Z, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_kl_estimators_agree_in_value_and_differ_in_gradient_on_policy():
+    """On-policy both estimators read k3; k3's gradient is (1 - ref/pi) per token, while the
+    ratio-weighted one's is (logp - ref): the score-function gradient of KL(pi || ref), what
+    TRL's use_bias_correction_kl computes."""
+    from ibpo.objectives import KL_ESTIMATORS
+
+    g = torch.Generator().manual_seed(0)
+    ref = -torch.rand(3, 5, generator=g) - 0.1
+    values, grads = {}, {}
+    for name, kl in KL_ESTIMATORS.items():
+        logp = (
+            -torch.rand(3, 5, generator=torch.Generator().manual_seed(1)) - 0.1
+        ).requires_grad_()
+        out = kl(logp, ref, logp.detach())
+        (grads[name],) = torch.autograd.grad(out.sum(), logp)
+        values[name] = out.detach()
+        lp = logp.detach()
+    torch.testing.assert_close(values["k3"], values["k3_ratio"])
+    torch.testing.assert_close(grads["k3"], 1 - (ref - lp).exp())
+    torch.testing.assert_close(grads["k3_ratio"], lp - ref)
+    assert resolve_params(ObjectiveConfig(kl_estimator="k3_ratio")).kl is KL_ESTIMATORS["k3_ratio"]
+    assert resolve_params(ObjectiveConfig()).kl is KL_ESTIMATORS["k3"]  # the default

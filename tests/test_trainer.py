@@ -91,8 +91,9 @@ BATCHINGS = (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
              ["train.micro_batch_groups=4", "train.micro_batch_tokens=60"])  # fmt: skip
 
 
-def _recorded_steps(tiny_model_dir, overrides, lr=0.0) -> list[GradRecorder]:
-    """One step per batching of BATCHINGS, same seed and rewards; each step's recorder."""
+def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[GradRecorder]:
+    """One step per batching of BATCHINGS, same seed and rewards; each step's recorder (and its
+    metrics appended to `metrics`)."""
     import ibpo.trainer as trainer_mod
 
     recorders = []
@@ -105,7 +106,9 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0) -> list[GradRecorder]:
         cfg.objective.reward = "alternating"
         try:
             torch.manual_seed(5)
-            _step(model, tok, opt, sched, acc, cfg)
+            m = _step(model, tok, opt, sched, acc, cfg)
+            if metrics is not None:
+                metrics.append(m)
         finally:
             del trainer_mod.REWARDS["alternating"]
         recorders.append(opt)
@@ -133,11 +136,19 @@ def test_off_policy_update_is_invariant_to_micro_batching(tiny_model_dir, object
     """Two updates per rollout: the second runs with ratios != 1 (Min-Replace weights, GRPO's
     clip), and its gradient must not depend on how the step is split into micro-batches."""
     overrides = [f"objective.name={objective}", "train.updates_per_rollout=2"]
-    steps = _recorded_steps(tiny_model_dir, overrides, lr=2.0)
+    metrics = []
+    steps = _recorded_steps(tiny_model_dir, overrides, lr=2.0, metrics=metrics)
     assert all(len(opt.grads) == 2 for opt in steps)
     # the second update is off-policy: its gradient differs from the first's
     assert any(not torch.allclose(a, b) for a, b in zip(*steps[0].grads))
     _assert_same_grads([opt.grads[1] for opt in steps])
+    # the logged rates are weighted by what they average over, not by micro-batch: the same
+    # whatever the split (grpo's clip fraction, ibpo's group weight; entropy and KL)
+    rate = "clip_fraction" if objective == "grpo" else "weight_mean"
+    assert metrics[0][rate] != (1.0 if objective == "ibpo" else 0.0)  # the off-policy update acted
+    for key in (rate, "entropy", "kl", "loss"):
+        for m in metrics[1:]:
+            assert m[key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
 
 
 def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model_dir):
