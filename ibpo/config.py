@@ -90,9 +90,14 @@ OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
 # The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
 # engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
 VLLM_BATCHED_TOKENS = 8192
-# A key renamed in a later version -> its new name ("section.key"): the old name is an error
-# that names the new one. Nothing has been renamed yet.
-RENAMED: dict[str, str] = {}
+# The operational switches that once were train.* and are now run.* (RunConfig).
+_TRAIN_TO_RUN = (
+    "output_dir", "resume_from", "overwrite", "save_every", "keep_checkpoints", "progress",
+    "log_with", "plots", "push_to_hub", "hub_repo_id", "hub_private",
+)  # fmt: skip
+# A key renamed in a later version -> its new name ("section.key"): in a recipe or an override
+# the old name is an error that names the new one; a saved config (from_dict) is migrated.
+RENAMED: dict[str, str] = {f"train.{key}": f"run.{key}" for key in _TRAIN_TO_RUN}
 
 
 # --- rules declared on the fields ------------------------------------------------------------
@@ -361,6 +366,9 @@ class RepairConfig:
 
 @dataclass
 class TrainConfig:
+    """What is learned and how (the run's length, batching, optimiser, seed, evaluation); where
+    and how the job runs is RunConfig's."""
+
     steps: int = at_least(0, 14)
     prompts_per_step: int = positive(4)  # B prompts; each step trains on B * G sequences
     # whole groups per forward/backward (group transforms need them)
@@ -382,11 +390,21 @@ class TrainConfig:
     optimizer: str = choice("auto", "adamw", "adamw_8bit")
     logprob_chunk_tokens: int = positive(1024)  # completion tokens per lm_head chunk
     seed: int = 0
-    output_dir: str = "outputs/ibpo-demo"
     eval_before: bool = True  # evaluate the held-out set before training too (not only after)
     log_reference_kl: bool = True  # log KL to the reference each step (one no-grad forward)
-    log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
-    progress: bool = True
+    # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
+    # skipped steps stop the run with a checkpoint (0 = never stop).
+    max_nonfinite_steps: int = at_least(0, 3, "0 = never stop")
+    # Held-out evaluation every `eval_every` steps during training (0 = only before and after).
+    eval_every: int = at_least(0, 0, "0 = evaluate only before and after")
+
+
+@dataclass
+class RunConfig:
+    """Where and how the job runs (its folder, checkpoints, resuming, logging, the Hub upload),
+    not what it learns: a resumed run may change any of these (run/outdir.py)."""
+
+    output_dir: str = "outputs/ibpo-demo"
     # Checkpoints (<output_dir>/checkpoints/step-<N>: adapter, optimizer, scheduler, RNG, data
     # position, metrics) every `save_every` steps and at the end (0 = only at the end; also on
     # SIGINT/SIGTERM). The last `keep_checkpoints` are kept.
@@ -398,11 +416,8 @@ class TrainConfig:
     # Starting afresh where an unfinished run (interrupted, failed, out of memory) left
     # checkpoints is refused unless this is true: rerunning the same command must not delete them.
     overwrite: bool = False
-    # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
-    # skipped steps stop the run with a checkpoint (0 = never stop).
-    max_nonfinite_steps: int = at_least(0, 3, "0 = never stop")
-    # Held-out evaluation every `eval_every` steps during training (0 = only before and after).
-    eval_every: int = at_least(0, 0, "0 = evaluate only before and after")
+    progress: bool = True
+    log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
     plots: bool = True  # write <output_dir>/plots/*.png and the end-of-run report
     # Hugging Face Hub: push the final adapter, tokenizer and a model card (`ibpo push` does the
     # same for any output_dir). The token comes from HF_TOKEN or `hf auth login`, never a file.
@@ -419,6 +434,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     # "section.key" of each field `resolve` filled in (not a dataclass field: no YAML sets it)
     inherited = frozenset()
 
@@ -500,7 +516,7 @@ def validate(cfg: Config) -> Config:
         if f.name != "objective":
             check_fields(getattr(cfg, f.name), f.name)
     check_objective(cfg.objective)
-    tr, ro = cfg.train, cfg.rollout
+    tr, run, ro = cfg.train, cfg.run, cfg.rollout
     if cfg.objective.reward not in reward_names():
         raise ConfigError(
             f"objective.reward={cfg.objective.reward!r}; choose one of: {', '.join(reward_names())}"
@@ -513,12 +529,12 @@ def validate(cfg: Config) -> Config:
         )
     if tr.eval_every and cfg.data.eval_size == 0:
         raise ConfigError("train.eval_every needs held-out problems: set data.eval_size > 0")
-    if tr.push_to_hub and not tr.hub_repo_id:
-        raise ConfigError("train.push_to_hub=true needs train.hub_repo_id=<user>/<name>")
-    if tr.push_to_hub:  # a bad id fails now, not after hours of training
-        check_repo_id(tr.hub_repo_id, fix="train.hub_repo_id=")
-    if tr.resume_from is not None and not tr.resume_from.strip():
-        raise ConfigError("train.resume_from must be null, 'latest' or a checkpoint path")
+    if run.push_to_hub and not run.hub_repo_id:
+        raise ConfigError("run.push_to_hub=true needs run.hub_repo_id=<user>/<name>")
+    if run.push_to_hub:  # a bad id fails now, not after hours of training
+        check_repo_id(run.hub_repo_id, fix="run.hub_repo_id=")
+    if run.resume_from is not None and not run.resume_from.strip():
+        raise ConfigError("run.resume_from must be null, 'latest' or a checkpoint path")
     if ro.backend == "vllm" and ro.generation_batch_size > VLLM_BATCHED_TOKENS:
         raise ConfigError(
             f"rollout.generation_batch_size must be <= {VLLM_BATCHED_TOKENS} with the vllm "
@@ -657,11 +673,31 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
+def migrate_renamed(tree: Any) -> Any:
+    """A saved config's tree (one an older version wrote) with each RENAMED key moved to its
+    new name; a copy, the input unchanged. Where the new name is set as well the old one stays,
+    for _apply to name. Anything not a mapping of mappings is returned as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        source = tree.get(old_section)
+        if not isinstance(source, dict) or old_key not in source:
+            continue
+        target = tree.setdefault(new_section, {})
+        if isinstance(target, dict) and new_key not in target:
+            target[new_key] = source.pop(old_key)
+    return tree
+
+
 def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
     """A nested dict such as Config.to_dict() gives (a run's config.yaml or config.json, also
-    one an older version wrote with nulls) -> the Config, validated and resolved."""
+    one an older version wrote: with nulls, or with keys since renamed, which move to their new
+    names) -> the Config, validated and resolved. Recipes and overrides (load_config) are not
+    migrated: an old name there is an error that names the new one."""
     cfg = Config()
-    _update(cfg, tree, origin)
+    _update(cfg, migrate_renamed(tree), origin)
     return resolve(validate(cfg))
 
 

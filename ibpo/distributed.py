@@ -246,7 +246,7 @@ def check_shared_output(accelerator, out: Path) -> None:
     missing = torch.tensor([float(not (out / "config.yaml").is_file())], device=accelerator.device)
     if accelerator.reduce(missing, "sum").item():
         raise ConfigError(
-            f"train.output_dir={out} is not shared by all processes (a machine does not see the "
+            f"run.output_dir={out} is not shared by all processes (a machine does not see the "
             "main process's files). Fix: put output_dir on a filesystem every machine mounts."
         )
 

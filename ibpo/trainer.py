@@ -6,7 +6,7 @@ the QLoRA policy, optimizer and scheduler, prepared by Accelerate; the held-out 
 training; then the loop, one `step.rl_step` per step, with its metrics logged (run/log.py),
 periodic held-out evaluations and checkpoints; at the end the adapter in PEFT format with the
 tokenizer, `summary.json`, the held-out accuracy after, plots and an optional Hub upload.
-Checkpoints (every train.save_every steps, at the end, on SIGINT/SIGTERM, and when non-finite
+Checkpoints (every run.save_every steps, at the end, on SIGINT/SIGTERM, and when non-finite
 steps stop the run) resume a run exactly; a step whose loss or gradient is not finite is
 skipped, and too many in a row stop the run; running out of memory ends it with advice on what
 to lower (run/failures.py).
@@ -122,7 +122,7 @@ def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
     removed = outdir.clear_previous_run(out) if resume is None else []
     if removed:
         print(f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
-              "(train.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
+              "(run.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
 
 
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
@@ -168,47 +168,47 @@ def _final_eval(held_out, accelerator) -> dict | None:
 def finish_run(out: Path, cfg: Config, status: str) -> None:
     """Main process, after summary.json: plots, the end-of-run table, the Hub upload.
     None of them may cost a finished run: their failures are reported, not raised."""
-    tr = cfg.train
-    if tr.plots:
+    run = cfg.run
+    if run.plots:
         try:
             report.plot_run(out)
-            if tr.progress:
+            if run.progress:
                 print(report.summary_table(out), file=sys.stderr)
         except Exception as e:  # a figure is never worth a traceback after hours of training
             print(f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
                   file=sys.stderr)  # fmt: skip
-    if tr.push_to_hub and status == "completed":
+    if run.push_to_hub and status == "completed":
         try:
-            url = hub_push.push(out, tr.hub_repo_id, private=tr.hub_private)
+            url = hub_push.push(out, run.hub_repo_id, private=run.hub_private)
             print(f"ibpo: pushed to {url}", file=sys.stderr)
         except Exception as e:  # the run is saved: a failed upload must not fail it
             detail = str(e) if isinstance(e, hub_push.HubError) else repr(e)
             print(f"ibpo: push to the Hub failed: {detail}\n  Retry: ibpo push {out} "
-                  f"--repo-id {tr.hub_repo_id}", file=sys.stderr)  # fmt: skip
+                  f"--repo-id {run.hub_repo_id}", file=sys.stderr)  # fmt: skip
 
 
 def train(cfg: Config) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
 
-    Checkpoints (run/checkpoint.py) are saved every train.save_every steps, at the end, on
-    SIGINT/SIGTERM and when non-finite steps stop the run; train.resume_from resumes one exactly.
+    Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
+    SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
     Running out of memory ends the run with advice instead of a traceback.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    start, tr = time.time(), cfg.train
+    start, tr, run = time.time(), cfg.train, cfg.run
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
-    accelerator = Accelerator(log_with=tr.log_with, project_dir=tr.output_dir,
+    accelerator = Accelerator(log_with=run.log_with, project_dir=run.output_dir,
                               step_scheduler_with_optimizer=False)  # fmt: skip
     check_launch(accelerator, cfg)
     set_seed(tr.seed)
-    out, main = Path(tr.output_dir), accelerator.is_main_process
-    resume = ckpt.resolve_resume(tr.resume_from, out)
+    out, main = Path(run.output_dir), accelerator.is_main_process
+    resume = ckpt.resolve_resume(run.resume_from, out)
     if resume is None:
-        outdir.check_fresh_start(out, tr.overwrite)
+        outdir.check_fresh_start(out, run.overwrite)
     if main:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
@@ -223,7 +223,7 @@ def train(cfg: Config) -> dict:
     if cfg.rollout.backend == "vllm":
         engine = VLLMEngine.start(cfg, parts.model, tokenizer)
     try:
-        if tr.log_with:
+        if run.log_with:
             accelerator.init_trackers("ibpo", config=cfg.to_dict())
         reward_fn = REWARDS[cfg.objective.reward]
 
@@ -244,11 +244,11 @@ def train(cfg: Config) -> dict:
             state.wall_seconds = prior + time.time() - start
             root = out / ckpt.CHECKPOINTS
             return ckpt.save_checkpoint(accelerator, root, parts, state, metrics_path,
-                                        tr.keep_checkpoints, cfg.to_dict(recipe=True))  # fmt: skip
+                                        run.keep_checkpoints, cfg.to_dict(recipe=True))  # fmt: skip
 
         metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
         bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
-                   disable=not (main and tr.progress))  # fmt: skip
+                   disable=not (main and run.progress))  # fmt: skip
         status, message, last = "completed", None, resume  # last: the newest checkpoint
         cut_short = False  # stopped mid-step: the live adapter is not saved
         phase = "step"  # what ran when an error came: step | eval | save
@@ -259,7 +259,7 @@ def train(cfg: Config) -> dict:
                     m = rl_step(parts, tokenizer, accelerator, cfg, objective, engine)
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
-                    log_step(m, state.step, bar, metrics_file, accelerator, tr.log_with)
+                    log_step(m, state.step, bar, metrics_file, accelerator, run.log_with)
                     if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
                         status = "nonfinite"
                         break
@@ -269,9 +269,9 @@ def train(cfg: Config) -> dict:
                     if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
                         phase = "eval"
                         log_eval(
-                            held_out(), state.step, bar, metrics_file, accelerator, tr.log_with
+                            held_out(), state.step, bar, metrics_file, accelerator, run.log_with
                         )
-                    if tr.save_every and state.step % tr.save_every == 0:
+                    if run.save_every and state.step % run.save_every == 0:
                         phase = "save"
                         last = checkpoint()
                 phase = "save"
@@ -336,7 +336,7 @@ def train(cfg: Config) -> dict:
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             finish_run(out, cfg, status)
-        if tr.log_with and not alone:
+        if run.log_with and not alone:
             accelerator.end_training()
         return summary
     finally:  # however the run ends: the engine holds GPU memory and a process-wide state

@@ -91,8 +91,8 @@ def run_one(
         f"train.eval_before={'true' if first else 'false'}",
         f"objective.name={objective}",
         f"train.seed={seed}",
-        f"train.output_dir={run_dir}",
-        "train.progress=false",
+        f"run.output_dir={run_dir}",
+        "run.progress=false",
     ]
     print(f"[run] {objective} seed {seed}", flush=True)
     if in_process:  # smoke mode: no interpreter start-up per run

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["train.steps=2", "train.eval_before=false", "data.eval_size=0", "train.progress=false",
-          "model.dtype=float32", "train.seed=3", "train.save_every=0"]  # fmt: skip
+COMMON = ["train.steps=2", "train.eval_before=false", "data.eval_size=0", "run.progress=false",
+          "model.dtype=float32", "train.seed=3", "run.save_every=0"]  # fmt: skip
 CASES = {
     "ibpo": ["objective.name=ibpo"],
     "grpo_off_policy": [
@@ -46,11 +46,21 @@ KEYS = ("loss", "reward", "accuracy", "grad_norm", "completion_length")
 INFO = ("kl", "entropy")
 
 
+def for_version(source: Path, overrides: list[str]) -> list[str]:
+    """The overrides as the package at `source` spells them: before the run section existed
+    (ibpo.config.RunConfig) its keys were train.*."""
+    config = source / "ibpo" / "config.py"
+    if config.is_file() and "class RunConfig" in config.read_text():
+        return overrides
+    return [f"train.{o.removeprefix('run.')}" if o.startswith("run.") else o for o in overrides]
+
+
 def run(source: Path, overrides: list[str], out: Path) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=str(source), TOKENIZERS_PARALLELISM="false")  # fmt: skip
     code = "import sys, torch; torch.set_num_threads(1); from ibpo.cli import main; main()"
-    cmd = [sys.executable, "-c", code, "train", *overrides, f"train.output_dir={out}"]
+    overrides = for_version(source, [*overrides, f"run.output_dir={out}"])
+    cmd = [sys.executable, "-c", code, "train", *overrides]
     done = subprocess.run(cmd, env=env, cwd=source, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"run from {source} failed ({done.returncode}):\n{done.stderr[-3000:]}")

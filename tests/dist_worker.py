@@ -184,10 +184,10 @@ def main(argv: list[str]) -> None:
         torch.save(run_train(model_dir, argv[3:]), out / f"train-rank{rank}.pt")
         return
     # mode == "resume": a 3-step run, and a 2-step run resumed from its checkpoint for step 3
-    full = run_train(model_dir, [*argv[3:], "train.steps=3", f"train.output_dir={out / 'full'}"])
-    part = [*argv[3:], f"train.output_dir={out / 'part'}"]
+    full = run_train(model_dir, [*argv[3:], "train.steps=3", f"run.output_dir={out / 'full'}"])
+    part = [*argv[3:], f"run.output_dir={out / 'part'}"]
     run_train(model_dir, [*part, "train.steps=2"])
-    resumed = run_train(model_dir, [*part, "train.steps=3", "train.resume_from=latest"])
+    resumed = run_train(model_dir, [*part, "train.steps=3", "run.resume_from=latest"])
     torch.save({"full": full, "resumed": resumed}, out / f"resume-rank{rank}.pt")
 
 

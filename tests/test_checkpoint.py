@@ -53,10 +53,10 @@ def _args(model_dir, out, steps, *extra):
     return [
         f"model.name={model_dir}", "model.quantization=none", f"train.steps={steps}",
         "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
-        "data.eval_size=0", f"objective.reward={REWARD}", "train.save_every=1",
+        "data.eval_size=0", f"objective.reward={REWARD}", "run.save_every=1",
         "train.log_reference_kl=false", "repair.max_repairs_per_group=1",
-        "repair.template='{question}|{attempt}|{reference}'", f"train.output_dir={out}",
-        "train.progress=false", *extra,
+        "repair.template='{question}|{attempt}|{reference}'", f"run.output_dir={out}",
+        "run.progress=false", *extra,
     ]  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
 ):  # fmt: skip
     steps, run = 7, tmp_path / "run"
     root = run / "checkpoints"
-    resume = _args(tiny_model_dir, run, steps, "train.resume_from=latest")
+    resume = _args(tiny_model_dir, run, steps, "run.resume_from=latest")
     a = spawn("a", _args(tiny_model_dir, run, steps))
     b = spawn("b", resume)  # imports while `a` runs, trains after it
     (tmp_path / "a.go").touch()
@@ -258,7 +258,7 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
     monkeypatch.setitem(REWARDS, REWARD, _counting_reward({2, 4, 5}, per_step=8))
     out = tmp_path / "run"
     args = _args(tiny_model_dir, out, 8, "objective.name=grpo", "train.max_nonfinite_steps=2",
-                 "train.save_every=0", "train.lr_scheduler=linear")  # fmt: skip
+                 "run.save_every=0", "train.lr_scheduler=linear")  # fmt: skip
     cfg = load_config(None, args)
     summary = train(cfg)
     assert summary["status"] == "nonfinite" and summary["steps"] == 5
@@ -308,7 +308,7 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
     assert summary["status"] == "out_of_memory" and summary["steps"] == 2
     for knob in ("train.micro_batch_groups", "train.logprob_chunk_tokens",
                  "rollout.generation_batch_size", "rollout.max_new_tokens", "ibpo plan",
-                 "step 3", "train.resume_from=latest"):  # fmt: skip
+                 "step 3", "run.resume_from=latest"):  # fmt: skip
         assert knob in summary["message"]
     # <output_dir>/adapter (what push and evaluation pick up) is the checkpoint's, not the live one
     assert summary["adapter"] == str(out / "adapter")
@@ -343,7 +343,7 @@ def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     out = tmp_path / "run"
     summary = train(load_config(None, _args(tiny_model_dir, out, 5, "objective.name=grpo",
-                                            "train.save_every=0")))  # fmt: skip
+                                            "run.save_every=0")))  # fmt: skip
     assert summary["status"] == "interrupted"
     root = out / "checkpoints"
     if presses == 1:  # step 2 finishes and is saved

@@ -144,9 +144,9 @@ def test_fields_that_allow_null_accept_it():
         ("objective.kl_coef=-0.1", "objective.kl_coef must be >= 0"),
         ("objective.eps_low=1", "objective.eps_low must lie in [0, 1)"),
         ("objective.gate=token", None),  # ibpo takes a gate
-        ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1 (resuming needs one)"),
+        ("run.keep_checkpoints=0", "run.keep_checkpoints must be >= 1 (resuming needs one)"),
         ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0 = no token cap)"),
-        ("train.resume_from=' '", "train.resume_from must be null, 'latest' or a checkpoint path"),
+        ("run.resume_from=' '", "run.resume_from must be null, 'latest' or a checkpoint path"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens must be > 0"),
     ],
 )
@@ -193,8 +193,8 @@ def test_field_messages(override, message):
         (["rollout.top_p=0"], "rollout.top_p must lie in (0, 1]"),
         (["rollout.top_p=1.1"], "rollout.top_p must lie in (0, 1]"),
         (["rollout.top_k=-1"], "rollout.top_k must be >= 0 (0 = off)"),
-        (["train.push_to_hub=true"], "train.push_to_hub=true needs train.hub_repo_id"),
-        (["train.push_to_hub=true", "train.hub_repo_id=a--b/c"], "Fix: train.hub_repo_id="),
+        (["run.push_to_hub=true"], "run.push_to_hub=true needs run.hub_repo_id"),
+        (["run.push_to_hub=true", "run.hub_repo_id=a--b/c"], "Fix: run.hub_repo_id="),
         (
             ["objective.name=grpo", "objective.weights=min_replace"],
             "objective.weights does not apply to 'grpo' (it takes: eps_low, eps_high)",
@@ -239,15 +239,43 @@ def test_a_reward_registered_at_run_time_is_accepted(monkeypatch):
         load_config(None, ["objective.reward=parity"])
 
 
-def test_a_renamed_key_names_its_new_name(monkeypatch, tmp_path):
-    import ibpo.config
+def test_the_run_section_holds_what_once_was_train_and_the_old_names_are_renamed():
+    """Where and how the job runs (run.*) is apart from what is learned (train.*): every run key
+    was a train key once, and RENAMED maps each old name to a key that exists."""
+    import dataclasses
 
-    monkeypatch.setitem(ibpo.config.RENAMED, "train.foo", "run.foo")
-    with pytest.raises(ConfigError, match=r"'train\.foo' was renamed to 'run\.foo'; use that"):
-        load_config(None, ["train.foo=1"])
+    from ibpo.config import RENAMED, Config, RunConfig, TrainConfig
+
+    run_keys = {f.name for f in dataclasses.fields(RunConfig)}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not run_keys & train_keys
+    assert {k: v for k, v in RENAMED.items() if v.startswith("run.")} == {
+        f"train.{key}": f"run.{key}" for key in run_keys
+    }
+    assert [f.name for f in dataclasses.fields(Config)][-1] == "run"
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        assert not hasattr(getattr(Config(), old_section), old_key), old
+        assert hasattr(getattr(Config(), new_section), new_key), new
+
+
+@pytest.mark.parametrize("key", ["output_dir", "resume_from", "push_to_hub", "progress"])
+def test_a_renamed_key_names_its_new_name(tmp_path, key):
+    with pytest.raises(ConfigError, match=rf"'train\.{key}' was renamed to 'run\.{key}'; use that"):
+        load_config(None, [f"train.{key}=x"])
     recipe = tmp_path / "old.yaml"
-    recipe.write_text("train:\n  foo: 1\n")
-    with pytest.raises(ConfigError, match=r"old\.yaml: 'train\.foo' was renamed to 'run\.foo'"):
+    recipe.write_text(f"train:\n  steps: 2\n  {key}: x\n")
+    with pytest.raises(
+        ConfigError, match=rf"old\.yaml: 'train\.{key}' was renamed to 'run\.{key}'; use that"
+    ):
         load_config(recipe)
     with pytest.raises(ConfigError, match="unknown key 'train.bar'"):  # others: as before
         load_config(None, ["train.bar=1"])
+
+
+def test_train_output_dir_names_run_output_dir():
+    message = "'train.output_dir' was renamed to 'run.output_dir'; use that"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.output_dir=x"])
+    assert str(e.value) == f"override 'train.output_dir=x': {message}"
+    assert load_config(None, ["run.output_dir=x"]).run.output_dir == "x"

@@ -195,3 +195,49 @@ def test_resume_compares_resolved_settings(tmp_path):
     assert resume_changes(tmp_path, cfg) == []
     changed = resume_changes(tmp_path, load_config(None, ["objective.eps_low=0.1"]))
     assert changed == ["objective.eps_low: 0.2 -> 0.1"]
+
+
+# --- configs saved before the run section ----------------------------------------------------
+
+
+def _train_layout(tree: dict) -> dict:
+    """`tree` as versions before the run section wrote it: the run keys under train."""
+    tree = {section: dict(values) for section, values in tree.items()}
+    tree["train"].update(tree.pop("run"))
+    return tree
+
+
+def test_a_saved_config_with_the_run_keys_under_train_is_migrated(tmp_path):
+    run = ["run.output_dir=out/x", "run.resume_from=latest", "run.plots=false",
+           "run.push_to_hub=true", "run.hub_repo_id=alice/x"]  # fmt: skip
+    cfg = load_config(None, [*run, "train.steps=3"])
+    for tree in (cfg.to_dict(), cfg.to_dict(recipe=True)):
+        old = _train_layout(tree)
+        assert "output_dir" in old["train"] and "run" not in old
+        assert config.from_dict(old) == cfg  # silently: config.yaml / config.json of an old run
+        assert "run" not in old and "output_dir" in old["train"]  # the input is left as it was
+    # a recipe or an override with the old names is an error naming the new ones, not migrated
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_train_layout(cfg.to_dict(recipe=True)), sort_keys=False))
+    with pytest.raises(ConfigError, match=r"'train\.output_dir' was renamed to 'run\.output_dir'"):
+        load_config(path)
+    # both names at once: which one was meant is not guessed
+    both = cfg.to_dict()
+    both["train"]["output_dir"] = "elsewhere"
+    with pytest.raises(ConfigError, match=r"'train\.output_dir' was renamed to 'run\.output_dir'"):
+        config.from_dict(both)
+
+
+def test_an_older_checkpoint_with_the_run_keys_under_train_still_resumes(tmp_path):
+    """A checkpoint's config.json written before the run section: resuming compares it as it
+    was meant (no spurious changes), and names a real one."""
+    import json
+
+    from ibpo.run.outdir import resume_changes
+
+    cfg = load_config(None, ["run.output_dir=out/x"])
+    saved = _train_layout(load_config(None, ["run.output_dir=out/y"]).to_dict(recipe=True))
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert resume_changes(tmp_path, cfg) == []  # output_dir: a run setting, free to change
+    changed = resume_changes(tmp_path, load_config(None, ["train.seed=1", "run.save_every=1"]))
+    assert changed == ["train.seed: 0 -> 1"]

@@ -98,8 +98,8 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
     args = ["model.quantization=none", "train.prompts_per_step=2", "rollout.group_size=4",
             "rollout.max_new_tokens=8", "data.eval_size=5", "rollout.eval_max_new_tokens=4",
             "rollout.eval_batch_size=2",
-            "objective.reward=parity", "train.save_every=1", "train.learning_rate=0.01",
-            "train.progress=false", "train.plots=false", "repair.max_repairs_per_group=1",
+            "objective.reward=parity", "run.save_every=1", "train.learning_rate=0.01",
+            "run.progress=false", "run.plots=false", "repair.max_repairs_per_group=1",
             "repair.template='{question}|{attempt}|{reference}'"]  # fmt: skip
     _torchrun(["resume", tiny_model_dir, str(tmp_path), *args], tmp_path, fsdp=True)
     r0, r1 = (torch.load(tmp_path / f"resume-rank{r}.pt") for r in (0, 1))
@@ -134,8 +134,8 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     _torchrun(["train", tiny_model_dir, str(tmp_path), "model.quantization=none",
                "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
                "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4", "data.eval_size=4",
-               "train.learning_rate=0.01", f"train.output_dir={out}", "train.progress=false",
-               "train.plots=false"], tmp_path)  # fmt: skip
+               "train.learning_rate=0.01", f"run.output_dir={out}", "run.progress=false",
+               "run.plots=false"], tmp_path)  # fmt: skip
     r0, r1 = torch.load(tmp_path / "train-rank0.pt"), torch.load(tmp_path / "train-rank1.pt")
     assert r0["lora"].keys() == r1["lora"].keys() and r0["lora"]
     for name in r0["lora"]:
@@ -161,13 +161,13 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
     args = ["model.quantization=nf4", "model.cpu_dequantize=false", "train.steps=2",
             "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
             "data.eval_size=0", "objective.reward=parity", "train.learning_rate=0.01",
-            "train.progress=false", "train.plots=false", "repair.max_repairs_per_group=1",
+            "run.progress=false", "run.plots=false", "repair.max_repairs_per_group=1",
             "repair.template='{question}|{attempt}|{reference}'"]  # fmt: skip
     found = {}
     for kind in ("ddp", "fsdp"):
         out = tmp_path / kind
         out.mkdir()
-        _torchrun(["train", tiny_model_dir, str(out), *args, f"train.output_dir={out / 'run'}"],
+        _torchrun(["train", tiny_model_dir, str(out), *args, f"run.output_dir={out / 'run'}"],
                   tmp_path, fsdp=kind == "fsdp")  # fmt: skip
         found[kind] = torch.load(out / "train-rank0.pt")
     ddp, fsdp = found["ddp"], found["fsdp"]
@@ -249,7 +249,7 @@ def test_one_process_out_of_memory_ends_the_run_instead_of_hanging(tiny_model_di
     start = time.monotonic()
     res = _torchrun(["oom", tiny_model_dir, str(tmp_path), "model.quantization=none",
                      "train.steps=3", "train.prompts_per_step=2", "rollout.group_size=2",
-                     "rollout.max_new_tokens=4", "data.eval_size=0", f"train.output_dir={out}",
-                     "train.progress=false", "train.plots=false"], tmp_path, ok=False)  # fmt: skip
+                     "rollout.max_new_tokens=4", "data.eval_size=0", f"run.output_dir={out}",
+                     "run.progress=false", "run.plots=false"], tmp_path, ok=False)  # fmt: skip
     assert time.monotonic() - start < 150
     assert "ibpo: process 1: out of memory in step 2" in res.stderr, res.stderr[-3000:]

@@ -76,8 +76,8 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         # worst case (every prompt at this length) stays close to what runs
         "data.max_prompt_tokens=64",
         "repair.template='{question}|{attempt}|{reference}'", f"objective.reward={REWARD}",
-        "data.eval_size=0", "train.save_every=0", "train.plots=false", "train.progress=false",
-        f"train.output_dir={out}", f"train.steps={steps}", *extra,
+        "data.eval_size=0", "run.save_every=0", "run.plots=false", "run.progress=false",
+        f"run.output_dir={out}", f"train.steps={steps}", *extra,
     ]  # fmt: skip
 
 
@@ -218,7 +218,7 @@ class Harness:
             except Exception as e:
                 entry["phases"] = {"_error": f"{type(e).__name__}: {e}"[:500]}
             write_report()
-        lines = Path(cfg.train.output_dir, "metrics.jsonl").read_text().splitlines()
+        lines = Path(cfg.run.output_dir, "metrics.jsonl").read_text().splitlines()
         return summary, [json.loads(x) for x in lines], entry
 
 
@@ -447,14 +447,14 @@ def test_offloaded_activations_with_a_static_kv_cache(tiny_model_dir, tmp_path, 
 
 
 def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
-    """As tests/test_checkpoint.py on CPU: the adapter of 2 steps + 1 resumed (train.resume_from
+    """As tests/test_checkpoint.py on CPU: the adapter of 2 steps + 1 resumed (run.resume_from
     =latest) equals that of 3 uninterrupted steps, tensor for tensor. That needs the GPU to
     repeat a run bit for bit, so a second uninterrupted run checks that first."""
     h = Harness(monkeypatch)
 
     def args(out, steps, *extra):
-        return base_args(tiny_model_dir, out, steps, "train.save_every=1",
-                         "train.keep_checkpoints=3", *extra)  # fmt: skip
+        return base_args(tiny_model_dir, out, steps, "run.save_every=1",
+                         "run.keep_checkpoints=3", *extra)  # fmt: skip
 
     ref, again, run = tmp_path / "ref", tmp_path / "again", tmp_path / "run"
     assert h.run("resume_reference", args(ref, 3))[0]["status"] == "completed"
@@ -467,7 +467,7 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     dtypes = {t.dtype for s in saved.values() for t in s.values() if isinstance(t, torch.Tensor)}
     assert torch.uint8 in dtypes or not CUDA  # paged 8-bit AdamW's moments went to disk as such
     resumed, resumed_metrics, entry = h.run("resume_last_step",
-                                            args(run, 3, "train.resume_from=latest"))  # fmt: skip
+                                            args(run, 3, "run.resume_from=latest"))  # fmt: skip
     assert resumed["status"] == "completed" and resumed["steps"] == 3
     assert resumed["resumed_from"] == str(root / "step-2")
     assert_qlora_on_device(h.facts)  # the resumed optimizer: paged 8-bit, state on the GPU

@@ -36,8 +36,8 @@ def run(tiny_model_dir, tmp_path_factory):
     cfg = load_config(None, [
         f"model.name={tiny_model_dir}", "model.quantization=none", "train.steps=2",
         "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-        "rollout.eval_max_new_tokens=4", "data.eval_size=4", "train.save_every=1",
-        "train.learning_rate=0.05", f"train.output_dir={out}", "train.progress=false",
+        "rollout.eval_max_new_tokens=4", "data.eval_size=4", "run.save_every=1",
+        "train.learning_rate=0.05", f"run.output_dir={out}", "run.progress=false",
     ])  # fmt: skip
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
     trainer.REWARDS["alternating"] = lambda text, answer: float(next(calls) % 2)
@@ -328,6 +328,27 @@ def test_builtin_and_local_datasets_are_not_listed_as_hub_datasets(run, tmp_path
     out = _with_model(run, tmp_path, "Qwen/Qwen3-0.6B", "none", str(FIXTURES / "gsm8k.jsonl"))
     data = _card_data(build_model_card(out, "alice/x"))
     assert data.datasets is None and "qlora" not in data.tags
+
+
+def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, monkeypatch):
+    """A run whose config.yaml a version before the run section wrote (train.output_dir...):
+    the staged ibpo_config.yaml and the card's recipe hold run.*, so the file reruns."""
+    import yaml
+
+    from ibpo.config import load_config
+    from ibpo.rewards import REWARDS
+
+    out = _copy(run, tmp_path)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    monkeypatch.setitem(REWARDS, cfg["objective"]["reward"], lambda text, answer: 0.0)
+    cfg["train"].update(cfg.pop("run"))
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    staged = prepare_upload(out, "alice/x", tmp_path / "stage")
+    recipe = yaml.safe_load((staged / "ibpo_config.yaml").read_text())
+    assert "output_dir" not in recipe["train"] and recipe["run"]["plots"] is True
+    load_config(staged / "ibpo_config.yaml", ["run.output_dir=" + str(tmp_path / "again")])
+    card = (staged / "README.md").read_text()
+    assert "\nrun:\n" in card and "  output_dir:" in card.split("\nrun:\n")[1]
 
 
 # --- the token -----------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_cli_train_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", "train.steps=1", "train.prompts_per_step=2", "rollout.group_size=2",
                "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8", "data.eval_size=4",
-               f"train.output_dir={out}", "train.progress=false"])  # fmt: skip
+               f"run.output_dir={out}", "run.progress=false"])  # fmt: skip
     assert rc == 0
     line = capsys.readouterr().out
     assert "held-out accuracy" in line and "(n=4)" in line

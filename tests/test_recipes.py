@@ -167,12 +167,12 @@ def test_fsdp_recipe_is_the_ddp_recipe_with_another_optimizer():
     b = plan.estimate(None, fsdp, 2, 24.0, "fsdp").phases
     assert sum(b["training"].values()) < sum(a["training"].values())
     assert sum(b["generation"].values()) > sum(a["generation"].values())
-    fsdp.train.optimizer, fsdp.train.output_dir = ddp.train.optimizer, ddp.train.output_dir
+    fsdp.train.optimizer, fsdp.run.output_dir = ddp.train.optimizer, ddp.run.output_dir
     assert fsdp == ddp
 
 
 def test_embedded_recipe_equals_the_default_config():
     recipe = load_config(ROOT / "recipes/smollm2_135m/arithmetic_ibpo_cpu.yaml")
     default = load_config()
-    recipe.train.output_dir = default.train.output_dir
+    recipe.run.output_dir = default.run.output_dir
     assert recipe == default

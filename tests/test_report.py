@@ -276,4 +276,4 @@ def test_main_fails_clearly_without_metrics(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert report.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path} has no metrics.jsonl" in err and "train.output_dir" in err
+    assert f"{tmp_path} has no metrics.jsonl" in err and "run.output_dir" in err

@@ -3,7 +3,8 @@
 * Rerunning an interrupted command refuses to delete its checkpoints; a fresh start clears an
   earlier run's adapter and summary, so they are never taken for the new run's.
 * Resuming applies a changed learning rate (the restored optimizer would keep the old one) and
-  names other changed settings; a save after resuming from an earlier step drops the later ones.
+  names other changed settings (also against the settings an older version saved, the run keys
+  under train); a save after resuming from an earlier step drops the later ones.
 * Out of memory in a periodic evaluation keeps the finished step; a failed final evaluation, or a
   full disk, still ends with a summary that says what happened.
 """
@@ -42,7 +43,7 @@ def test_rerunning_an_interrupted_command_keeps_its_checkpoints(tiny_model_dir, 
     monkeypatch.setattr(failures.GracefulStop, "requested", lambda self, acc: True)
     summary = _run(tiny_model_dir, out, 3)
     assert summary["status"] == "interrupted" and summary["steps"] == 1
-    assert "train.resume_from=latest" in summary["message"]
+    assert "run.resume_from=latest" in summary["message"]
     monkeypatch.undo()
     monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
     with pytest.raises(
@@ -50,7 +51,7 @@ def test_rerunning_an_interrupted_command_keeps_its_checkpoints(tiny_model_dir, 
     ):
         _run(tiny_model_dir, out, 3)
     assert ckpt.latest_checkpoint(out / "checkpoints").name == "step-1"  # nothing deleted
-    assert _run(tiny_model_dir, out, 2, "train.overwrite=true")["status"] == "completed"
+    assert _run(tiny_model_dir, out, 2, "run.overwrite=true")["status"] == "completed"
     # after a completed run a fresh start is allowed; one that fails at once leaves no adapter
     # or summary of the earlier run behind to be pushed as its own
     monkeypatch.setattr(trainer_mod, "rl_step", _oom)
@@ -68,16 +69,22 @@ def test_resume_applies_a_new_learning_rate_and_names_other_changes(tiny_model_d
                                                                     capsys):  # fmt: skip
     out = tmp_path / "run"
     _run(tiny_model_dir, out, 3, "train.learning_rate=1e-3", "train.warmup_steps=2",
-         "train.keep_checkpoints=5")  # fmt: skip
+         "run.keep_checkpoints=5")  # fmt: skip
     # the logged rate is the one the step used: warmup 1/2, then the full rate
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-3, 1e-3])
     capsys.readouterr()
     step1 = out / "checkpoints" / "step-1"
-    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.1", "train.keep_checkpoints=5"]
-    _run(tiny_model_dir, out, 2, "train.warmup_steps=2", f"train.resume_from={step1}", *changed)
+    # its settings as a version before the run section saved them (the run keys under train):
+    # read with those keys moved, the only change named is the real one
+    old = json.loads((step1 / "config.json").read_text())
+    old["train"].update(old.pop("run"))
+    (step1 / "config.json").write_text(json.dumps(old))
+    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.1", "run.keep_checkpoints=5"]
+    _run(tiny_model_dir, out, 2, "train.warmup_steps=2", f"run.resume_from={step1}", *changed)
     said = capsys.readouterr().out
     assert "train.learning_rate: 0.001 -> 1e-05" in said
     assert "objective.kl_coef: 0.0 -> 0.1" in said and "train.steps" not in said
+    assert "continues with the new ones: objective.kl_coef: 0.0 -> 0.1\n" in said
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-5])
     # resumed from step 1: its first save removed step-3 of the abandoned history
     names = [p.name for p in ckpt.list_checkpoints(out / "checkpoints")]
@@ -104,7 +111,7 @@ def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
     monkeypatch.setattr(trainer_mod, "evaluate_accuracy", evaluate)
     out = tmp_path / "run"
     summary = _run(tiny_model_dir, out, 3, "data.eval_size=2", "train.eval_every=1",
-                   "train.save_every=0", "rollout.eval_max_new_tokens=4")  # fmt: skip
+                   "run.save_every=0", "rollout.eval_max_new_tokens=4")  # fmt: skip
     assert summary["status"] == "out_of_memory" and summary["steps"] == 1
     assert "evaluation after step 1" in summary["message"]
     assert "rollout.eval_batch_size" in summary["message"]

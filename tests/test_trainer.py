@@ -179,8 +179,8 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
                              "train.prompts_per_step=2", "rollout.group_size=2",
                              "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4",
-                             "data.eval_size=6", f"train.output_dir={out}",
-                             "train.progress=false", "train.steps=3",
+                             "data.eval_size=6", f"run.output_dir={out}",
+                             "run.progress=false", "train.steps=3",
                              "train.eval_every=2"])  # fmt: skip
     summary = train(cfg)
     on_disk = json.loads((out / "summary.json").read_text())
@@ -210,9 +210,9 @@ def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp
     out = tmp_path / "run"
     args = [f"model.name={tiny_model_dir}", "model.quantization=none", "train.steps=2",
             "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "rollout.eval_max_new_tokens=4", "data.eval_size=4", f"train.output_dir={out}",
-            "train.progress=false", "train.log_with=[tensorboard,wandb,trackio]",
-            "train.eval_every=1", "train.plots=false"]  # fmt: skip
+            "rollout.eval_max_new_tokens=4", "data.eval_size=4", f"run.output_dir={out}",
+            "run.progress=false", "run.log_with=[tensorboard,wandb,trackio]",
+            "train.eval_every=1", "run.plots=false"]  # fmt: skip
     code = f"from ibpo.cli import main; raise SystemExit(main(['train', *{args!r}]))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
@@ -236,7 +236,7 @@ def test_end_of_run_extras_never_fail_a_finished_run(tmp_path, monkeypatch, caps
     import ibpo.run.report
     from ibpo.trainer import finish_run
 
-    cfg = load_config(None, ["train.push_to_hub=true", "train.hub_repo_id=alice/run"])
+    cfg = load_config(None, ["run.push_to_hub=true", "run.hub_repo_id=alice/run"])
 
     def boom(*a, **k):
         raise KeyError("config")

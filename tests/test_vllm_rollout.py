@@ -182,7 +182,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
                              "rollout.backend=vllm", "train.prompts_per_step=2",
                              "rollout.group_size=2", "rollout.max_new_tokens=4",
                              "rollout.eval_max_new_tokens=4", "data.eval_size=4",
-                             f"train.output_dir={out}", "train.progress=false",
+                             f"run.output_dir={out}", "run.progress=false",
                              "train.steps=2", "train.learning_rate=0.05",
                              "objective.reward=odd_length"])  # fmt: skip
     summary = train(cfg)
@@ -228,8 +228,8 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(VLLMEngine, "start", classmethod(recording_start))
     run = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
                              "rollout.backend=vllm", "data.eval_size=0", "train.steps=1",
-                             f"train.output_dir={tmp_path / 'run'}",
-                             "train.progress=false"])  # fmt: skip
+                             f"run.output_dir={tmp_path / 'run'}",
+                             "run.progress=false"])  # fmt: skip
     with pytest.raises(RuntimeError, match="a bug"):
         trainer.train(run)
     assert len(started) == 1 and started[0].llm is None  # closed

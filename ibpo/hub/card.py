@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from ibpo.config import ConfigError
+from ibpo.config import ConfigError, migrate_renamed
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import markdown_row
@@ -106,6 +106,15 @@ def run_files(loc: dict) -> dict[str, Path]:
     if loc["step"] is not None:
         files["metrics.jsonl"] = loc["adapter"].parent / "metrics.jsonl"
     return {name: p for name, p in files.items() if p.is_file()}
+
+
+def run_config(files: dict[str, Path]) -> dict:
+    """The run's config.yaml (recipe form; {} without one), with keys an older version wrote
+    under names since renamed moved to the new ones, so that the staged ibpo_config.yaml runs
+    with this version."""
+    if "config.yaml" not in files:
+        return {}
+    return migrate_renamed(yaml.safe_load(files["config.yaml"].read_text())) or {}
 
 
 def plot_files(loc: dict) -> list[Path]:
@@ -344,7 +353,7 @@ RECIPE = """
 ## Recipe
 
 The run's resolved configuration, also in `ibpo_config.yaml`;
-`ibpo train ibpo_config.yaml train.output_dir=outputs/again train.push_to_hub=false` runs it again.
+`ibpo train ibpo_config.yaml run.output_dir=outputs/again run.push_to_hub=false` runs it again.
 
 ```yaml
 {config}```
@@ -383,7 +392,7 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     check_repo_id(repo_id)
     loc = locate(output_dir)
     files = run_files(loc)
-    cfg = scrub(yaml.safe_load(files["config.yaml"].read_text())) if "config.yaml" in files else {}
+    cfg = scrub(run_config(files))
     summary = _read_json(files.get("summary.json"))
     if not cfg.get("objective") and summary.get("objective"):  # config.yaml missing
         cfg["objective"] = {"name": summary["objective"]}

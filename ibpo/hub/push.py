@@ -1,6 +1,6 @@
 """Push a trained LoRA adapter to the Hugging Face Hub with a model card.
 
-`ibpo push OUTPUT_DIR --repo-id USER/NAME` (and `train.push_to_hub` at the end of a run) uploads
+`ibpo push OUTPUT_DIR --repo-id USER/NAME` (and `run.push_to_hub` at the end of a run) uploads
 what someone using the adapter needs, assembled first in a staging folder:
 
     adapter_config.json, adapter_model.safetensors  the LoRA adapter (PEFT format)
@@ -46,6 +46,7 @@ from ibpo.hub.card import (
     build_model_card,
     locate,
     plot_files,
+    run_config,
     run_files,
     scrub,
 )
@@ -55,7 +56,7 @@ _TEXT_SUFFIXES = {".json", ".jsonl", ".yaml", ".md", ".txt", ".jinja", ".model"}
 
 
 def check_repo_id(repo_id: str | None) -> str:
-    """The Hub's repo-id rule (config.check_repo_id, which train.hub_repo_id is checked by too),
+    """The Hub's repo-id rule (config.check_repo_id, which run.hub_repo_id is checked by too),
     raising HubError."""
     return config.check_repo_id(repo_id, HubError)
 
@@ -126,7 +127,7 @@ def prepare_upload(
 def _stage(loc: dict, staging: Path, card: str, base_model: str | None) -> None:
     """Copy the allow-listed files (never a whole folder) and write the card and the recipe."""
     files = run_files(loc)
-    cfg = yaml.safe_load(files["config.yaml"].read_text()) if "config.yaml" in files else {}
+    cfg = run_config(files)
     model = (cfg or {}).get("model", {})
     base_id = base_model_id(model.get("name"), base_model)
     _stage_adapter_config(loc["adapter"] / ADAPTER_FILES[0], staging / ADAPTER_FILES[0], base_id,
@@ -195,7 +196,7 @@ def push(
             # create_repo ignores `private` for a repo that exists: never publish by surprise
             if private and not api.repo_info(repo_id, token=token).private:
                 raise HubError(f"'{repo_id}' exists and is public; nothing was pushed. Fix: "
-                               "--public (train.hub_private=false) to push to it, or another "
+                               "--public (run.hub_private=false) to push to it, or another "
                                "--repo-id")  # fmt: skip
             message = commit_message or "ibpo: LoRA adapter and model card"
             api.upload_folder(

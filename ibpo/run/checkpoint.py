@@ -117,7 +117,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def resolve_resume(resume_from: str | None, output_dir: Path) -> Path | None:
-    """train.resume_from -> the checkpoint folder to load, or None to start afresh."""
+    """run.resume_from -> the checkpoint folder to load, or None to start afresh."""
     if resume_from is None:
         return None
     if resume_from == "latest":
@@ -130,7 +130,7 @@ def resolve_resume(resume_from: str | None, output_dir: Path) -> Path | None:
         if found is not None:
             return found
     raise ConfigError(
-        f"train.resume_from={resume_from!r}: no checkpoint there. Give a "
+        f"run.resume_from={resume_from!r}: no checkpoint there. Give a "
         "<output_dir>/checkpoints/step-<N> folder, an output_dir that holds checkpoints, "
         "or 'latest' (this run's output_dir)."
     )

@@ -76,9 +76,9 @@ def oom_message(
     tr, ro, rep = cfg.train, cfg.rollout, cfg.repair
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     resume = (
-        f"Then resume from {last} with train.resume_from=latest."
+        f"Then resume from {last} with run.resume_from=latest."
         if last is not None
-        else "No checkpoint was saved yet (train.save_every)."
+        else "No checkpoint was saved yet (run.save_every)."
     )
     if in_eval:
         return (
@@ -102,7 +102,7 @@ def oom_message(
 def interrupted_message(step: int, last: Path | None) -> str:
     return (
         f"interrupted after step {step}; checkpoint: {last}.\n  Continue: the same command "
-        "with train.resume_from=latest."
+        "with run.resume_from=latest."
     )
 
 
@@ -110,7 +110,7 @@ def save_failed_message(error: OSError, last: Path | None) -> str:
     where = f"the last complete checkpoint is {last}" if last else "no checkpoint was saved"
     return (
         f"could not write a checkpoint ({error}); {where}.\n  Fix: free disk space (or set "
-        "train.output_dir on a larger disk), then resume with train.resume_from=latest."
+        "run.output_dir on a larger disk), then resume with run.resume_from=latest."
     )
 
 

@@ -2,7 +2,7 @@
 
 * A fresh start clears what an earlier run left (checkpoints, adapter, summary, plots), so its
   adapter or summary is never taken for the new run's, and is refused when that run did not
-  finish (train.overwrite=true allows it): rerunning an interrupted command keeps its checkpoints.
+  finish (run.overwrite=true allows it): rerunning an interrupted command keeps its checkpoints.
 * A run cut short mid-step gets its last checkpoint's adapter as <output_dir>/adapter.
 * Resuming applies a changed train.learning_rate or weight_decay on purpose (the restored
   optimizer and scheduler would keep the old ones) and names every other setting that differs
@@ -13,11 +13,12 @@ Not here: writing or loading checkpoints (checkpoint.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
-from ibpo.config import Config, ConfigError, from_dict
+from ibpo.config import Config, ConfigError, RunConfig, from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
 
@@ -37,8 +38,8 @@ def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
     if status != "completed":
         raise ConfigError(
             f"{out} holds checkpoints of a run that did not finish (status: {status or 'none'}; "
-            f"last: {last.name}).\n  Fix: add train.resume_from=latest to continue it, or "
-            "train.overwrite=true to start afresh and delete them (or another train.output_dir)."
+            f"last: {last.name}).\n  Fix: add run.resume_from=latest to continue it, or "
+            "run.overwrite=true to start afresh and delete them (or another run.output_dir)."
         )
 
 
@@ -73,12 +74,13 @@ def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
     return adapter
 
 
-# settings that change memory, speed, logging or the run's length, not what a step computes
+# settings that change memory, speed, logging or the run's length, not what a step computes;
+# the whole run section (where and how the job runs) is among them
 _RESUMABLE_CHANGES = {
-    "train": {"steps", "output_dir", "resume_from", "overwrite", "save_every", "keep_checkpoints",
-              "eval_every", "plots", "progress", "log_with", "push_to_hub", "hub_repo_id",
-              "hub_private", "micro_batch_groups", "micro_batch_tokens", "logprob_chunk_tokens",
-              "max_nonfinite_steps", "eval_before", "learning_rate", "weight_decay"},
+    "train": {"steps", "eval_every", "micro_batch_groups", "micro_batch_tokens",
+              "logprob_chunk_tokens", "max_nonfinite_steps", "eval_before", "learning_rate",
+              "weight_decay"},
+    "run": {f.name for f in dataclasses.fields(RunConfig)},
     "rollout": {"generation_batch_size", "eval_batch_size", "kv_cache", "backend",
                 "vllm_kv_cache_gb", "vllm_sleep"},
     "model": {"offload_activations", "cpu_dequantize", "attn_implementation"},

@@ -4,7 +4,7 @@ Reads what the trainer leaves in its output_dir: `metrics.jsonl` (one JSON objec
 periodic held-out evaluations as `eval_accuracy`/`eval_n` at some steps) and `summary.json`
 (written at the end; absent while a run goes on or after a crash, and then the report says so).
 `ibpo report OUTPUT_DIR` prints `summary_table` and writes `plots/training.png`; the trainer does
-the same at the end of a run when train.plots is on.
+the same at the end of a run when run.plots is on.
 
 Reading is forgiving because the file may come from a run that was killed or resumed: a torn
 last line (killed mid-write) is dropped, and a step logged twice (a resume that replays steps)
@@ -326,13 +326,13 @@ def summary_table(output_dir: Path | str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`ibpo report OUTPUT_DIR [--no-plots]`: print the summary table and write the plots."""
     p = argparse.ArgumentParser(prog="ibpo report", description=__doc__.splitlines()[0])
-    p.add_argument("output_dir", help="a run's train.output_dir")
+    p.add_argument("output_dir", help="a run's output_dir (run.output_dir)")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
     ns = p.parse_args(argv)
     out = Path(ns.output_dir)
     if not (out / METRICS).is_file():
         what = "does not exist" if not out.exists() else f"has no {METRICS}"
-        hint = "give the train.output_dir of a run (the trainer writes metrics.jsonl there)"
+        hint = "give a run's output_dir (run.output_dir; the trainer writes metrics.jsonl there)"
         print(f"ibpo: error: {out} {what}: {hint}", file=sys.stderr)
         return 2
     if not ns.no_plots:
