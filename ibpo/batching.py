@@ -52,8 +52,9 @@ def plan_micro_batches(
     groups = []
     for g in range(n // group_size):
         rows = list(range(g * group_size, (g + 1) * group_size))
-        groups.append((max(completion_lengths[i] for i in rows),
-                       max(prompt_lengths[i] for i in rows), rows))  # fmt: skip
+        groups.append(
+            (max(completion_lengths[i] for i in rows), max(prompt_lengths[i] for i in rows), rows)
+        )
     # longest first; ties by prompt length, then by position (a stable, deterministic order)
     groups.sort(key=lambda x: (-x[0], -x[1]))
     batches: list[list[int]] = []
@@ -105,8 +106,14 @@ def cut(rollout: Rollout, rows: list[int]) -> MicroBatch:
     p = max(max(int(prompts[i]) for i in rows), 1)  # keep one column for an empty prompt
     t = max(max(len(tokens[i]) for i in rows), 1)
     cols = slice(P - p, P + t)
-    return MicroBatch(idx, rollout.input_ids[idx][:, cols], att[:, cols], cmask[:, :t], p,
-                      [tokens[i] for i in rows])  # fmt: skip
+    return MicroBatch(
+        idx,
+        rollout.input_ids[idx][:, cols],
+        att[:, cols],
+        cmask[:, :t],
+        p,
+        [tokens[i] for i in rows],
+    )
 
 
 def micro_batches(

@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
     p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
     p_plan.add_argument("--gpus", type=int, default=1, help="GPUs sharing the run")
-    p_plan.add_argument("--sharding", choices=("ddp", "fsdp"), default="ddp",
-                        help="ddp: each GPU a full replica | fsdp: full shard")  # fmt: skip
+    p_plan.add_argument(
+        "--sharding",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp: each GPU a full replica | fsdp: full shard",
+    )
     p_plan.add_argument("--gpu-memory-gb", type=float, default=24.0, help="GiB per GPU")
     p_plan.add_argument(
         "--model-config", help="config.json, model folder or Hub id (default: model.name)"

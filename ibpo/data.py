@@ -216,8 +216,11 @@ def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
                 ) from None
             skipped.append(str(e))
     if skipped:
-        print(f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
-              f"(data.skip_unusable); the first: {skipped[0]}", file=sys.stderr)  # fmt: skip
+        print(
+            f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
+            f"(data.skip_unusable); the first: {skipped[0]}",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -262,8 +265,10 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
         return train, held[: cfg.eval_size]
     rows = _load_rows(cfg.dataset, cfg.split, cfg.subset)
     if rows is None:
-        raise ConfigError(f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
-                          "Fix: set data.split to one it has (often 'train').")  # fmt: skip
+        raise ConfigError(
+            f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
+            "Fix: set data.split to one it has (often 'train')."
+        )
     train = rows_to_examples(rows, cfg, cfg.dataset)
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
@@ -296,11 +301,15 @@ def _without_held_out(train: list[Example], held: list[Example]):
     seen = {" ".join(ex.question.split()) for ex in held}
     kept = [ex for ex in train if " ".join(ex.question.split()) not in seen]
     if len(kept) < len(train):
-        print(f"ibpo: dropped {len(train) - len(kept)} training rows that repeat a held-out "
-              "question", file=sys.stderr)  # fmt: skip
+        print(
+            f"ibpo: dropped {len(train) - len(kept)} training rows that repeat a held-out question",
+            file=sys.stderr,
+        )
     if not kept:
-        raise ConfigError("every training row repeats a held-out question: lower data.eval_size "
-                          "or use another data.eval_dataset")  # fmt: skip
+        raise ConfigError(
+            "every training row repeats a held-out question: lower data.eval_size "
+            "or use another data.eval_dataset"
+        )
     return kept, held
 
 

@@ -78,8 +78,11 @@ def gathered(model: nn.Module):
         # every unit gathers its parameters and keeps them.
         device = next(model.parameters()).device
         with torch.no_grad():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
-                  logits_to_keep=1)  # fmt: skip
+            model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                use_cache=False,
+                logits_to_keep=1,
+            )
         yield
     finally:
         for m, reshard in settings:
@@ -107,8 +110,9 @@ def save_adapter(accelerator, model: nn.Module, path: Path) -> None:
     peft_model = accelerator.unwrap_model(model)
     state = None
     if is_fsdp(model):  # a collective: every process gathers, the main one writes
-        state = {n: _full(p).detach().cpu() for n, p in peft_model.named_parameters()
-                 if p.requires_grad}  # fmt: skip
+        state = {
+            n: _full(p).detach().cpu() for n, p in peft_model.named_parameters() if p.requires_grad
+        }
     if accelerator.is_main_process:
         # save_embedding_layers=False: the vocabulary is never resized, and "auto" would look
         # the base model up on the Hub at every save
@@ -133,8 +137,10 @@ def load_adapter(peft_model: nn.Module, path: Path) -> None:
 
 
 def _mismatch(path, detail: str) -> ConfigError:
-    return ConfigError(f"the adapter in '{path}' does not fit this model ({detail}); resume with "
-                       "the model.* settings the run started with")  # fmt: skip
+    return ConfigError(
+        f"the adapter in '{path}' does not fit this model ({detail}); resume with "
+        "the model.* settings the run started with"
+    )
 
 
 def _load_sharded(peft_model: nn.Module, weights: dict, path) -> None:
@@ -152,8 +158,9 @@ def _load_sharded(peft_model: nn.Module, weights: dict, path) -> None:
         if tuple(weights[key].shape) != tuple(p.shape):
             raise _mismatch(path, f"{key}: {tuple(weights[key].shape)} vs {tuple(p.shape)}")
     full = {n: weights[key].to(p.dtype) for key, (n, p) in names.items()}
-    set_model_state_dict(peft_model, full,
-                         options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+    set_model_state_dict(
+        peft_model, full, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
 
 
 def _plain(optimizer):
@@ -186,8 +193,12 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, _plain(optimizer), optim_state_dict=state,
-                             options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    set_optimizer_state_dict(
+        model,
+        _plain(optimizer),
+        optim_state_dict=state,
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def launch_kind(accelerator) -> str:

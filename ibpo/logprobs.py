@@ -170,8 +170,10 @@ def fused_head_logprobs(
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _by_chunks(
         lambda h, t: _HeadLogProb.apply(h, head.weight, head.bias, t, temperature, need_grad),
-        hidden, targets, chunk_tokens,
-    )  # fmt: skip
+        hidden,
+        targets,
+        chunk_tokens,
+    )
 
 
 def _by_chunks(fn, hidden: Tensor, targets: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor]:
@@ -249,8 +251,12 @@ def completion_hidden(
     base = unwrap(model)
     _check_supported(base)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)  # fmt: skip
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
     if (hasattr(model, "module") and torch.is_grad_enabled()) or is_fsdp(model):
         # A distributed wrapper (DDP) arms its gradient all-reduce in its own forward: calling the
         # decoder underneath would leave every process with its own gradient; FSDP's root forward
@@ -289,8 +295,9 @@ def completion_logprobs(
     head = unwrap(model).get_output_embeddings()
     sel = completion_mask.bool()
     # [M, H] and [M]: completion positions only
-    logps, ents = head_logprobs(head, hidden[sel], input_ids[:, prompt_len:][sel], chunk_tokens,
-                                temperature)  # fmt: skip
+    logps, ents = head_logprobs(
+        head, hidden[sel], input_ids[:, prompt_len:][sel], chunk_tokens, temperature
+    )
     zeros = hidden.new_zeros(sel.shape, dtype=torch.float32)
     return zeros.masked_scatter(sel, logps), zeros.masked_scatter(sel, ents.detach())
 

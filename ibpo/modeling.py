@@ -78,8 +78,10 @@ def check_training_dtype(dtype: torch.dtype, device: torch.device) -> None:
         fix = "use model.dtype=bfloat16 (or auto)"
     elif device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        fix = (f"use model.dtype=float32 (or auto) on this GPU (compute capability "
-               f"{major}.{minor} has no native bf16)")  # fmt: skip
+        fix = (
+            f"use model.dtype=float32 (or auto) on this GPU (compute capability "
+            f"{major}.{minor} has no native bf16)"
+        )
     else:
         fix = "use model.dtype=float32 (or auto)"
     raise ConfigError(
@@ -318,8 +320,9 @@ def offloaded_activations(enabled: bool, cpu_copies: bool = False) -> Iterator[N
             return t
         held = _unexpanded(t)
         # the host buffer: pinned when the tensor is on a GPU, so both copies can be asynchronous
-        host = torch.empty(held.shape, dtype=t.dtype, device="cpu",
-                           pin_memory=t.device.type == "cuda")  # fmt: skip
+        host = torch.empty(
+            held.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda"
+        )
         host.copy_(held, non_blocking=True)
         return t.device, host, t.shape
 

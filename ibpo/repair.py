@@ -131,21 +131,35 @@ class RepairOutcome:
 
 
 def run_repairs(
-    generator: Generator, tokenizer, questions: list[str], rollout: Rollout, rewards: Tensor,
-    answers: list[str], reward_fn, rep: RepairConfig, data_cfg: DataConfig, gen: dict,
+    generator: Generator,
+    tokenizer,
+    questions: list[str],
+    rollout: Rollout,
+    rewards: Tensor,
+    answers: list[str],
+    reward_fn,
+    rep: RepairConfig,
+    data_cfg: DataConfig,
+    gen: dict,
     rng: random.Random,
-) -> RepairOutcome:  # fmt: skip
+) -> RepairOutcome:
     """Generate and grade the repairs of one step. rewards [B, G] on the host; `gen`:
     max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
     resolved). A step that plans no repair (every member correct, or no eligible reference)
     gets phi = 0 and all-blame masks from the same code as one that does."""
     B, G = rewards.shape
-    jobs = plan_repairs(rewards, rep.references, rep.max_repairs_per_group,
-                        rep.reference_selection, rng)  # fmt: skip
+    jobs = plan_repairs(
+        rewards, rep.references, rep.max_repairs_per_group, rep.reference_selection, rng
+    )
     width = rollout.completion_mask.shape[1]
     n_wrong = int((rewards <= 0.0).sum().item())
-    stats = {"repairs": float(len(jobs)), "repair_tokens": 0.0, "repair_rate": 0.0,
-             "repair_success_rate": 0.0, "edited_token_fraction": 0.0}  # fmt: skip
+    stats = {
+        "repairs": float(len(jobs)),
+        "repair_tokens": 0.0,
+        "repair_rate": 0.0,
+        "repair_success_rate": 0.0,
+        "edited_token_fraction": 0.0,
+    }
     attempts = rollout.host_tokens()
     if not jobs:
         edited, _ = edit_masks(attempts, width, [], [], [], G)
@@ -161,13 +175,19 @@ def run_repairs(
                 texts[j.group * G + j.reference],
             ),
             data_cfg,
-        )  # fmt: skip
+        )
         for j in jobs
     ]
     out = generator(
-        tokenizer, prompts, 1, gen["max_new_tokens"], gen["batch_size"],
-        temperature=gen["temperature"], top_p=gen["top_p"], top_k=gen["top_k"],
-    )  # fmt: skip
+        tokenizer,
+        prompts,
+        1,
+        gen["max_new_tokens"],
+        gen["batch_size"],
+        temperature=gen["temperature"],
+        top_p=gen["top_p"],
+        top_k=gen["top_k"],
+    )
     graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
     success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(graded, jobs)]
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)

@@ -76,11 +76,16 @@ class Rollout:
         idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
         tokens, prompts = self.host_tokens(), self.host_prompt_lengths()
         return Rollout(
-            self.input_ids[idx], self.attention_mask[idx], self.completion_mask[idx],
-            self.prompt_len, [self.texts[i] for i in rows], self.truncated[idx],
-            [tokens[i] for i in rows], [prompts[i] for i in rows],
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.completion_mask[idx],
+            self.prompt_len,
+            [self.texts[i] for i in rows],
+            self.truncated[idx],
+            [tokens[i] for i in rows],
+            [prompts[i] for i in rows],
             [self.host_truncated()[i] for i in rows],
-        )  # fmt: skip
+        )
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -96,12 +101,16 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         att.append(pad(r.attention_mask, (left, right), value=0))
         cmask.append(pad(r.completion_mask, (0, right), value=0.0))
     return Rollout(
-        torch.cat(ids), torch.cat(att), torch.cat(cmask), P,
-        [t for r in rollouts for t in r.texts], torch.cat([r.truncated for r in rollouts]),
+        torch.cat(ids),
+        torch.cat(att),
+        torch.cat(cmask),
+        P,
+        [t for r in rollouts for t in r.texts],
+        torch.cat([r.truncated for r in rollouts]),
         [t for r in rollouts for t in r.host_tokens()],
         [n for r in rollouts for n in r.host_prompt_lengths()],
         [c for r in rollouts for c in r.host_truncated()],
-    )  # fmt: skip
+    )
 
 
 def set_kv_cache(model: nn.Module, kind: str) -> None:
@@ -143,8 +152,9 @@ def completion_mask_from(tokens: Tensor, eos: list[int]) -> tuple[Tensor, Tensor
     return mask, ~is_eos.any(-1)
 
 
-def encode_prompts(tokenizer, prompts: list[str], num_samples: int,
-                   device) -> tuple[Tensor, Tensor]:  # fmt: skip
+def encode_prompts(
+    tokenizer, prompts: list[str], num_samples: int, device
+) -> tuple[Tensor, Tensor]:
     """Prompt ids and mask [N, P], left-padded, each prompt repeated `num_samples` times. No
     special tokens are added: the chat template already holds any BOS the model needs."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -187,7 +197,7 @@ def generate(
             k: 1
             for k in ("num_beams", "num_beam_groups")
             if hasattr(unwrap(model).generation_config, k)
-        },  # fmt: skip
+        },
         **(
             sampling
             if do_sample
@@ -215,8 +225,9 @@ def generate(
     return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos)
 
 
-def assemble(prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], tokenizer,
-             eos: list[int]) -> Rollout:  # fmt: skip
+def assemble(
+    prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], tokenizer, eos: list[int]
+) -> Rollout:
     """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept)."""
     width = max(p.shape[1] for p in pieces)
     completions = torch.cat(
@@ -232,8 +243,17 @@ def assemble(prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], toke
     tokens = [row[:n] for row, n in zip(completions.tolist(), lengths)]
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
     prompt_lengths = prompt_mask.sum(-1).tolist()
-    return Rollout(input_ids, attention_mask, mask, prompt_ids.shape[1], texts, truncated,
-                   tokens, prompt_lengths, truncated.tolist())  # fmt: skip
+    return Rollout(
+        input_ids,
+        attention_mask,
+        mask,
+        prompt_ids.shape[1],
+        texts,
+        truncated,
+        tokens,
+        prompt_lengths,
+        truncated.tolist(),
+    )
 
 
 # (tokenizer, prompts, num_samples, max_new_tokens, batch_size, *, do_sample, temperature, top_p,

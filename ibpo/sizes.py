@@ -107,14 +107,17 @@ class ModelShape:
         try:
             heads = int(d["num_attention_heads"])
             return cls(
-                hidden=int(d["hidden_size"]), layers=int(d["num_hidden_layers"]), heads=heads,
+                hidden=int(d["hidden_size"]),
+                layers=int(d["num_hidden_layers"]),
+                heads=heads,
                 kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-                intermediate=int(d["intermediate_size"]), vocab=int(d["vocab_size"]),
+                intermediate=int(d["intermediate_size"]),
+                vocab=int(d["vocab_size"]),
                 tied=bool(d.get("tie_word_embeddings", False)),
                 qk_norm=d.get("model_type") == "qwen3",
                 attention_bias=bool(d.get("attention_bias")),
-            )  # fmt: skip
+            )
         except KeyError as e:
             raise ConfigError(f"model config has no {e}: not a decoder LM config") from None
 
@@ -124,8 +127,15 @@ class ModelShape:
     def linears(self) -> dict[str, tuple[int, int]]:
         """Per-layer linear modules: name -> (in_features, out_features)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return dict(q_proj=(h, q), k_proj=(h, kv), v_proj=(h, kv), o_proj=(q, h),
-                    gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))  # fmt: skip
+        return dict(
+            q_proj=(h, q),
+            k_proj=(h, kv),
+            v_proj=(h, kv),
+            o_proj=(q, h),
+            gate_proj=(h, i),
+            up_proj=(h, i),
+            down_proj=(i, h),
+        )
 
     def bias_params(self) -> int:
         return (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
@@ -161,8 +171,9 @@ def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig
     if name in KNOWN_ARCHITECTURES:
         return ModelShape.from_dict(KNOWN_ARCHITECTURES[name])
     if path.suffix == ".json" or name.startswith(("/", ".", "~")):  # a path, not a Hub id
-        raise ConfigError(f"model config '{path}' not found: give a config.json, a model "
-                          "folder or a Hub id")  # fmt: skip
+        raise ConfigError(
+            f"model config '{path}' not found: give a config.json, a model folder or a Hub id"
+        )
     from transformers import AutoConfig
 
     try:
@@ -208,8 +219,9 @@ def lora_targets(shape: ModelShape, targets: str | list[str]) -> dict[str, tuple
         return mods
     if isinstance(targets, str):
         block = lambda n: "mlp" if n in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        return {n: d for n, d in mods.items()
-                if re.fullmatch(targets, f"model.layers.0.{block(n)}.{n}")}  # fmt: skip
+        return {
+            n: d for n, d in mods.items() if re.fullmatch(targets, f"model.layers.0.{block(n)}.{n}")
+        }
     return {n: d for n, d in mods.items() if n in targets}
 
 

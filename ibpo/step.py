@@ -129,8 +129,9 @@ class UpdateResult:
 # --- the step ------------------------------------------------------------------------------------
 
 
-def rl_step(parts: StepParts, tokenizer, accelerator, cfg: Config, objective: ResolvedObjective,
-            engine=None) -> dict[str, float]:  # fmt: skip
+def rl_step(
+    parts: StepParts, tokenizer, accelerator, cfg: Config, objective: ResolvedObjective, engine=None
+) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does."""
     model, device = parts.model, accelerator.device
@@ -139,15 +140,23 @@ def rl_step(parts: StepParts, tokenizer, accelerator, cfg: Config, objective: Re
     # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
     # normalises the groups it generated
     with generating(model, cfg, device, engine) as generator:
-        batch = collect_batch(generator, tokenizer, parts.stream, cfg, objective,
-                              REWARDS[cfg.objective.reward], parts.rng)  # fmt: skip
+        batch = collect_batch(
+            generator,
+            tokenizer,
+            parts.stream,
+            cfg,
+            objective,
+            REWARDS[cfg.objective.reward],
+            parts.rng,
+        )
     t_gen = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
     # 6-8. frozen log-probs, micro-batched backward, optimizer step(s)
     fast = use_dequantized_base(cfg.model, device, model)  # CPU: dequantise the base once
     with dequantized_base(model) if fast else nullcontext():
-        upd = update_policy(model, parts.optimizer, parts.scheduler, accelerator, batch, cfg,
-                            objective)  # fmt: skip
+        upd = update_policy(
+            model, parts.optimizer, parts.scheduler, accelerator, batch, cfg, objective
+        )
     t_end = time.perf_counter()
     # 9. metrics
     metrics = step_metrics(batch, upd, lr)
@@ -185,9 +194,14 @@ def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
 
 
 def collect_batch(
-    generator: Generator, tokenizer, stream: PromptStream, cfg: Config,
-    objective: ResolvedObjective, reward_fn, rng: random.Random,
-) -> ScoredBatch:  # fmt: skip
+    generator: Generator,
+    tokenizer,
+    stream: PromptStream,
+    cfg: Config,
+    objective: ResolvedObjective,
+    reward_fn,
+    rng: random.Random,
+) -> ScoredBatch:
     """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
     batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
     dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
@@ -219,9 +233,14 @@ def collect_batch(
     no_signal = not kept
     if no_signal:  # nothing had signal: train on the last round as is (zero advantages)
         kept = [last]
-    batch = assemble_batch(kept, objective, cfg.rollout.max_new_tokens,
-                           cfg.repair.unchanged_weight, tokenizer.pad_token_id,
-                           no_signal)  # fmt: skip
+    batch = assemble_batch(
+        kept,
+        objective,
+        cfg.rollout.max_new_tokens,
+        cfg.repair.unchanged_weight,
+        tokenizer.pad_token_id,
+        no_signal,
+    )
     all_rewards = torch.cat(sampled)
     stats.update(
         sampled_reward=all_rewards.mean().item(),
@@ -234,21 +253,36 @@ def collect_batch(
     return batch
 
 
-def score_round(generator: Generator, tokenizer, examples, cfg: Config, repairing: bool,
-                reward_fn, rng: random.Random) -> Round:  # fmt: skip
+def score_round(
+    generator: Generator,
+    tokenizer,
+    examples,
+    cfg: Config,
+    repairing: bool,
+    reward_fn,
+    rng: random.Random,
+) -> Round:
     """One round: generate G completions per example, grade them, and (IBPO) repair the failed
     ones, which shapes the rewards and gives the edit masks."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
     prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
     rollout = generator(
-        tokenizer, prompts, G, ro.max_new_tokens, ro.generation_batch_size,
-        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-    )  # fmt: skip
+        tokenizer,
+        prompts,
+        G,
+        ro.max_new_tokens,
+        ro.generation_batch_size,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+    )
     t1 = time.perf_counter()
     answers = [ex.answer for ex in examples]
-    flat = [reward_fn(as_graded(prompts[n // G], t), answers[n // G])
-            for n, t in enumerate(rollout.texts)]  # fmt: skip
+    flat = [
+        reward_fn(as_graded(prompts[n // G], t), answers[n // G])
+        for n, t in enumerate(rollout.texts)
+    ]
     rewards = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
     if not repairing:
@@ -261,8 +295,19 @@ def score_round(generator: Generator, tokenizer, examples, cfg: Config, repairin
         "top_p": ro.top_p,
         "top_k": ro.top_k,
     }
-    out = run_repairs(generator, tokenizer, [ex.question for ex in examples], rollout, rewards,
-                      answers, reward_fn, rep, cfg.data, gen, rng)  # fmt: skip
+    out = run_repairs(
+        generator,
+        tokenizer,
+        [ex.question for ex in examples],
+        rollout,
+        rewards,
+        answers,
+        reward_fn,
+        rep,
+        cfg.data,
+        gen,
+        rng,
+    )
     shaped = shape_rewards(rewards, out.phi, rep.shaping_lambda, rewards >= 1.0)
     stats.update(out.stats)
     stats["time_repair"] = time.perf_counter() - t1
@@ -276,9 +321,13 @@ def _add(total: dict[str, float], part: dict[str, float]) -> None:
 
 
 def assemble_batch(
-    kept: list[Round], objective: ResolvedObjective, max_new_tokens: int, unchanged_weight: float,
-    pad: int, no_signal: bool = False,
-) -> ScoredBatch:  # fmt: skip
+    kept: list[Round],
+    objective: ResolvedObjective,
+    max_new_tokens: int,
+    unchanged_weight: float,
+    pad: int,
+    no_signal: bool = False,
+) -> ScoredBatch:
     """The kept rounds (rollout on its device; rewards, shaped rewards [B', G] and edit masks
     [N', T'] on the host) -> one scored batch whose advantages live on the rollout's device."""
     rollout = concat_rollouts([k.rollout for k in kept], pad) if len(kept) > 1 else kept[0].rollout
@@ -288,8 +337,9 @@ def assemble_batch(
     # DAPO's length penalty joins the rewards the advantages see, after dynamic sampling (which
     # judges the task's rewards, as DAPO filters on accuracy) and after repairs (graded on R)
     lengths = torch.tensor(rollout.lengths, device="cpu").view_as(shaped)
-    long = overlong_penalty(lengths, max_new_tokens, objective.overlong_buffer,
-                            objective.overlong_penalty)  # fmt: skip
+    long = overlong_penalty(
+        lengths, max_new_tokens, objective.overlong_buffer, objective.overlong_penalty
+    )
     if no_signal:  # dynamic sampling found no task signal: no length-only update either
         long = torch.zeros_like(long)
     # host -> device, here only: the sequence advantages and the edit masks
@@ -375,8 +425,15 @@ def update_policy(
 
 def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
     """Log-probs/entropies [n, t] of one micro-batch (already cut to its widths)."""
-    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                               mb.completion_mask, chunk, temperature)  # fmt: skip
+    return completion_logprobs(
+        model,
+        mb.input_ids,
+        mb.attention_mask,
+        mb.prompt_len,
+        mb.completion_mask,
+        chunk,
+        temperature,
+    )
 
 
 @torch.no_grad()
@@ -513,6 +570,8 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     and KV cache, the CUDA context, other processes). On CPU the process's peak RSS since start."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return {"peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-                "device_memory_used_gb": (total - free) / 2**30}  # fmt: skip
+        return {
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "device_memory_used_gb": (total - free) / 2**30,
+        }
     return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -102,12 +102,17 @@ def _build(cfg: Config, accelerator) -> tuple[StepParts, object, list]:
     eval_examples, n_eval = drop_long_prompts(eval_examples, tokenizer, cfg.data, "held-out")
     if n_train or n_eval:
         limit = cfg.data.max_prompt_tokens
-        accelerator.print(f"ibpo: left out {n_train} training and {n_eval} held-out problems "
-                          f"whose prompt exceeds data.max_prompt_tokens={limit}")  # fmt: skip
+        accelerator.print(
+            f"ibpo: left out {n_train} training and {n_eval} held-out problems "
+            f"whose prompt exceeds data.max_prompt_tokens={limit}"
+        )
     stream = PromptStream(
-        train_examples, cfg.train.seed, cfg.data.shuffle,
-        accelerator.process_index, accelerator.num_processes,
-    )  # fmt: skip
+        train_examples,
+        cfg.train.seed,
+        cfg.data.shuffle,
+        accelerator.process_index,
+        accelerator.num_processes,
+    )
     optimizer = build_optimizer(model, cfg, accelerator.device, launch_kind(accelerator) == "FSDP")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -121,8 +126,11 @@ def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
     removed = outdir.clear_previous_run(out) if resume is None else []
     if removed:
-        print(f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
-              "(run.resume_from=latest continues a run instead)", file=sys.stderr)  # fmt: skip
+        print(
+            f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
+            "(run.resume_from=latest continues a run instead)",
+            file=sys.stderr,
+        )
 
 
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
@@ -133,8 +141,9 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: C
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
         accelerator.print(f"resumed from {resume} (step {state.step})")
-        applied = outdir.apply_optimizer_settings(parts, cfg.train.learning_rate,
-                                                cfg.train.weight_decay)  # fmt: skip
+        applied = outdir.apply_optimizer_settings(
+            parts, cfg.train.learning_rate, cfg.train.weight_decay
+        )
         if applied:
             accelerator.print(f"ibpo: resuming with {'; '.join(applied)}")
         changed = outdir.resume_changes(resume, cfg)
@@ -160,8 +169,11 @@ def _final_eval(held_out, accelerator) -> dict | None:
     except Exception as e:
         if accelerator.num_processes > 1:
             raise
-        print(f"ibpo: the final held-out evaluation failed: {type(e).__name__}: {e}\n  The "
-              "adapter is saved; evaluate it with scripts/eval_*.py.", file=sys.stderr)  # fmt: skip
+        print(
+            f"ibpo: the final held-out evaluation failed: {type(e).__name__}: {e}\n  The "
+            "adapter is saved; evaluate it with scripts/eval_*.py.",
+            file=sys.stderr,
+        )
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
@@ -175,16 +187,21 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
             if run.progress:
                 print(report.summary_table(out), file=sys.stderr)
         except Exception as e:  # a figure is never worth a traceback after hours of training
-            print(f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
+                file=sys.stderr,
+            )
     if run.push_to_hub and status == "completed":
         try:
             url = hub_push.push(out, run.hub_repo_id, private=run.hub_private)
             print(f"ibpo: pushed to {url}", file=sys.stderr)
         except Exception as e:  # the run is saved: a failed upload must not fail it
             detail = str(e) if isinstance(e, hub_push.HubError) else repr(e)
-            print(f"ibpo: push to the Hub failed: {detail}\n  Retry: ibpo push {out} "
-                  f"--repo-id {run.hub_repo_id}", file=sys.stderr)  # fmt: skip
+            print(
+                f"ibpo: push to the Hub failed: {detail}\n  Retry: ibpo push {out} "
+                f"--repo-id {run.hub_repo_id}",
+                file=sys.stderr,
+            )
 
 
 def train(cfg: Config) -> dict:
@@ -201,8 +218,9 @@ def train(cfg: Config) -> dict:
     start, tr, run = time.time(), cfg.train, cfg.run
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
-    accelerator = Accelerator(log_with=run.log_with, project_dir=run.output_dir,
-                              step_scheduler_with_optimizer=False)  # fmt: skip
+    accelerator = Accelerator(
+        log_with=run.log_with, project_dir=run.output_dir, step_scheduler_with_optimizer=False
+    )
     check_launch(accelerator, cfg)
     set_seed(tr.seed)
     out, main = Path(run.output_dir), accelerator.is_main_process
@@ -232,9 +250,15 @@ def train(cfg: Config) -> dict:
                 return None
             with generating(parts.model, cfg, accelerator.device, engine) as generator:
                 return evaluate_accuracy(
-                    generator, tokenizer, eval_examples, cfg.data, reward_fn,
-                    cfg.rollout.eval_max_new_tokens, cfg.rollout.eval_batch_size, accelerator,
-                )  # fmt: skip
+                    generator,
+                    tokenizer,
+                    eval_examples,
+                    cfg.data,
+                    reward_fn,
+                    cfg.rollout.eval_max_new_tokens,
+                    cfg.rollout.eval_batch_size,
+                    accelerator,
+                )
 
         metrics_path = out / "metrics.jsonl"
         state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, cfg)
@@ -243,12 +267,23 @@ def train(cfg: Config) -> dict:
         def checkpoint() -> Path:
             state.wall_seconds = prior + time.time() - start
             root = out / ckpt.CHECKPOINTS
-            return ckpt.save_checkpoint(accelerator, root, parts, state, metrics_path,
-                                        run.keep_checkpoints, cfg.to_dict(recipe=True))  # fmt: skip
+            return ckpt.save_checkpoint(
+                accelerator,
+                root,
+                parts,
+                state,
+                metrics_path,
+                run.keep_checkpoints,
+                cfg.to_dict(recipe=True),
+            )
 
         metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
-        bar = tqdm(total=tr.steps, initial=min(state.step, tr.steps), desc="ibpo",
-                   disable=not (main and run.progress))  # fmt: skip
+        bar = tqdm(
+            total=tr.steps,
+            initial=min(state.step, tr.steps),
+            desc="ibpo",
+            disable=not (main and run.progress),
+        )
         status, message, last = "completed", None, resume  # last: the newest checkpoint
         cut_short = False  # stopped mid-step: the live adapter is not saved
         phase = "step"  # what ran when an error came: step | eval | save
@@ -318,14 +353,21 @@ def train(cfg: Config) -> dict:
             if main:
                 tokenizer.save_pretrained(adapter)
         summary = {
-            "eval_before": state.eval_before, "eval_after": None, "steps": state.step,
-            "objective": objective.name, "model": cfg.model.name,
-            "quantization": cfg.model.quantization, "dataset": cfg.data.dataset,
-            "status": status, "message": message, "nonfinite_steps": state.nonfinite_total,
-            "resumed_from": resume and str(resume), "checkpoint": last and str(last),
+            "eval_before": state.eval_before,
+            "eval_after": None,
+            "steps": state.step,
+            "objective": objective.name,
+            "model": cfg.model.name,
+            "quantization": cfg.model.quantization,
+            "dataset": cfg.data.dataset,
+            "status": status,
+            "message": message,
+            "nonfinite_steps": state.nonfinite_total,
+            "resumed_from": resume and str(resume),
+            "checkpoint": last and str(last),
             "wall_seconds": round(prior + time.time() - start, 1),
             "adapter": adapter and str(adapter),
-        }  # fmt: skip
+        }
         if main:  # written now too: a run killed in its final evaluation still has a summary
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if status == "completed":

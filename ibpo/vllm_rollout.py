@@ -130,12 +130,17 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             llm = vllm.LLM(
-                model=resolve_model_path(mc.name), revision=mc.revision, seed=cfg.train.seed,
+                model=resolve_model_path(mc.name),
+                revision=mc.revision,
+                seed=cfg.train.seed,
                 dtype=str(dtype).removeprefix("torch."),
-                trust_remote_code=mc.trust_remote_code, max_model_len=length,
-                kv_cache_memory_bytes=kv_bytes, max_num_seqs=cfg.rollout.generation_batch_size,
-                max_num_batched_tokens=VLLM_BATCHED_TOKENS, **kwargs,
-            )  # fmt: skip
+                trust_remote_code=mc.trust_remote_code,
+                max_model_len=length,
+                kv_cache_memory_bytes=kv_bytes,
+                max_num_seqs=cfg.rollout.generation_batch_size,
+                max_num_batched_tokens=VLLM_BATCHED_TOKENS,
+                **kwargs,
+            )
         except (ValueError, RuntimeError) as e:  # vLLM's own advice names knobs set here
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise ConfigError(
@@ -189,10 +194,18 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(
-        self, lora, tokenizer, prompts: list[str], num_samples: int, max_new_tokens: int,
-        batch_size: int, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+        self,
+        lora,
+        tokenizer,
+        prompts: list[str],
+        num_samples: int,
+        max_new_tokens: int,
+        batch_size: int,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
         top_k: int = 0,
-    ) -> Rollout:  # fmt: skip
+    ) -> Rollout:
         """rollout.generate's contract. `batch_size` is not used: vLLM schedules sequences
         within its KV-cache budget."""
         if self.asleep:
@@ -201,20 +214,29 @@ class VLLMEngine:
         # the hf backend's prompt tensors (the Rollout keeps them); vLLM gets each prompt's
         # tokens once, unpadded
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, self.device)
-        rows = [ids[m.bool()].tolist() for ids, m in
-                zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())]  # fmt: skip
+        rows = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(prompt_ids[::num_samples].cpu(), prompt_mask[::num_samples].cpu())
+        ]
         # vLLM seeds sample j of a request with seed + j: requests get disjoint seed ranges
         n = num_samples if do_sample else 1  # greedy samples are all the same (vLLM wants n=1)
         sampling = [{"temperature": 0.0}] * len(rows)
         if do_sample:  # greedy calls (evaluation) leave torch's RNG alone, as generate() does
             seed = int(torch.randint(0, 2**31 - len(rows) * n, ()).item())
-            sampling = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i * n)
-                        for i in range(len(rows))]  # fmt: skip
+            sampling = [
+                dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i * n)
+                for i in range(len(rows))
+            ]
         # detokenize=False: the texts come from rollout.assemble, as for the hf backend
-        params = [vllm.SamplingParams(n=n, max_tokens=max_new_tokens, stop_token_ids=self.eos,
-                                      detokenize=False, **kw) for kw in sampling]  # fmt: skip
-        outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], params,
-                                    lora_request=lora, use_tqdm=False)  # fmt: skip
+        params = [
+            vllm.SamplingParams(
+                n=n, max_tokens=max_new_tokens, stop_token_ids=self.eos, detokenize=False, **kw
+            )
+            for kw in sampling
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": r} for r in rows], params, lora_request=lora, use_tqdm=False
+        )
         # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)
         completions = [
             torch.tensor([list(c.token_ids)], dtype=torch.long, device="cpu")

@@ -90,8 +90,12 @@ def build_model_dir(arch: dict, root: Path, device: torch.device) -> Path:
     path = model_dir(arch, root)
     if (path / "config.json").is_file():
         return path
-    config = Qwen3Config(**{k: v for k, v in arch.items() if k != "model_type"},
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)  # fmt: skip
+    config = Qwen3Config(
+        **{k: v for k, v in arch.items() if k != "model_type"},
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with device:
@@ -138,27 +142,43 @@ def _track_rollout(device: torch.device, record: dict):
 
 def bench_config(arch_name, new_tokens, args, root, device) -> dict:
     arch = ARCHS[arch_name]
-    row = {"model": f"qwen3-{arch_name}", "new_tokens": new_tokens, "group_size": args.group_size,
-           "overrides": args.set}  # fmt: skip
+    row = {
+        "model": f"qwen3-{arch_name}",
+        "new_tokens": new_tokens,
+        "group_size": args.group_size,
+        "overrides": args.set,
+    }
     t0 = time.perf_counter()
     path = build_model_dir(arch, root, device)
     row["build_s"] = round(time.perf_counter() - t0, 1)
     tok = make_tokenizer(arch["vocab_size"])
     question = ("what is 12 + 34 * 5 - 6 ? " * 1000)[: args.prompt_chars]
     overrides = [
-        f"model.name={path}", "model.quantization=nf4", f"model.lora_r={args.lora_r}",
-        f"model.lora_alpha={2 * args.lora_r}", f"rollout.group_size={args.group_size}",
-        f"rollout.max_new_tokens={new_tokens}", f"rollout.generation_batch_size={args.group_size}",
-        "train.prompts_per_step=1", "train.micro_batch_groups=1", "data.eval_size=0",
-        "objective.reward=bench_alternating", "repair.enabled=false", *args.set,
-    ]  # fmt: skip
+        f"model.name={path}",
+        "model.quantization=nf4",
+        f"model.lora_r={args.lora_r}",
+        f"model.lora_alpha={2 * args.lora_r}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.max_new_tokens={new_tokens}",
+        f"rollout.generation_batch_size={args.group_size}",
+        "train.prompts_per_step=1",
+        "train.micro_batch_groups=1",
+        "data.eval_size=0",
+        "objective.reward=bench_alternating",
+        "repair.enabled=false",
+        *args.set,
+    ]
     cfg = load_config(None, overrides)
     cfg.data.max_prompt_tokens = len(tok(render_prompt(tok, question, cfg.data))["input_ids"])
     p = plan.estimate(arch, cfg, 1, args.cap_gb)
-    row.update(prompt_tokens=cfg.data.max_prompt_tokens, plan_peak_phase=p.peak_phase,
-               plan_allocated_gb=round(p.allocated_gb, 4), plan_peak_gb=round(p.peak_gb, 4),
-               plan_fits=p.fits, **{f"plan_{k}_gb": round(sum(v.values()), 4)
-                                    for k, v in p.phases.items()})  # fmt: skip
+    row.update(
+        prompt_tokens=cfg.data.max_prompt_tokens,
+        plan_peak_phase=p.peak_phase,
+        plan_allocated_gb=round(p.allocated_gb, 4),
+        plan_peak_gb=round(p.peak_gb, 4),
+        plan_fits=p.fits,
+        **{f"plan_{k}_gb": round(sum(v.values()), 4) for k, v in p.phases.items()},
+    )
     record: dict = {"phase": "load"}
     restore = _track_rollout(device, record)
     try:
@@ -190,8 +210,9 @@ def _run_steps(cfg, question, args, device, record) -> dict:
     record["load_alloc_gb"] = _peak(device)[0]
     objective = resolve_params(cfg.objective)
     examples = [Example(question, "0")]
-    parts = step.StepParts(model, optimizer, scheduler, PromptStream(examples, 0, False),
-                           random.Random(0))  # fmt: skip
+    parts = step.StepParts(
+        model, optimizer, scheduler, PromptStream(examples, 0, False), random.Random(0)
+    )
     try:
         for _ in range(args.steps):  # the last step's numbers are reported
             record["phase"] = "rollout"
@@ -203,19 +224,25 @@ def _run_steps(cfg, question, args, device, record) -> dict:
     t_gen = m.get("time_generate", m.get("time_rollout"))
     alloc, reserved = _peak(device)
     return dict(
-        load_s=round(load_s, 1), completion_length=m["completion_length"],
+        load_s=round(load_s, 1),
+        completion_length=m["completion_length"],
         rollout_tokens_per_s=round(n * T / t_gen, 1),
         train_tokens_per_s=round(n * (cfg.data.max_prompt_tokens + T) / m["time_update"], 1),
-        time_generate_s=round(t_gen, 2), time_update_s=round(m["time_update"], 2),
-        step_time_s=round(m["step_time"], 2), update_alloc_gb=round(alloc, 2),
+        time_generate_s=round(t_gen, 2),
+        time_update_s=round(m["time_update"], 2),
+        step_time_s=round(m["step_time"], 2),
+        update_alloc_gb=round(alloc, 2),
         update_reserved_gb=round(reserved, 2),
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="8b:1024,4b:2048,1.7b:4096",
-                    help="comma-separated SIZE:NEW_TOKENS, sizes: " + ", ".join(ARCHS))  # fmt: skip
+    ap.add_argument(
+        "--configs",
+        default="8b:1024,4b:2048,1.7b:4096",
+        help="comma-separated SIZE:NEW_TOKENS, sizes: " + ", ".join(ARCHS),
+    )
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-chars", type=int, default=256, help="~ prompt tokens")
     ap.add_argument("--lora-r", type=int, default=16)
@@ -225,9 +252,14 @@ def main() -> None:
     ap.add_argument("--model-root", default=None, help="where random checkpoints are written")
     ap.add_argument("--out", default=None, help="also write the results JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny Qwen3 on CPU, a few seconds")
-    ap.add_argument("--set", nargs="*", default=[], metavar="K=V",
-                    help="recipe overrides for every configuration, e.g. "
-                         "model.offload_activations=true rollout.kv_cache=static")  # fmt: skip
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="K=V",
+        help="recipe overrides for every configuration, e.g. "
+        "model.offload_activations=true rollout.kv_cache=static",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.configs, args.group_size, args.prompt_chars = "tiny:8", 4, 24
@@ -241,8 +273,11 @@ def main() -> None:
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb / total))
     results: list[dict] = []
-    summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "cap_gb": args.cap_gb, "results": results}  # fmt: skip
+    summary = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "cap_gb": args.cap_gb,
+        "results": results,
+    }
     for item in args.configs.split(","):
         arch_name, new_tokens = item.split(":")
         if time.perf_counter() - start > args.budget_s:

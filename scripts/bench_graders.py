@@ -29,18 +29,23 @@ def main() -> int:
     latex = [(f"\\boxed{{\\frac{{{i}}}{{{i + 1}}}}}", f"{i}/{i + 1}") for i in range(1, 101)]
     latex += [(f"\\boxed{{{i}\\sqrt{{2}}}}", f"\\sqrt{{{2 * i * i}}}") for i in range(1, 101)]
     s, scores = _timed(lambda: [math_reward(c, a) for c, a in latex])
-    print(f"math_reward, 200 LaTeX completions (fractions, radicals): {s:.3f} s, "
-          f"{sum(scores):.0f}/200 correct")  # fmt: skip
+    print(
+        f"math_reward, 200 LaTeX completions (fractions, radicals): {s:.3f} s, "
+        f"{sum(scores):.0f}/200 correct"
+    )
 
     tests = [TestCase("stdin", input="3 4\n", expected="7")]
     run_tests("print(sum(map(int, input().split())))", tests)  # warm the pool
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    s, _ = _timed(lambda: [run_tests("print(sum(map(int, input().split())))", tests)
-                           for _ in range(20)])  # fmt: skip
+    s, _ = _timed(
+        lambda: [run_tests("print(sum(map(int, input().split())))", tests) for _ in range(20)]
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / 20
-    print(f"sandbox ({isolation_mode()}): {s / 20 * 1000:.0f} ms wall, "
-          f"{cpu * 1000:.0f} ms CPU per sequential test")  # fmt: skip
+    print(
+        f"sandbox ({isolation_mode()}): {s / 20 * 1000:.0f} ms wall, "
+        f"{cpu * 1000:.0f} ms CPU per sequential test"
+    )
 
     from concurrent.futures import ThreadPoolExecutor
 

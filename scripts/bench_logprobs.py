@@ -81,8 +81,9 @@ def checkpoint_logprobs(model, ids, att, prompt_len, mask, chunk, temperature):
     hidden = completion_hidden(model, ids, att, prompt_len)
     sel = mask.bool()
     head = unwrap(model).get_output_embeddings()
-    logp, _ = checkpointed_head_logprobs(head, hidden[sel], ids[:, prompt_len:][sel], chunk,
-                                         temperature)  # fmt: skip
+    logp, _ = checkpointed_head_logprobs(
+        head, hidden[sel], ids[:, prompt_len:][sel], chunk, temperature
+    )
     return hidden.new_zeros(mask.shape, dtype=torch.float32).masked_scatter(sel, logp)
 
 
@@ -103,9 +104,17 @@ def build_model(vocab: int, hidden: int, dtype: torch.dtype, device: torch.devic
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=hidden // 4, tie_word_embeddings=False, pad_token_id=0)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
     model.requires_grad_(False)
@@ -220,15 +229,24 @@ def memory_table(sizes: dict, dtype, device, temperature: float) -> tuple[str, d
         dgrad = max(float(abs(g - naive["grads"][n]).max()) for n, g in r["grads"].items())
         met = "-" if v == "naive" else ("yes" if ratio <= TARGET else "no")
         rss_cells = f"{rss / 2**20:,.0f} | {rss_ratio:.3f}" if rss is not None else "- | -"
-        rows.append(f"| {v} | {r['tensors'] / 2**20:,.0f} | {ratio:.3f} | {met} | {rss_cells} "
-                    f"| {r['seconds']:.2f} | {dlogp:.1e} | {dgrad:.1e} |")  # fmt: skip
-        summary[v] = dict(peak_mib=r["tensors"] / 2**20, ratio=ratio,
-                          rss_mib=rss / 2**20 if rss is not None else None, rss_ratio=rss_ratio,
-                          seconds=r["seconds"], max_abs_dlogp=dlogp,
-                          max_abs_dgrad=dgrad)  # fmt: skip
-    head = [f"| variant | peak MiB | / naive | <= {TARGET:.0%} | RSS MiB | / naive | time s "
-            "| max abs dlogp | max abs dgrad |",
-            "|---|---:|---:|:-:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        rows.append(
+            f"| {v} | {r['tensors'] / 2**20:,.0f} | {ratio:.3f} | {met} | {rss_cells} "
+            f"| {r['seconds']:.2f} | {dlogp:.1e} | {dgrad:.1e} |"
+        )
+        summary[v] = dict(
+            peak_mib=r["tensors"] / 2**20,
+            ratio=ratio,
+            rss_mib=rss / 2**20 if rss is not None else None,
+            rss_ratio=rss_ratio,
+            seconds=r["seconds"],
+            max_abs_dlogp=dlogp,
+            max_abs_dgrad=dgrad,
+        )
+    head = [
+        f"| variant | peak MiB | / naive | <= {TARGET:.0%} | RSS MiB | / naive | time s "
+        "| max abs dlogp | max abs dgrad |",
+        "|---|---:|---:|:-:|---:|---:|---:|---:|---:|",
+    ]
     return "\n".join(head + rows), summary
 
 
@@ -258,8 +276,9 @@ def speed_table(sizes: dict, dtype, device, temperature: float, repeats: int) ->
     hidden = torch.randn(sizes["tokens"], sizes["hidden"], generator=g).to(device, dtype)
     targets = torch.randint(0, sizes["vocab"], (sizes["tokens"],), generator=g).to(device)
     weights = torch.randn(sizes["tokens"], generator=g).to(device)
-    fns = dict(naive=naive_head_logprobs, checkpoint=checkpointed_head_logprobs,
-               fused=fused_head_logprobs)  # fmt: skip
+    fns = dict(
+        naive=naive_head_logprobs, checkpoint=checkpointed_head_logprobs, fused=fused_head_logprobs
+    )
     results = {}
     for name, fn in fns.items():
         h = hidden.clone().requires_grad_()
@@ -274,16 +293,23 @@ def speed_table(sizes: dict, dtype, device, temperature: float, repeats: int) ->
 
         times = [_timed(train_step, device) for _ in range(repeats + 1)][1:]
         no_grad = [_timed(frozen, device) for _ in range(repeats + 1)][1:]
-        results[name] = dict(seconds=statistics.median(times), seconds_all=times,
-                             no_grad_seconds=statistics.median(no_grad),
-                             grad=h.grad.float())  # fmt: skip
-    rows = ["| variant | fwd+bwd s | fwd no-grad s | time / checkpoint's "
-            "| max abs dgrad vs naive |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+        results[name] = dict(
+            seconds=statistics.median(times),
+            seconds_all=times,
+            no_grad_seconds=statistics.median(no_grad),
+            grad=h.grad.float(),
+        )
+    rows = [
+        "| variant | fwd+bwd s | fwd no-grad s | time / checkpoint's | max abs dgrad vs naive |",
+        "|---|---:|---:|---:|---:|",
+    ]
     old, naive_grad = results["checkpoint"]["seconds"], results["naive"]["grad"]
     for name, r in results.items():
         r["max_abs_dgrad"] = float((r["grad"] - naive_grad).abs().max())
-        rows.append(f"| {name} | {r['seconds']:.3f} | {r['no_grad_seconds']:.3f} "
-                    f"| {r['seconds'] / old:.2f} | {r['max_abs_dgrad']:.1e} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {r['seconds']:.3f} | {r['no_grad_seconds']:.3f} "
+            f"| {r['seconds'] / old:.2f} | {r['max_abs_dgrad']:.1e} |"
+        )
     for r in results.values():
         del r["grad"]
     return "\n".join(rows), results
@@ -314,23 +340,35 @@ def main(argv: list[str] | None = None) -> int:
     memory, speed = (SMOKE_MEMORY, SMOKE_SPEED) if ns.smoke else (MEMORY, SPEED)
     if ns.chunk:
         memory, speed = memory | {"chunk": ns.chunk}, speed | {"chunk": ns.chunk}
-    out = dict(device=device.type, dtype=str(dtype), threads=torch.get_num_threads(),
-               temperature=ns.temperature, memory_sizes=memory, speed_sizes=speed)  # fmt: skip
+    out = dict(
+        device=device.type,
+        dtype=str(dtype),
+        threads=torch.get_num_threads(),
+        temperature=ns.temperature,
+        memory_sizes=memory,
+        speed_sizes=speed,
+    )
     if ns.only != "speed":
         table, out["memory"] = memory_table(memory, dtype, device, ns.temperature)
         m = memory
-        print(f"peak memory of forward + backward, {m['sequences']} x {m['tokens']} completion "
-              f"tokens, vocab {m['vocab']:,}, chunk {m['chunk']}, {device.type} {dtype}, "
-              f"{out['threads']} threads")  # fmt: skip
+        print(
+            f"peak memory of forward + backward, {m['sequences']} x {m['tokens']} completion "
+            f"tokens, vocab {m['vocab']:,}, chunk {m['chunk']}, {device.type} {dtype}, "
+            f"{out['threads']} threads"
+        )
         print(table)
         fused = out["memory"]["fused"]["ratio"]
-        print(f"target fused <= {TARGET:.0%} of naive: {'met' if fused <= TARGET else 'NOT met'} "
-              f"({fused:.1%})\n")  # fmt: skip
+        print(
+            f"target fused <= {TARGET:.0%} of naive: {'met' if fused <= TARGET else 'NOT met'} "
+            f"({fused:.1%})\n"
+        )
     if ns.only != "memory":
         table, out["speed"] = speed_table(speed, dtype, device, ns.temperature, ns.repeats)
         s = speed
-        print(f"lm_head log-probs alone: {s['tokens']} tokens, hidden {s['hidden']}, vocab "
-              f"{s['vocab']:,}, chunk {s['chunk']}, median of {ns.repeats}")  # fmt: skip
+        print(
+            f"lm_head log-probs alone: {s['tokens']} tokens, hidden {s['hidden']}, vocab "
+            f"{s['vocab']:,}, chunk {s['chunk']}, median of {ns.repeats}"
+        )
         print(table)
     print(json.dumps(out))
     return 0

@@ -91,15 +91,29 @@ def build(cfg, cpu: bool = False) -> Run:
     accelerator = Accelerator(cpu=cpu)
     set_seed(cfg.train.seed)
     train_examples, _ = load_splits(cfg.data, cfg.train.seed)
-    stream = PromptStream(train_examples, cfg.train.seed, cfg.data.shuffle,
-                          accelerator.process_index, accelerator.num_processes)  # fmt: skip
+    stream = PromptStream(
+        train_examples,
+        cfg.train.seed,
+        cfg.data.shuffle,
+        accelerator.process_index,
+        accelerator.num_processes,
+    )
     model, tokenizer = load_policy(cfg.model, accelerator.device)
     set_kv_cache(model, cfg.rollout.kv_cache)
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    return Run(cfg, accelerator, model, tokenizer, optimizer, scheduler, stream,
-               resolve_params(cfg.objective), random.Random(cfg.train.seed))  # fmt: skip
+    return Run(
+        cfg,
+        accelerator,
+        model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        stream,
+        resolve_params(cfg.objective),
+        random.Random(cfg.train.seed),
+    )
 
 
 # --- memory ----------------------------------------------------------------------------------
@@ -160,8 +174,10 @@ def phase_timers(run: Run) -> Iterator[dict[str, float]]:
 
     acc, opt = run.accelerator, run.optimizer
     # instance attributes shadow the methods; remember any that already existed
-    saved = [(o, n, o.__dict__.get(n)) for o, n in
-             [(acc, "backward"), (acc, "clip_grad_norm_"), (opt, "step")]]  # fmt: skip
+    saved = [
+        (o, n, o.__dict__.get(n))
+        for o, n in [(acc, "backward"), (acc, "clip_grad_norm_"), (opt, "step")]
+    ]
     update.sequence_logprobs = logprobs
     acc.backward = _timed(acc.backward, totals, "backward", sync)
     acc.clip_grad_norm_ = _timed(acc.clip_grad_norm_, totals, "optimizer", sync)
@@ -304,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=cfg.rollout.max_new_tokens,
         threads=torch.get_num_threads(),
     )
-    print(f"{cfg.objective.name} on {cfg.model.name} ({cfg.model.quantization}, {run.device.type},"
-          f" {torch.get_num_threads()} threads): B={cfg.train.prompts_per_step} "
-          f"G={cfg.rollout.group_size} max_new_tokens={cfg.rollout.max_new_tokens}, "
-          f"{steps} timed steps after {warmup} warmup")  # fmt: skip
+    print(
+        f"{cfg.objective.name} on {cfg.model.name} ({cfg.model.quantization}, {run.device.type},"
+        f" {torch.get_num_threads()} threads): B={cfg.train.prompts_per_step} "
+        f"G={cfg.rollout.group_size} max_new_tokens={cfg.rollout.max_new_tokens}, "
+        f"{steps} timed steps after {warmup} warmup"
+    )
     print(table(result))
     print(json.dumps(result))
     return 0

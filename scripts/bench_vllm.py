@@ -121,13 +121,22 @@ def main() -> None:
 
 def run(args, path: Path, device: torch.device) -> dict:
     B, G, T = args.prompts, args.group_size, args.new_tokens
-    cfg = load_config(None, [f"model.name={path}", f"model.quantization={args.quantization}",
-                             "rollout.backend=vllm", f"rollout.group_size={G}",
-                             f"train.prompts_per_step={B}", f"rollout.max_new_tokens={T}",
-                             f"rollout.eval_max_new_tokens={T}",
-                             f"rollout.generation_batch_size={B * G}",
-                             "data.max_prompt_tokens=64", "data.eval_size=0",
-                             "repair.enabled=false"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={path}",
+            f"model.quantization={args.quantization}",
+            "rollout.backend=vllm",
+            f"rollout.group_size={G}",
+            f"train.prompts_per_step={B}",
+            f"rollout.max_new_tokens={T}",
+            f"rollout.eval_max_new_tokens={T}",
+            f"rollout.generation_batch_size={B * G}",
+            "data.max_prompt_tokens=64",
+            "data.eval_size=0",
+            "repair.enabled=false",
+        ],
+    )
     model, tok = load_policy(cfg.model, device)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a random adapter that changes the outputs (LoRA B starts at zero)
@@ -136,8 +145,15 @@ def run(args, path: Path, device: torch.device) -> dict:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.05)
     prompts = [render_prompt(tok, f"What is {i} + {2 * i}?", cfg.data) for i in range(B)]
     engine, t_start = timed(lambda: VLLMEngine.start(cfg, model, tok))
-    result = {"arch": args.arch, "quantization": args.quantization, "device": str(device),
-              "B": B, "G": G, "new_tokens": T, "engine_start_s": round(t_start, 1)}  # fmt: skip
+    result = {
+        "arch": args.arch,
+        "quantization": args.quantization,
+        "device": str(device),
+        "B": B,
+        "G": G,
+        "new_tokens": T,
+        "engine_start_s": round(t_start, 1),
+    }
     result.update(greedy_checks(engine, model, tok, prompts, args.check_tokens))
 
     torch.manual_seed(0)
@@ -156,13 +172,15 @@ def run(args, path: Path, device: torch.device) -> dict:
     n_v, n_h = ro_v.completion_mask.sum().item(), ro_h.completion_mask.sum().item()
     shape_plan = plan.estimate(str(path), cfg, 1, 24.0).phases
     result.update(
-        vllm_tokens_per_s=round(n_v / inside["t"], 1), hf_tokens_per_s=round(n_h / t_hf, 1),
+        vllm_tokens_per_s=round(n_v / inside["t"], 1),
+        hf_tokens_per_s=round(n_h / t_hf, 1),
         vllm_speedup=round((n_v / inside["t"]) / (n_h / t_hf), 2),
         vllm_phase_overhead_s=round(t_phase - inside["t"], 2),
-        gpu_used_awake_gb=inside["used_after_gb"], gpu_used_asleep_gb=asleep_gb,
+        gpu_used_awake_gb=inside["used_after_gb"],
+        gpu_used_asleep_gb=asleep_gb,
         plan_generation_gb=round(sum(shape_plan["generation"].values()), 2),
         plan_training_gb=round(sum(shape_plan["training"].values()), 2),
-    )  # fmt: skip
+    )
     engine.close()
     return result
 

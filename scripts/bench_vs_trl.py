@@ -235,25 +235,55 @@ def run_trl(ns) -> dict:
     lengths: list[int] = []
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")  # the Trainer wants one; nothing is saved
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=0,
-        max_steps=ns.warmup + ns.steps, learning_rate=ns.learning_rate, weight_decay=0.0,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch",
-        num_generations=G, per_device_train_batch_size=B * G, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, max_completion_length=ns.max_new_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
-        epsilon=0.2, use_vllm=False, shuffle_dataset=False,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        max_steps=ns.warmup + ns.steps,
+        learning_rate=ns.learning_rate,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        num_generations=G,
+        per_device_train_batch_size=B * G,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=ns.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        loss_type="grpo",
+        scale_rewards="group",
+        epsilon=0.2,
+        use_vllm=False,
+        shuffle_dataset=False,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         generation_kwargs=None if ns.natural_length else {"min_new_tokens": ns.max_new_tokens},
-        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-        log_completions=False, dataloader_pin_memory=False,
-    )  # fmt: skip
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")  # fmt: skip
+        logging_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_pin_memory=False,
+    )
+    lora = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[_math_reward_for_trl(lengths)], args=args,
-        train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
+        model=model,
+        reward_funcs=[_math_reward_for_trl(lengths)],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
         callbacks=[_step_clock(ns.warmup, record)],
-    )  # fmt: skip
+    )
     for p in trainer.model.parameters():  # undo TRL's bf16 adapters for 4-bit models (docstring)
         if p.requires_grad:
             p.data = p.data.float()

@@ -56,8 +56,14 @@ def for_version(source: Path, overrides: list[str]) -> list[str]:
 
 
 def run(source: Path, overrides: list[str], out: Path) -> list[dict]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=str(source), TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONPATH=str(source),
+        TOKENIZERS_PARALLELISM="false",
+    )
     code = "import sys, torch; torch.set_num_threads(1); from ibpo.cli import main; main()"
     overrides = for_version(source, [*overrides, f"run.output_dir={out}"])
     cmd = [sys.executable, "-c", code, "train", *overrides]
@@ -76,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     same = True
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
-                        args.rev], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.rev],
+            check=True,
+            capture_output=True,
+        )
         try:
             for case in args.case or sorted(CASES):
                 overrides = COMMON + CASES[case]
@@ -96,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  step {step} {key:18s} {old_v:>24} {new_v:>24} {mark}")
                 same &= len(old) == len(new)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                capture_output=True,
+            )
     print("identical" if same else "DIFFERENT")
     return 0 if same else 1
 

@@ -174,10 +174,14 @@ class Stage:
 def carried(wheels_dir: Path) -> dict:
     """The wheels in `wheels_dir`, and whether one is bitsandbytes with CUDA libraries inside."""
     wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
-    info = {"dir": str(wheels_dir), "exists": wheels_dir.is_dir(),
-            "wheels": [w.name for w in wheels],
-            "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
-            "bitsandbytes_wheel": None, "cuda_libraries": []}  # fmt: skip
+    info = {
+        "dir": str(wheels_dir),
+        "exists": wheels_dir.is_dir(),
+        "wheels": [w.name for w in wheels],
+        "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
+        "bitsandbytes_wheel": None,
+        "cuda_libraries": [],
+    }
     for w in wheels:
         if not w.name.lower().startswith("bitsandbytes-"):
             continue
@@ -206,17 +210,45 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
         # compares LoRA tensors bit for bit); it must be set before the process first uses cuBLAS
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     }
-    bench = [py, "scripts/bench_gpu.py", "--cap-gb", f"{args.cap_gb:g}", "--out",
-             str(raw / "bench_gpu.json")]  # fmt: skip
+    bench = [
+        py,
+        "scripts/bench_gpu.py",
+        "--cap-gb",
+        f"{args.cap_gb:g}",
+        "--out",
+        str(raw / "bench_gpu.json"),
+    ]
     if args.bench_configs:
         bench += ["--configs", args.bench_configs]
     wheels = [str(Path(carry["dir"]) / w) for w in carry["wheels"]]
-    install = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-               *wheels]  # fmt: skip
+    install = [
+        py,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--target",
+        str(site),
+        *wheels,
+    ]
     # -v: each test's outcome is printed as it ends, so a suite cut short by its timeout (no
     # JUnit file then) still says how far it got
-    suite = [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu_e2e.py", "-v", "-rA", "-p",
-             "no:cacheprovider", "--junitxml", str(raw / "gpu_suite.xml")]  # fmt: skip
+    suite = [
+        py,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "tests/test_gpu_e2e.py",
+        "-v",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(raw / "gpu_suite.xml"),
+    ]
     stages = [
         Stage("install", install, TIMEOUTS["install"]),
         Stage("environment", [py, "-c", ENV_PROBE], TIMEOUTS["environment"]),
@@ -225,8 +257,10 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
         Stage("bench_gpu", bench, TIMEOUTS["bench_gpu"], {"HF_HUB_OFFLINE": "1"}, needs_cuda=True),
     ]
     if not carry["wheels"]:
-        stages[0].skip = (f"no wheels in {carry['dir']} (see this script's docstring to fetch "
-                          "them); later stages use whatever python3 can import")  # fmt: skip
+        stages[0].skip = (
+            f"no wheels in {carry['dir']} (see this script's docstring to fetch "
+            "them); later stages use whatever python3 can import"
+        )
     for s in stages:
         if s.name in args.skip:
             s.skip = f"--skip {s.name}"
@@ -243,22 +277,31 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> None:
     bnb = carry["bitsandbytes_wheel"]
     print("gpu_check: dry run: nothing is installed or run")
     print(f"report: {out / 'gpu_check.json'} (logs and raw files in {out / 'gpu_check'})")
-    print(f"budget: {args.budget_s:g} s overall; a stage's timeout is its own or what is left, "
-          "whichever is less")  # fmt: skip
-    print(f"carried: {len(carry['wheels'])} wheel(s), {carry['mib']} MiB, in {carry['dir']}"
-          + ("" if carry["exists"] else " (the folder does not exist)"))  # fmt: skip
+    print(
+        f"budget: {args.budget_s:g} s overall; a stage's timeout is its own or what is left, "
+        "whichever is less"
+    )
+    print(
+        f"carried: {len(carry['wheels'])} wheel(s), {carry['mib']} MiB, in {carry['dir']}"
+        + ("" if carry["exists"] else " (the folder does not exist)")
+    )
     for w in carry["wheels"]:
         print(f"  {w}")
     if bnb and carry["cuda_libraries"]:
-        libs = ", ".join(n.removeprefix("libbitsandbytes_").removesuffix(".so")
-                         for n in carry["cuda_libraries"])  # fmt: skip
+        libs = ", ".join(
+            n.removeprefix("libbitsandbytes_").removesuffix(".so") for n in carry["cuda_libraries"]
+        )
         print(f"carried bitsandbytes wheel: yes, {bnb}, CUDA libraries: {libs}")
     elif bnb:
-        print(f"carried bitsandbytes wheel: yes, {bnb}, but NO libbitsandbytes_cuda*.so inside: "
-              "it cannot run on the GPU")  # fmt: skip
+        print(
+            f"carried bitsandbytes wheel: yes, {bnb}, but NO libbitsandbytes_cuda*.so inside: "
+            "it cannot run on the GPU"
+        )
     else:
-        print("carried bitsandbytes wheel: NO: model.quantization=nf4 and the paged 8-bit "
-              "optimizer need bitsandbytes on the device")  # fmt: skip
+        print(
+            "carried bitsandbytes wheel: NO: model.quantization=nf4 and the paged 8-bit "
+            "optimizer need bitsandbytes on the device"
+        )
     for i, s in enumerate(stages, 1):
         timeout = min(s.timeout_s, args.budget_s)
         if s.skip:
@@ -281,8 +324,10 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> None:
 
 def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
     """Run one stage's command, streaming its output (prefixed) to stdout and to its log."""
-    print(f"\n== {stage.name}: timeout {timeout_s:.0f} s: {shlex.join(stage.command)[:400]}",
-          flush=True)  # fmt: skip
+    print(
+        f"\n== {stage.name}: timeout {timeout_s:.0f} s: {shlex.join(stage.command)[:400]}",
+        flush=True,
+    )
     log = logs / f"{stage.name}.log"
     tail: deque[str] = deque(maxlen=400)
     start = time.monotonic()
@@ -291,9 +336,16 @@ def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
         try:
             # its own session: on timeout the whole process group is ended (a pytest run's
             # children too), and nothing else
-            proc = subprocess.Popen(stage.command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace",
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                stage.command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         except OSError as e:
             result.update(status="error", reason=f"could not start: {e}")
             print(f"[{stage.name}] could not start: {e}", flush=True)
@@ -319,8 +371,10 @@ def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
         reader.join(timeout=10)
     result["seconds"] = round(time.monotonic() - start, 1)
     result["output_tail"] = "".join(tail)[-TAIL_CHARS:]
-    print(f"== {stage.name}: {result['status']} (rc {result['rc']}, {result['seconds']} s)",
-          flush=True)  # fmt: skip
+    print(
+        f"== {stage.name}: {result['status']} (rc {result['rc']}, {result['seconds']} s)",
+        flush=True,
+    )
     return result
 
 
@@ -365,8 +419,11 @@ def junit_outcomes(path: Path) -> dict | None:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = (node.get("message") or node.text or "")[:2000]
                 break
-        tests[case.get("name")] = {"outcome": outcome, "seconds": float(case.get("time", 0)),
-                                   "message": message}  # fmt: skip
+        tests[case.get("name")] = {
+            "outcome": outcome,
+            "seconds": float(case.get("time", 0)),
+            "message": message,
+        }
     return tests
 
 
@@ -383,8 +440,11 @@ def outcomes_from_log(log: str) -> dict:
         if word in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS"):
             tests[name] = {"outcome": word.lower(), "seconds": None, "message": None}
         elif not word and name not in tests:  # -v writes the name when a test starts
-            tests[name] = {"outcome": "running when the suite ended", "seconds": None,
-                           "message": None}  # fmt: skip
+            tests[name] = {
+                "outcome": "running when the suite ended",
+                "seconds": None,
+                "message": None,
+            }
     return tests
 
 
@@ -404,9 +464,14 @@ def write_report(out: Path, report: dict) -> None:
 
 
 def stage_record(s: Stage, timeout_s: float | None = None) -> dict:
-    return {"name": s.name, "command": s.command, "env": s.env,
-            "timeout_s": timeout_s if timeout_s is not None else s.timeout_s,
-            "status": "skipped" if s.skip else "planned", "reason": s.skip}  # fmt: skip
+    return {
+        "name": s.name,
+        "command": s.command,
+        "env": s.env,
+        "timeout_s": timeout_s if timeout_s is not None else s.timeout_s,
+        "status": "skipped" if s.skip else "planned",
+        "reason": s.skip,
+    }
 
 
 def retry_install(command: list[str], site: Path, deadline: float, env: dict) -> list[dict]:
@@ -415,8 +480,12 @@ def retry_install(command: list[str], site: Path, deadline: float, env: dict) ->
     the folder (what an install with --no-deps amounts to, minus scripts)."""
     wheels = [c for c in command if c.endswith(".whl")]
     pip = command[: command.index("--target") + 2]
-    no_pip = subprocess.run([sys.executable, "-c", "import pip"], env=env,
-                            capture_output=True).returncode != 0  # fmt: skip
+    no_pip = (
+        subprocess.run(
+            [sys.executable, "-c", "import pip"], env=env, capture_output=True
+        ).returncode
+        != 0
+    )
     results = []
     for wheel in wheels:
         item = {"wheel": Path(wheel).name}
@@ -427,14 +496,21 @@ def retry_install(command: list[str], site: Path, deadline: float, env: dict) ->
                 item.update(how="unzipped", ok=True)
             else:
                 left = max(deadline - time.monotonic(), 1)
-                proc = subprocess.run([*pip, "--upgrade", wheel], env=env, capture_output=True,
-                                      text=True, timeout=min(60, left))  # fmt: skip
-                item.update(how="pip", ok=proc.returncode == 0,
-                            output=(proc.stdout + proc.stderr)[-1000:])  # fmt: skip
+                proc = subprocess.run(
+                    [*pip, "--upgrade", wheel],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=min(60, left),
+                )
+                item.update(
+                    how="pip", ok=proc.returncode == 0, output=(proc.stdout + proc.stderr)[-1000:]
+                )
         except (OSError, zipfile.BadZipFile, subprocess.TimeoutExpired) as e:
             item.update(ok=False, output=f"{type(e).__name__}: {e}"[:1000])
-        print(f"[install] one by one: {item['wheel']}: {'ok' if item['ok'] else 'failed'}",
-              flush=True)  # fmt: skip
+        print(
+            f"[install] one by one: {item['wheel']}: {'ok' if item['ok'] else 'failed'}", flush=True
+        )
         results.append(item)
     return results
 
@@ -444,8 +520,9 @@ def run_all(stages: list[Stage], report: dict, out: Path, site: Path, budget_s: 
     logs = raw / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget_s - RESERVE_S
-    python_path = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH"))
-                                  if p)  # fmt: skip
+    python_path = os.pathsep.join(
+        p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p
+    )
     base_env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
     failed = False
     for s in stages:
@@ -454,8 +531,7 @@ def run_all(stages: list[Stage], report: dict, out: Path, site: Path, budget_s: 
         left = deadline - time.monotonic()
         cuda = (report.get("environment") or {}).get("cuda_available")
         if not s.skip and s.needs_cuda and not cuda:
-            s.skip = ("no CUDA device (environment stage: "
-                      f"cuda_available={cuda!r})")  # fmt: skip
+            s.skip = f"no CUDA device (environment stage: cuda_available={cuda!r})"
         if not s.skip and left < MIN_STAGE_S:
             s.skip = f"overall budget spent ({max(left, 0):.0f} s left of --budget-s {budget_s:g})"
         if s.skip:
@@ -495,8 +571,10 @@ def collect(name: str, record: dict, report: dict, raw: Path) -> None:
         cuda = (report.get("environment") or {}).get("cuda_available")
         outcomes = {t.get("outcome") for t in (tests or {}).values() if isinstance(t, dict)}
         if cuda and outcomes == {"skipped"} and record["status"] == "ok":
-            record.update(status="failed", reason="every test skipped, yet the environment "
-                          "stage found a CUDA device")  # fmt: skip
+            record.update(
+                status="failed",
+                reason="every test skipped, yet the environment stage found a CUDA device",
+            )
     elif name == "bench_gpu":
         report["bench_gpu"] = read_json(raw / "bench_gpu.json")
 
@@ -508,22 +586,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="gpu_check.py",
         description="The device check: install the carried wheels, probe the environment and "
-                    "bitsandbytes' CUDA kernels, run the GPU suite and bench_gpu, one JSON report.",
+        "bitsandbytes' CUDA kernels, run the GPU suite and bench_gpu, one JSON report.",
         epilog="On the device: PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT "
-               "(carry .whl)",
-    )  # fmt: skip
-    ap.add_argument("--out", default=os.environ.get("OUT"),
-                    help="folder for the report (default: $OUT)")  # fmt: skip
+        "(carry .whl)",
+    )
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="folder for the report (default: $OUT)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
-    ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="overall limit (s), capping every stage's timeout")  # fmt: skip
-    ap.add_argument("--cap-gb", type=float, default=24.0,
-                    help="bench_gpu's CUDA allocator cap (GiB): the card it emulates")  # fmt: skip
-    ap.add_argument("--bench-configs", default=None, metavar="SIZE:TOKENS,...",
-                    help="bench_gpu's --configs (default: its own)")  # fmt: skip
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="overall limit (s), capping every stage's timeout",
+    )
+    ap.add_argument(
+        "--cap-gb",
+        type=float,
+        default=24.0,
+        help="bench_gpu's CUDA allocator cap (GiB): the card it emulates",
+    )
+    ap.add_argument(
+        "--bench-configs",
+        default=None,
+        metavar="SIZE:TOKENS,...",
+        help="bench_gpu's --configs (default: its own)",
+    )
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels")
-    ap.add_argument("--skip", nargs="+", default=[], choices=STAGES, metavar="STAGE",
-                    help=f"stages not to run: {', '.join(STAGES)}")  # fmt: skip
+    ap.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        choices=STAGES,
+        metavar="STAGE",
+        help=f"stages not to run: {', '.join(STAGES)}",
+    )
     args = ap.parse_args(argv)
     if not args.out:
         ap.error("--out is required when $OUT is not set (the folder for the report)")
@@ -533,7 +630,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--cap-gb must be > 0 GiB, got {args.cap_gb:g}")
     if args.bench_configs is not None and not all(
         item.count(":") == 1 and all(item.split(":")) for item in args.bench_configs.split(",")
-    ):  # fmt: skip
+    ):
         ap.error(f"--bench-configs must look like 8b:1024,4b:2048, got {args.bench_configs!r}")
     return args
 
@@ -543,22 +640,33 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     carry = carried(Path(args.wheels).resolve())
-    site = Path(tempfile.mkdtemp(prefix="gpu-check-site-")) if not args.dry_run else (
-        Path(tempfile.gettempdir()) / "gpu-check-site-XXXX")  # fmt: skip
+    site = (
+        Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+        if not args.dry_run
+        else (Path(tempfile.gettempdir()) / "gpu-check-site-XXXX")
+    )
     stages = build_stages(args, out, site, carry)
     report = {
-        "tool": "scripts/gpu_check.py", "dry_run": args.dry_run, "argv": sys.argv[1:],
+        "tool": "scripts/gpu_check.py",
+        "dry_run": args.dry_run,
+        "argv": sys.argv[1:],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "budget_s": args.budget_s, "carried": carry, "site_packages": str(site),
-        "environment": None, "stages": [],
-    }  # fmt: skip
+        "budget_s": args.budget_s,
+        "carried": carry,
+        "site_packages": str(site),
+        "environment": None,
+        "stages": [],
+    }
     if args.dry_run:
         print_plan(stages, carry, args, out)
         report["stages"] = [stage_record(s, min(s.timeout_s, args.budget_s)) for s in stages]
         write_report(out, report)
         return 0
-    print(f"gpu_check: {len(stages)} stages, budget {args.budget_s:g} s, report "
-          f"{out / 'gpu_check.json'}", flush=True)  # fmt: skip
+    print(
+        f"gpu_check: {len(stages)} stages, budget {args.budget_s:g} s, report "
+        f"{out / 'gpu_check.json'}",
+        flush=True,
+    )
     print(f"carried: {', '.join(carry['wheels']) or 'nothing'}", flush=True)
     start = time.monotonic()
     try:

@@ -32,8 +32,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}  # fmt: skip
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue

@@ -36,14 +36,20 @@ def main(argv: list[str]) -> None:
     # FSDP2 under Accelerate prepares a model only together with its optimizer
     model, _ = acc.prepare(model, build_optimizer(model, cfg, acc.device))
     head = logprobs.unwrap(model).get_output_embeddings()
-    found = {"fsdp": is_fsdp(model), "fused_before": logprobs.fused_head_supported(head),
-             "hooks": bool(head._forward_hooks or head._forward_pre_hooks),
-             "weight_type": type(head.weight).__name__}  # fmt: skip
+    found = {
+        "fsdp": is_fsdp(model),
+        "fused_before": logprobs.fused_head_supported(head),
+        "hooks": bool(head._forward_hooks or head._forward_pre_hooks),
+        "weight_type": type(head.weight).__name__,
+    }
     called = []
     for name in ("fused_head_logprobs", "checkpointed_head_logprobs"):
         real = getattr(logprobs, name)
-        setattr(logprobs, name, lambda *a, _real=real, _name=name, **k: called.append(_name)
-                or _real(*a, **k))  # fmt: skip
+        setattr(
+            logprobs,
+            name,
+            lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k),
+        )
     ids = torch.randint(3, 40, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     cmask = torch.ones(2, 4)

@@ -53,11 +53,19 @@ def fixed_batch(tok, rows_of_groups: list[int]):
     c_ids = [tok(c, add_special_tokens=False)["input_ids"] for c in completions]
     P, T = max(map(len, p_ids)), max(map(len, c_ids))
     ids = [[pad] * (P - len(p)) + p + c + [pad] * (T - len(c)) for p, c in zip(p_ids, c_ids)]
-    att = [[0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
-           for p, c in zip(p_ids, c_ids)]  # fmt: skip
+    att = [
+        [0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c))
+        for p, c in zip(p_ids, c_ids)
+    ]
     cmask = torch.tensor([[1.0] * len(c) + [0.0] * (T - len(c)) for c in c_ids])
-    ro = Rollout(torch.tensor(ids), torch.tensor(att), cmask, P, completions,
-                 torch.zeros(len(rows), dtype=torch.bool))  # fmt: skip
+    ro = Rollout(
+        torch.tensor(ids),
+        torch.tensor(att),
+        cmask,
+        P,
+        completions,
+        torch.zeros(len(rows), dtype=torch.bool),
+    )
     seq_adv = group_advantages(r, True).flatten()
     return ScoredBatch(ro, r, seq_adv, token_advantages(seq_adv, cmask, None, 0.0))
 
@@ -67,8 +75,11 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     model = getattr(model, "module", model)
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters() if "lora_" in n}  # fmt: skip
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+        if "lora_" in n
+    }
 
 
 def cpu_fsdp() -> None:
@@ -98,11 +109,20 @@ def make_policy(model_dir: str, objective: str, device):
     from ibpo.config import load_config
     from ibpo.modeling import load_policy
 
-    cfg = load_config(None, [f"model.name={model_dir}", "model.quantization=none",
-                             f"objective.name={objective}", f"rollout.group_size={GROUP_SIZE}",
-                             "train.updates_per_rollout=2", "train.learning_rate=0.01",
-                             "train.micro_batch_groups=1", "train.log_reference_kl=false",
-                             "rollout.max_new_tokens=12"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={model_dir}",
+            "model.quantization=none",
+            f"objective.name={objective}",
+            f"rollout.group_size={GROUP_SIZE}",
+            "train.updates_per_rollout=2",
+            "train.learning_rate=0.01",
+            "train.micro_batch_groups=1",
+            "train.log_reference_kl=false",
+            "rollout.max_new_tokens=12",
+        ],
+    )
     torch.manual_seed(0)
     model, tok = load_policy(cfg.model, device)
     for n, p in model.named_parameters():
@@ -235,8 +255,13 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
     w = base.model.layers[0].self_attn.q_proj.base_layer.weight  # 4-bit codes under nf4
     local = w.to_local() if hasattr(w, "to_local") else w
     shard = {"type": type(local).__name__, "local": local.numel(), "full": w.numel()}
-    return {"lora": lora_state(seen["model"]), "summary": summary, "q_proj_weight": shard,
-            "torch_rng": seen["rng"][0], "repair_rng": seen["rng"][1]}  # fmt: skip
+    return {
+        "lora": lora_state(seen["model"]),
+        "summary": summary,
+        "q_proj_weight": shard,
+        "torch_rng": seen["rng"][0],
+        "repair_rng": seen["rng"][1],
+    }
 
 
 if __name__ == "__main__":

@@ -76,8 +76,14 @@ def _rollout(tok, prompts, completions):
         att.append([0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (T - len(c)))
         cmask.append([1.0] * len(c) + [0.0] * (T - len(c)))
     n = len(prompts)
-    return Rollout(torch.tensor(ids), torch.tensor(att), torch.tensor(cmask), P,
-                   list(completions), torch.zeros(n, dtype=torch.bool))  # fmt: skip
+    return Rollout(
+        torch.tensor(ids),
+        torch.tensor(att),
+        torch.tensor(cmask),
+        P,
+        list(completions),
+        torch.zeros(n, dtype=torch.bool),
+    )
 
 
 def test_cut_micro_batches_give_the_same_logprobs():
@@ -88,16 +94,20 @@ def test_cut_micro_batches_give_the_same_logprobs():
     prompts = ["what is 1+1?", "1+1?", "what is 12*12 then?", "12*12?"]
     completions = ["2", "two is it", "144 it is, yes", "1"]
     ro = _rollout(tok, prompts, completions)
-    full, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_len,
-                                  ro.completion_mask)  # fmt: skip
+    full, _ = completion_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask
+    )
     mbs = micro_batches(ro, group_size=2, max_groups=1)
     assert [mb.rows.tolist() for mb in mbs] == [[2, 3], [0, 1]]  # longest completion first
     for mb in mbs:
         assert mb.prompt_len <= ro.prompt_len and mb.width <= ro.completion_mask.shape[1]
-        logp, _ = completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                                      mb.completion_mask)  # fmt: skip
+        logp, _ = completion_logprobs(
+            model, mb.input_ids, mb.attention_mask, mb.prompt_len, mb.completion_mask
+        )
         torch.testing.assert_close(logp, mb.take(full), atol=1e-5, rtol=1e-5)
-        assert torch.equal(mb.completion_ids * mb.completion_mask.long(),
-                           mb.take(ro.completion_ids) * mb.completion_mask.long())  # fmt: skip
+        assert torch.equal(
+            mb.completion_ids * mb.completion_mask.long(),
+            mb.take(ro.completion_ids) * mb.completion_mask.long(),
+        )
     short = cut(ro, [1, 3])  # the short prompts: the left-padding columns all go
     assert short.prompt_len == max(len(tok(p)["input_ids"]) for p in (prompts[1], prompts[3]))

@@ -51,13 +51,22 @@ sys.exit(main(["train", *sys.argv[1:]]))
 
 def _args(model_dir, out, steps, *extra):
     return [
-        f"model.name={model_dir}", "model.quantization=none", f"train.steps={steps}",
-        "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
-        "data.eval_size=0", f"objective.reward={REWARD}", "run.save_every=1",
-        "train.log_reference_kl=false", "repair.max_repairs_per_group=1",
-        "repair.template='{question}|{attempt}|{reference}'", f"run.output_dir={out}",
-        "run.progress=false", *extra,
-    ]  # fmt: skip
+        f"model.name={model_dir}",
+        "model.quantization=none",
+        f"train.steps={steps}",
+        "train.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "data.eval_size=0",
+        f"objective.reward={REWARD}",
+        "run.save_every=1",
+        "train.log_reference_kl=false",
+        "repair.max_repairs_per_group=1",
+        "repair.template='{question}|{attempt}|{reference}'",
+        f"run.output_dir={out}",
+        "run.progress=false",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -86,11 +95,20 @@ def _spawn(tmp_path: Path, name: str, args: list[str]) -> subprocess.Popen:
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     # same intra-op threads as this process: CPU kernels then reduce in the same order
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1",
-           "CKPT_TEST_GO": str(tmp_path / f"{name}.go")}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+        "HF_HUB_OFFLINE": "1",
+        "CKPT_TEST_GO": str(tmp_path / f"{name}.go"),
+    }
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen([sys.executable, str(driver), *args], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(driver), *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
@@ -120,7 +138,7 @@ def _rewards(run: Path) -> list[tuple[int, float]]:
 
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     tiny_model_dir, tmp_path, reward, spawn
-):  # fmt: skip
+):
     steps, run = 7, tmp_path / "run"
     root = run / "checkpoints"
     resume = _args(tiny_model_dir, run, steps, "run.resume_from=latest")
@@ -183,8 +201,13 @@ def _parts(model_dir: str):
 
 
 def _draws(parts) -> tuple:
-    return (torch.rand(3), random.random(), np.random.rand(), parts.rng.random(),
-            parts.stream.take(2))  # fmt: skip
+    return (
+        torch.rand(3),
+        random.random(),
+        np.random.rand(),
+        parts.rng.random(),
+        parts.stream.take(2),
+    )
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
@@ -257,8 +280,15 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
     # grpo: no repairs, so the reward runs exactly B * G = 8 times a step
     monkeypatch.setitem(REWARDS, REWARD, _counting_reward({2, 4, 5}, per_step=8))
     out = tmp_path / "run"
-    args = _args(tiny_model_dir, out, 8, "objective.name=grpo", "train.max_nonfinite_steps=2",
-                 "run.save_every=0", "train.lr_scheduler=linear")  # fmt: skip
+    args = _args(
+        tiny_model_dir,
+        out,
+        8,
+        "objective.name=grpo",
+        "train.max_nonfinite_steps=2",
+        "run.save_every=0",
+        "train.lr_scheduler=linear",
+    )
     cfg = load_config(None, args)
     summary = train(cfg)
     assert summary["status"] == "nonfinite" and summary["steps"] == 5
@@ -267,8 +297,10 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
     assert "train.max_nonfinite_steps" in summary["message"]
     # strict JSON: non-finite values are written as null, never NaN / Infinity
     no_nan = lambda c: pytest.fail(f"metrics.jsonl holds {c}")  # noqa: E731
-    lines = [json.loads(x, parse_constant=no_nan)
-             for x in (out / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    lines = [
+        json.loads(x, parse_constant=no_nan)
+        for x in (out / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["skipped_nonfinite"] for m in lines] == [0, 1, 0, 1, 1]
     assert lines[1]["loss"] is None or lines[1]["grad_norm"] is None
     # the schedule counts updates made: a skipped step does not advance it (linear over 8 steps:
@@ -291,9 +323,11 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
 
 @pytest.mark.parametrize(
     "error",
-    [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-     RuntimeError("CUDA error: out of memory")],
-)  # fmt: skip
+    [
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),
+    ],
+)
 def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, reward, error):
     real_step, calls = trainer_mod.rl_step, itertools.count()
 
@@ -306,9 +340,15 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
     out = tmp_path / "run"
     summary = train(load_config(None, _args(tiny_model_dir, out, 4, "objective.name=grpo")))
     assert summary["status"] == "out_of_memory" and summary["steps"] == 2
-    for knob in ("train.micro_batch_groups", "train.logprob_chunk_tokens",
-                 "rollout.generation_batch_size", "rollout.max_new_tokens", "ibpo plan",
-                 "step 3", "run.resume_from=latest"):  # fmt: skip
+    for knob in (
+        "train.micro_batch_groups",
+        "train.logprob_chunk_tokens",
+        "rollout.generation_batch_size",
+        "rollout.max_new_tokens",
+        "ibpo plan",
+        "step 3",
+        "run.resume_from=latest",
+    ):
         assert knob in summary["message"]
     # <output_dir>/adapter (what push and evaluation pick up) is the checkpoint's, not the live one
     assert summary["adapter"] == str(out / "adapter")
@@ -330,7 +370,7 @@ def test_other_errors_propagate(tiny_model_dir, tmp_path, monkeypatch, reward):
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
     tiny_model_dir, tmp_path, monkeypatch, reward, presses
-):  # fmt: skip
+):
     real_step, calls = trainer_mod.rl_step, itertools.count()
 
     def step(*args):
@@ -342,8 +382,9 @@ def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     out = tmp_path / "run"
-    summary = train(load_config(None, _args(tiny_model_dir, out, 5, "objective.name=grpo",
-                                            "run.save_every=0")))  # fmt: skip
+    summary = train(
+        load_config(None, _args(tiny_model_dir, out, 5, "objective.name=grpo", "run.save_every=0"))
+    )
     assert summary["status"] == "interrupted"
     root = out / "checkpoints"
     if presses == 1:  # step 2 finishes and is saved
@@ -361,8 +402,15 @@ class _FakeCuda:
     def __init__(self, monkeypatch, count: int, current: int, states: dict[int, torch.Tensor]):
         self.count, self.current, self.states = count, current, dict(states)
         self.gets, self.sets = [], []
-        for name in ("is_available", "device_count", "current_device", "get_rng_state",
-                     "set_rng_state", "get_rng_state_all", "set_rng_state_all"):  # fmt: skip
+        for name in (
+            "is_available",
+            "device_count",
+            "current_device",
+            "get_rng_state",
+            "set_rng_state",
+            "get_rng_state_all",
+            "set_rng_state_all",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def is_available(self) -> bool:

@@ -15,9 +15,17 @@ def test_plan_accepts_overrides_after_options_and_rejects_stray_words(tmp_path, 
 
     import pytest
 
-    cfg = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True}  # fmt: skip
+    cfg = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     assert main(["plan", "--model-config", str(path), "rollout.max_new_tokens=64"]) == 0

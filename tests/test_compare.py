@@ -17,8 +17,17 @@ def _script():
 def test_compare_smoke_writes_table_plot_and_resumes(tiny_model_dir, tmp_path, capsys):
     mod = _script()
     out = tmp_path / "cmp"
-    argv = ["--smoke", "--model", str(tiny_model_dir), "--objectives", "ibpo,grpo",
-            "--seeds", "0,1", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--smoke",
+        "--model",
+        str(tiny_model_dir),
+        "--objectives",
+        "ibpo,grpo",
+        "--seeds",
+        "0,1",
+        "--out",
+        str(out),
+    ]
     assert mod.main(argv) == 0
     md = (out / "comparison.md").read_text()
     assert "| ibpo |" in md and "| grpo |" in md and "±" in md

@@ -208,8 +208,13 @@ def _train_layout(tree: dict) -> dict:
 
 
 def test_a_saved_config_with_the_run_keys_under_train_is_migrated(tmp_path):
-    run = ["run.output_dir=out/x", "run.resume_from=latest", "run.plots=false",
-           "run.push_to_hub=true", "run.hub_repo_id=alice/x"]  # fmt: skip
+    run = [
+        "run.output_dir=out/x",
+        "run.resume_from=latest",
+        "run.plots=false",
+        "run.push_to_hub=true",
+        "run.hub_repo_id=alice/x",
+    ]
     cfg = load_config(None, [*run, "train.steps=3"])
     for tree in (cfg.to_dict(), cfg.to_dict(recipe=True)):
         old = _train_layout(tree)

@@ -32,8 +32,13 @@ def test_local_jsonl_with_column_mapping_and_gsm8k_answers(tmp_path):
         for i in range(998, 1010)
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = DataConfig(dataset=str(path), question_column="q", answer_column="sol",
-                     answer_format="gsm8k", eval_size=4)  # fmt: skip
+    cfg = DataConfig(
+        dataset=str(path),
+        question_column="q",
+        answer_column="sol",
+        answer_format="gsm8k",
+        eval_size=4,
+    )
     train, held = load_splits(cfg)
     assert len(train) == 8 and len(held) == 4
     assert not {e.question for e in train} & {e.question for e in held}
@@ -42,8 +47,12 @@ def test_local_jsonl_with_column_mapping_and_gsm8k_answers(tmp_path):
 
 def test_bad_rows_and_columns_are_named(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n"
-                    + json.dumps({"question": "2+2?", "answer": None}) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps({"question": "1+1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"question": "2+2?", "answer": None})
+        + "\n"
+    )
     with pytest.raises(ConfigError, match="row 1: no answer"):
         load_splits(DataConfig(dataset=str(path), eval_size=0))
     with pytest.raises(ConfigError, match="no column 'problem'.*question, answer"):
@@ -54,10 +63,18 @@ def test_bad_rows_and_columns_are_named(tmp_path):
 
 def test_boxed_answer_format(tmp_path):
     path = tmp_path / "m.json"
-    path.write_text(json.dumps([{"problem": f"p{i}", "solution": "so \\boxed{\\frac{1}{2}}."}
-                                for i in range(3)]))  # fmt: skip
-    cfg = DataConfig(dataset=str(path), question_column="problem", answer_column="solution",
-                     answer_format="boxed", eval_size=1)  # fmt: skip
+    path.write_text(
+        json.dumps(
+            [{"problem": f"p{i}", "solution": "so \\boxed{\\frac{1}{2}}."} for i in range(3)]
+        )
+    )
+    cfg = DataConfig(
+        dataset=str(path),
+        question_column="problem",
+        answer_column="solution",
+        answer_format="boxed",
+        eval_size=1,
+    )
     train, _ = load_splits(cfg)
     assert train[0].answer == "\\frac{1}{2}"
 
@@ -77,8 +94,12 @@ def test_training_rows_repeating_a_held_out_question_are_dropped(tmp_path, capsy
 
 
 def test_unusable_rows_are_an_error_unless_skipped_and_counted(tmp_path, capsys):
-    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": None},
-            {"question": " ", "answer": "3"}, {"question": "3+3?", "answer": "6"}]  # fmt: skip
+    rows = [
+        {"question": "1+1?", "answer": "2"},
+        {"question": "2+2?", "answer": None},
+        {"question": " ", "answer": "3"},
+        {"question": "3+3?", "answer": "6"},
+    ]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ConfigError, match="row 1: no answer(.|\n)*data.skip_unusable=true"):
         load_splits(DataConfig(dataset=path, eval_size=0))
@@ -148,18 +169,36 @@ def test_dotted_answer_path_and_chat_question(tmp_path):
         for i in range(2, 8)
     ]
     path = _jsonl(tmp_path / "dapo.jsonl", rows)
-    cfg = DataConfig(dataset=path, question_column="prompt", prompt_template="{question}",
-                     answer_column="reward_model.ground_truth", eval_size=2)  # fmt: skip
+    cfg = DataConfig(
+        dataset=path,
+        question_column="prompt",
+        prompt_template="{question}",
+        answer_column="reward_model.ground_truth",
+        eval_size=2,
+    )
     train, held = load_splits(cfg)
     got = {e.question: e.answer for e in train + held}
-    assert got == {DAPO_INSTRUCTION.strip() + f"\n\nWhat is {i} squared?": str(i * i)
-                   for i in range(2, 8)}  # fmt: skip
+    assert got == {
+        DAPO_INSTRUCTION.strip() + f"\n\nWhat is {i} squared?": str(i * i) for i in range(2, 8)
+    }
     with pytest.raises(ConfigError, match="row 0: 'reward_model.answer' has no field 'answer'"):
-        load_splits(DataConfig(dataset=path, question_column="prompt", eval_size=0,
-                               answer_column="reward_model.answer"))  # fmt: skip
+        load_splits(
+            DataConfig(
+                dataset=path,
+                question_column="prompt",
+                eval_size=0,
+                answer_column="reward_model.answer",
+            )
+        )
     with pytest.raises(ConfigError, match="no column 'reward'"):
-        load_splits(DataConfig(dataset=path, question_column="prompt", eval_size=0,
-                               answer_column="reward.ground_truth"))  # fmt: skip
+        load_splits(
+            DataConfig(
+                dataset=path,
+                question_column="prompt",
+                eval_size=0,
+                answer_column="reward.ground_truth",
+            )
+        )
 
 
 def _code_row(problem: str, cases: list[dict]) -> dict:
@@ -176,14 +215,30 @@ def _code_row(problem: str, cases: list[dict]) -> dict:
 def test_code_tests_answers_grade_end_to_end(tmp_path):
     from ibpo.rewards import REWARDS
 
-    stdin = [{"fn_name": None, "input": f"{a} {b}\n", "output": f"{a + b}\n",
-              "type": "stdin_stdout"} for a, b in [(1, 2), (40, 2)]]  # fmt: skip
-    call = [{"fn_name": "add", "input": json.dumps([a, b]), "output": json.dumps(a + b),
-             "type": "function_call"} for a, b in [(1, 2), (-5, 5)]]  # fmt: skip
-    path = _jsonl(tmp_path / "code.jsonl", [_code_row("Read a and b; print a + b.", stdin),
-                                            _code_row("Write add(a, b).", call)])  # fmt: skip
-    cfg = DataConfig(dataset=path, question_column="problem", answer_column="verification_info",
-                     answer_format="code_tests", eval_size=0)  # fmt: skip
+    stdin = [
+        {"fn_name": None, "input": f"{a} {b}\n", "output": f"{a + b}\n", "type": "stdin_stdout"}
+        for a, b in [(1, 2), (40, 2)]
+    ]
+    call = [
+        {
+            "fn_name": "add",
+            "input": json.dumps([a, b]),
+            "output": json.dumps(a + b),
+            "type": "function_call",
+        }
+        for a, b in [(1, 2), (-5, 5)]
+    ]
+    path = _jsonl(
+        tmp_path / "code.jsonl",
+        [_code_row("Read a and b; print a + b.", stdin), _code_row("Write add(a, b).", call)],
+    )
+    cfg = DataConfig(
+        dataset=path,
+        question_column="problem",
+        answer_column="verification_info",
+        answer_format="code_tests",
+        eval_size=0,
+    )
     by_question = {e.question: e.answer for e in load_splits(cfg)[0]}
     stdin_spec, call_spec = (
         by_question["Read a and b; print a + b."],
@@ -199,12 +254,19 @@ def test_code_tests_answers_grade_end_to_end(tmp_path):
 
 
 def test_code_tests_rows_without_runnable_tests_are_named(tmp_path):
-    mixed = [{"fn_name": None, "input": "1\n", "output": "1\n", "type": "stdin_stdout"},
-             {"fn_name": "f", "input": "[1]", "output": "1", "type": "function_call"}]  # fmt: skip
+    mixed = [
+        {"fn_name": None, "input": "1\n", "output": "1\n", "type": "stdin_stdout"},
+        {"fn_name": "f", "input": "[1]", "output": "1", "type": "function_call"},
+    ]
     rows = [_code_row("ok", mixed[:1]), _code_row("mixed", mixed), _code_row("none", [])]
     path = _jsonl(tmp_path / "code.jsonl", rows)
-    cfg = DataConfig(dataset=path, question_column="problem", answer_column="verification_info",
-                     answer_format="code_tests", eval_size=0)  # fmt: skip
+    cfg = DataConfig(
+        dataset=path,
+        question_column="problem",
+        answer_column="verification_info",
+        answer_format="code_tests",
+        eval_size=0,
+    )
     with pytest.raises(ConfigError, match="row 1: no answer in 'verification_info'"):
         load_splits(cfg)
 
@@ -215,8 +277,11 @@ def test_long_prompts_are_left_out_and_counted():
 
     tok = make_tokenizer()
     cfg = DataConfig(prompt_template="{question}")
-    examples = [Example("1+1?", "2"), Example("what is " + "1+" * 40 + "1?", "41"),
-                Example("2+2?", "4")]  # fmt: skip
+    examples = [
+        Example("1+1?", "2"),
+        Example("what is " + "1+" * 40 + "1?", "41"),
+        Example("2+2?", "4"),
+    ]
     short = len(tok(render_prompt(tok, "1+1?", cfg), add_special_tokens=False)["input_ids"])
     cfg.max_prompt_tokens = short + 2
     kept, dropped = drop_long_prompts(examples, tok, cfg, "training")
@@ -229,15 +294,25 @@ def test_long_prompts_are_left_out_and_counted():
 
 
 def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
-    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i} + 1?", "solution": str(i + 1)}
-                                              for i in range(5)])  # fmt: skip
-    rows = [{"problem": "Half of 8?", "answer": "4", "solution": "so \\boxed{4}"},
-            {"problem": "3 squared?", "answer": "9", "solution": "it is \\boxed{9}"}]  # fmt: skip
+    train = _jsonl(
+        tmp_path / "train.jsonl",
+        [{"prompt": f"{i} + 1?", "solution": str(i + 1)} for i in range(5)],
+    )
+    rows = [
+        {"problem": "Half of 8?", "answer": "4", "solution": "so \\boxed{4}"},
+        {"problem": "3 squared?", "answer": "9", "solution": "it is \\boxed{9}"},
+    ]
     held = _jsonl(tmp_path / "math500.jsonl", rows)
-    base = dict(dataset=str(train), question_column="prompt", answer_column="solution",
-                eval_dataset=str(held), eval_size=5)  # fmt: skip
-    own = dict(eval_question_column="problem", eval_answer_column="solution",
-               eval_answer_format="boxed")  # fmt: skip
+    base = dict(
+        dataset=str(train),
+        question_column="prompt",
+        answer_column="solution",
+        eval_dataset=str(held),
+        eval_size=5,
+    )
+    own = dict(
+        eval_question_column="problem", eval_answer_column="solution", eval_answer_format="boxed"
+    )
     tr, ev = load_splits(DataConfig(**base, **own))
     assert [e.question for e in tr] == [f"{i} + 1?" for i in range(5)]  # nothing carved out
     assert [(e.question, e.answer) for e in ev] == [("Half of 8?", "4"), ("3 squared?", "9")]
@@ -255,9 +330,13 @@ def test_a_named_eval_dataset_without_the_split_is_an_error(tmp_path, monkeypatc
     train = _jsonl(tmp_path / "train.jsonl", [{"question": "1+1?", "answer": "2"}] * 3)
     real = data._load_rows
     # a Hub dataset without the requested split (what _load_rows reports as None)
-    monkeypatch.setattr(data, "_load_rows", lambda src, split, subset: None
-                        if src == "org/evalset" else real(src, split, subset))  # fmt: skip
-    cfg = DataConfig(dataset=train, eval_dataset="org/evalset", eval_split="validation",
-                     eval_size=2)  # fmt: skip
+    monkeypatch.setattr(
+        data,
+        "_load_rows",
+        lambda src, split, subset: None if src == "org/evalset" else real(src, split, subset),
+    )
+    cfg = DataConfig(
+        dataset=train, eval_dataset="org/evalset", eval_split="validation", eval_size=2
+    )
     with pytest.raises(ConfigError, match="has no split 'validation'"):
         load_splits(cfg)  # never a silent carve-out of the training rows

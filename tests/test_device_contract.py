@@ -102,8 +102,15 @@ CASES = {
 def collect(rounds, objective="ibpo", extra=()):
     from ibpo.step import collect_batch
 
-    cfg = load_config(None, [f"rollout.group_size={G}", "train.prompts_per_step=2",
-                             f"objective.name={objective}", *extra])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"rollout.group_size={G}",
+            "train.prompts_per_step=2",
+            f"objective.name={objective}",
+            *extra,
+        ],
+    )
     obj = resolve_params(cfg.objective)
     batch = collect_batch(scripted(rounds), Tok(), Stream(), cfg, obj, reward, random.Random(0))
     return cfg, obj, batch
@@ -156,8 +163,9 @@ def test_update_stages_read_no_device_value(case):
             logp = torch.randn(mask.shape, device=DEVICE, requires_grad=True)
             ref = torch.randn(mask.shape, device=DEVICE)
             a, seq_adv = mb.take(batch.adv), mb.take(batch.seq_adv)
-            per_token, coef, info = obj.surrogate(logp, logp.detach(), a, mask, seq_adv, G,
-                                                  **obj.kwargs)  # fmt: skip
+            per_token, coef, info = obj.surrogate(
+                logp, logp.detach(), a, mask, seq_adv, G, **obj.kwargs
+            )
             for kl in KL_ESTIMATORS.values():
                 per_token = per_token + 0.1 * kl(logp, ref, logp.detach())
             loss = aggregate(per_token, mask, obj.aggregation, norm)
@@ -171,10 +179,19 @@ def test_update_stages_read_no_device_value(case):
                 stats.setdefault(key, []).append(v)
         assert stack_stats(stats, cancel).device == DEVICE  # one tensor, read once
     # the metrics assembly reads host values only (the update's numbers already read)
-    upd = UpdateResult({"loss": [0.5, 0.25], "entropy": [1.0, 2.0], "trained_tokens": [3.0, 1.0],
-                        "groups": [1.0, 1.0]},
-                       {"residual_num": 0.0, "residual_den": 1.0, "shared_tokens": 3.0,
-                        "tokens": 9.0}, 1.0, 1, False, 0.0)  # fmt: skip
+    upd = UpdateResult(
+        {
+            "loss": [0.5, 0.25],
+            "entropy": [1.0, 2.0],
+            "trained_tokens": [3.0, 1.0],
+            "groups": [1.0, 1.0],
+        },
+        {"residual_num": 0.0, "residual_den": 1.0, "shared_tokens": 3.0, "tokens": 9.0},
+        1.0,
+        1,
+        False,
+        0.0,
+    )
     m = step_metrics(batch, upd, 1e-4)
     assert m["completion_length"] == sum(batch.rollout.lengths) / (2 * G)
     assert m["entropy"] == (3.0 * 1.0 + 1.0 * 2.0) / 4.0  # weighted by trained tokens
@@ -192,14 +209,22 @@ def test_objectives_under_fake_cuda_tensors():
         seq_adv = torch.randn(n, device="cuda")
         adv = seq_adv.unsqueeze(-1) * mask
         for name, obj in OBJECTIVES.items():
-            per_token, coef, info = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G,
-                                                  **obj.defaults)  # fmt: skip
+            per_token, coef, info = obj.surrogate(
+                logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults
+            )
             loss = aggregate(per_token, mask, obj.aggregation, 10.0)
             assert loss.device.type == "cuda" and coef.device.type == "cuda", name
             assert all(v.device.type == "cuda" for v in info.values()), name
         with pytest.raises(FakeTensorDeviceMismatchError):
-            OBJECTIVES["ibpo"].surrogate(logp, logp.detach(), torch.randn(n, T), mask, seq_adv, G,
-                                         **OBJECTIVES["ibpo"].defaults)  # fmt: skip
+            OBJECTIVES["ibpo"].surrogate(
+                logp,
+                logp.detach(),
+                torch.randn(n, T),
+                mask,
+                seq_adv,
+                G,
+                **OBJECTIVES["ibpo"].defaults,
+            )
 
 
 def test_the_stand_in_device_catches_a_cpu_mask():

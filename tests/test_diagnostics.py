@@ -109,8 +109,14 @@ def _fake_rounds(monkeypatch, reward_rows):
         mask = torch.ones(n * g, 3)
         from ibpo.rollout import Rollout
 
-        ro = Rollout(torch.ones(n * g, 5, dtype=torch.long), torch.ones(n * g, 5, dtype=torch.long),
-                     mask, 2, ["x"] * (n * g), torch.zeros(n * g, dtype=torch.bool))  # fmt: skip
+        ro = Rollout(
+            torch.ones(n * g, 5, dtype=torch.long),
+            torch.ones(n * g, 5, dtype=torch.long),
+            mask,
+            2,
+            ["x"] * (n * g),
+            torch.zeros(n * g, dtype=torch.bool),
+        )
         return Round(ro, r, r, None, {"generated_tokens": float(n * g * 3)})
 
     monkeypatch.setattr(step, "score_round", fake_round)
@@ -119,9 +125,15 @@ def _fake_rounds(monkeypatch, reward_rows):
 def _cfg(dynamic, rounds, B=3):
     from ibpo.config import load_config
 
-    return load_config(None, ["rollout.group_size=2", f"train.prompts_per_step={B}",
-                              f"rollout.dynamic_sampling={str(dynamic).lower()}",
-                              f"rollout.max_resample_rounds={rounds}"])  # fmt: skip
+    return load_config(
+        None,
+        [
+            "rollout.group_size=2",
+            f"train.prompts_per_step={B}",
+            f"rollout.dynamic_sampling={str(dynamic).lower()}",
+            f"rollout.max_resample_rounds={rounds}",
+        ],
+    )
 
 
 def _collect(cfg):
@@ -129,8 +141,9 @@ def _collect(cfg):
     from ibpo.step import collect_batch
 
     stream = _Stream()
-    b = collect_batch(None, _Tok(), stream, cfg, resolve_params(cfg.objective), None,
-                      random.Random(0))  # fmt: skip
+    b = collect_batch(
+        None, _Tok(), stream, cfg, resolve_params(cfg.objective), None, random.Random(0)
+    )
     return b, stream
 
 
@@ -207,9 +220,16 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
 
     def collect(extra):
         _lengths_round(monkeypatch, [[1.0, 1.0]], [4, 16])
-        cfg = load_config(None, ["rollout.group_size=2", "train.prompts_per_step=1",
-                                 "rollout.max_new_tokens=16", f"objective.name={objective}",
-                                 *extra])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                "rollout.group_size=2",
+                "train.prompts_per_step=1",
+                "rollout.max_new_tokens=16",
+                f"objective.name={objective}",
+                *extra,
+            ],
+        )
         return _collect(cfg)[0]
 
     b = collect([])
@@ -227,16 +247,29 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     b = collect(dynamic)
     assert b.stats["dropped_groups"] == 1 and (b.seq_adv == 0).all()  # nothing had task signal
     _lengths_round(monkeypatch, [[1.0, 1.0], [1.0, 0.0]], [4, 16, 16, 16])
-    cfg = load_config(None, ["rollout.group_size=2", "train.prompts_per_step=2",
-                             "rollout.max_new_tokens=16", f"objective.name={objective}",
-                             *dynamic])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.group_size=2",
+            "train.prompts_per_step=2",
+            "rollout.max_new_tokens=16",
+            f"objective.name={objective}",
+            *dynamic,
+        ],
+    )
     b = _collect(cfg)[0]
     assert b.stats["dropped_groups"] == 1 and b.rewards.tolist() == [[1.0, 0.0]]
     assert b.seq_adv[0] > 0 > b.seq_adv[1]  # the live group is trained, penalty included
 
 
-@pytest.mark.parametrize("bad", ["objective.overlong_buffer=1.0", "objective.overlong_buffer=-0.1",
-                                 "objective.overlong_penalty=-1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "objective.overlong_buffer=1.0",
+        "objective.overlong_buffer=-0.1",
+        "objective.overlong_penalty=-1",
+    ],
+)
 def test_overlong_settings_are_checked(bad):
     from ibpo.config import ConfigError, load_config
 

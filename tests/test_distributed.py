@@ -35,15 +35,35 @@ def _fsdp_env() -> dict[str, str]:
 
 
 def _torchrun(args: list[str], tmp_path: Path, fsdp: bool = False, ok: bool = True):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "true",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     env.update(_fsdp_env() if fsdp else {})
     # --standalone: a local rendezvous on a free port (a fixed port could be taken)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(WORKER), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        *args,
+    ]
     # its own session: a run that hangs is killed whole (workers included), not just torchrun
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -95,12 +115,22 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
     LoRA tensors (adapter and optimizer state gathered into the checkpoint, scattered back); the
     saved adapter is the live one; repairs and evaluation (5 problems in batches of 2: 2 calls
     on one process, 1 on the other) run on gathered weights."""
-    args = ["model.quantization=none", "train.prompts_per_step=2", "rollout.group_size=4",
-            "rollout.max_new_tokens=8", "data.eval_size=5", "rollout.eval_max_new_tokens=4",
-            "rollout.eval_batch_size=2",
-            "objective.reward=parity", "run.save_every=1", "train.learning_rate=0.01",
-            "run.progress=false", "run.plots=false", "repair.max_repairs_per_group=1",
-            "repair.template='{question}|{attempt}|{reference}'"]  # fmt: skip
+    args = [
+        "model.quantization=none",
+        "train.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "data.eval_size=5",
+        "rollout.eval_max_new_tokens=4",
+        "rollout.eval_batch_size=2",
+        "objective.reward=parity",
+        "run.save_every=1",
+        "train.learning_rate=0.01",
+        "run.progress=false",
+        "run.plots=false",
+        "repair.max_repairs_per_group=1",
+        "repair.template='{question}|{attempt}|{reference}'",
+    ]
     _torchrun(["resume", tiny_model_dir, str(tmp_path), *args], tmp_path, fsdp=True)
     r0, r1 = (torch.load(tmp_path / f"resume-rank{r}.pt") for r in (0, 1))
     full, resumed = r0["full"], r0["resumed"]
@@ -131,11 +161,25 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     """A whole `train()` on 2 processes: same adapter on both ranks, one metrics line per step
     gathered over them, a checkpoint with each process's state, and an adapter on disk."""
     out = tmp_path / "run"
-    _torchrun(["train", tiny_model_dir, str(tmp_path), "model.quantization=none",
-               "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
-               "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4", "data.eval_size=4",
-               "train.learning_rate=0.01", f"run.output_dir={out}", "run.progress=false",
-               "run.plots=false"], tmp_path)  # fmt: skip
+    _torchrun(
+        [
+            "train",
+            tiny_model_dir,
+            str(tmp_path),
+            "model.quantization=none",
+            "train.steps=2",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=6",
+            "rollout.eval_max_new_tokens=4",
+            "data.eval_size=4",
+            "train.learning_rate=0.01",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "run.plots=false",
+        ],
+        tmp_path,
+    )
     r0, r1 = torch.load(tmp_path / "train-rank0.pt"), torch.load(tmp_path / "train-rank1.pt")
     assert r0["lora"].keys() == r1["lora"].keys() and r0["lora"]
     for name in r0["lora"]:
@@ -158,17 +202,30 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
     """FSDP-QLoRA proper: the packed NF4 codes (stored in the compute dtype) are split over the
     2 processes, and 2 steps with repairs give the LoRA weights DDP gives (bitsandbytes' CPU
     kernels; 4-bit matmuls leave more rounding than fp32: 1e-4)."""
-    args = ["model.quantization=nf4", "model.cpu_dequantize=false", "train.steps=2",
-            "train.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
-            "data.eval_size=0", "objective.reward=parity", "train.learning_rate=0.01",
-            "run.progress=false", "run.plots=false", "repair.max_repairs_per_group=1",
-            "repair.template='{question}|{attempt}|{reference}'"]  # fmt: skip
+    args = [
+        "model.quantization=nf4",
+        "model.cpu_dequantize=false",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "data.eval_size=0",
+        "objective.reward=parity",
+        "train.learning_rate=0.01",
+        "run.progress=false",
+        "run.plots=false",
+        "repair.max_repairs_per_group=1",
+        "repair.template='{question}|{attempt}|{reference}'",
+    ]
     found = {}
     for kind in ("ddp", "fsdp"):
         out = tmp_path / kind
         out.mkdir()
-        _torchrun(["train", tiny_model_dir, str(out), *args, f"run.output_dir={out / 'run'}"],
-                  tmp_path, fsdp=kind == "fsdp")  # fmt: skip
+        _torchrun(
+            ["train", tiny_model_dir, str(out), *args, f"run.output_dir={out / 'run'}"],
+            tmp_path,
+            fsdp=kind == "fsdp",
+        )
         found[kind] = torch.load(out / "train-rank0.pt")
     ddp, fsdp = found["ddp"], found["fsdp"]
     assert ddp["q_proj_weight"]["local"] == ddp["q_proj_weight"]["full"]
@@ -247,9 +304,23 @@ def test_one_process_out_of_memory_ends_the_run_instead_of_hanging(tiny_model_di
 
     out = tmp_path / "run"
     start = time.monotonic()
-    res = _torchrun(["oom", tiny_model_dir, str(tmp_path), "model.quantization=none",
-                     "train.steps=3", "train.prompts_per_step=2", "rollout.group_size=2",
-                     "rollout.max_new_tokens=4", "data.eval_size=0", f"run.output_dir={out}",
-                     "run.progress=false", "run.plots=false"], tmp_path, ok=False)  # fmt: skip
+    res = _torchrun(
+        [
+            "oom",
+            tiny_model_dir,
+            str(tmp_path),
+            "model.quantization=none",
+            "train.steps=3",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            "data.eval_size=0",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "run.plots=false",
+        ],
+        tmp_path,
+        ok=False,
+    )
     assert time.monotonic() - start < 150
     assert "ibpo: process 1: out of memory in step 2" in res.stderr, res.stderr[-3000:]

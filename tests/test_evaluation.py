@@ -101,13 +101,24 @@ def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answ
 
     problems = [Problem("p", "What is 200 + 4?", "204")]
     got = {}
-    for name, text, cut in [("cut", "Maybe \\boxed{204}? Wait, let me check the", True),
-                            ("done", "200 + 4 = 204.\n</think>\n\\boxed{204}", False)]:  # fmt: skip
+    for name, text, cut in [
+        ("cut", "Maybe \\boxed{204}? Wait, let me check the", True),
+        ("done", "200 + 4 = 204.\n</think>\n\\boxed{204}", False),
+    ]:
         sampler = lambda prompts, t=text, c=cut: [(t, 12, c) for _ in prompts]  # noqa: E731
         build = lambda s=sampler: (s, OpensThinking())  # noqa: E731
         (tmp_path / name).mkdir()
-        records = run_benchmark(problems, 1, tmp_path / name, build, math_reward, extract_answer,
-                                None, 4, progress=False)  # fmt: skip
+        records = run_benchmark(
+            problems,
+            1,
+            tmp_path / name,
+            build,
+            math_reward,
+            extract_answer,
+            None,
+            4,
+            progress=False,
+        )
         got[name] = records[("p", 0)]
     assert got["cut"]["reward"] == 0.0 and got["cut"]["extracted"] is None
     assert got["done"]["reward"] == 1.0 and got["done"]["extracted"] == "204"
@@ -134,11 +145,22 @@ def test_summarize_by_hand():
             self.id = pid
 
     def rec(pid, i, reward, ans, length):
-        return {"problem_id": pid, "sample": i, "reward": reward, "extracted": ans,
-                "length": length, "truncated": length == 8}  # fmt: skip
+        return {
+            "problem_id": pid,
+            "sample": i,
+            "reward": reward,
+            "extracted": ans,
+            "length": length,
+            "truncated": length == 8,
+        }
 
-    recs = [rec("a", 0, 1.0, "2", 4), rec("a", 1, 0.0, "3", 8), rec("b", 0, 0.0, "5", 6),
-            rec("b", 1, 0.0, "5", 6), rec("b", 2, 1.0, "9", 2)]  # fmt: skip
+    recs = [
+        rec("a", 0, 1.0, "2", 4),
+        rec("a", 1, 0.0, "3", 8),
+        rec("b", 0, 0.0, "5", 6),
+        rec("b", 1, 0.0, "5", 6),
+        rec("b", 2, 1.0, "9", 2),
+    ]
     records = {(r["problem_id"], r["sample"]): r for r in recs}
     s = summarize([P("a"), P("b")], records, n=2, vote=True)  # sample b/2 is beyond n: ignored
     assert s["avg@2"] == pytest.approx(0.25)
@@ -301,8 +323,21 @@ def run_script(cached_loader, monkeypatch):
 
 
 def _quick(model, out, *extra, limit=2, tokens=16):
-    return ("--model", model, "--n", "2", "--max-new-tokens", str(tokens), "--batch-size", "8",
-            "--limit", str(limit), "--output-dir", str(out), *extra)  # fmt: skip
+    return (
+        "--model",
+        model,
+        "--n",
+        "2",
+        "--max-new-tokens",
+        str(tokens),
+        "--batch-size",
+        "8",
+        "--limit",
+        str(limit),
+        "--output-dir",
+        str(out),
+        *extra,
+    )
 
 
 @pytest.mark.slow
@@ -319,9 +354,10 @@ def test_script_end_to_end(name, smollm2_dir, run_script, tmp_path, capsys):
     assert (summary["maj@2"] is None) == (BENCHMARKS[name].reward == "code")
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted((s["problem_id"], s["sample"]) for s in samples) == sorted(
-        (p.id, i) for p in load_problems(BENCHMARKS[name], data=fixture(name), limit=2)
+        (p.id, i)
+        for p in load_problems(BENCHMARKS[name], data=fixture(name), limit=2)
         for i in range(2)
-    )  # fmt: skip
+    )
     assert all(s["length"] >= 1 and s["completion"] is not None for s in samples)
     assert f"| {name} | " in capsys.readouterr().out
     assert (out / "results.md").read_text().count("\n") == 3
@@ -333,8 +369,15 @@ def test_resume_after_a_kill_completes_without_duplicates(
 ):
     out = tmp_path / "resume"
     out.mkdir()
-    kept = {"problem_id": "0", "sample": 0, "completion": "Ana has 7 apples. Answer: 7",
-            "extracted": "7", "reward": 1.0, "length": 9, "truncated": False}  # fmt: skip
+    kept = {
+        "problem_id": "0",
+        "sample": 0,
+        "completion": "Ana has 7 apples. Answer: 7",
+        "extracted": "7",
+        "reward": 1.0,
+        "length": 9,
+        "truncated": False,
+    }
     half = json.dumps({**kept, "sample": 1, "completion": "Ana"})[:30]  # killed mid-write
     (out / "samples.jsonl").write_text(json.dumps(kept) + "\n" + half)
     args = _quick(smollm2_dir, out, "--data", fixture("gsm8k"), limit=1)
@@ -374,8 +417,9 @@ def test_adapter_is_applied_on_a_4bit_base(smollm2_dir, run_script, cached_loade
     outs = {}
     for tag, extra in (("base", ()), ("lora", ("--adapter", str(tmp_path / "adapter")))):
         out = tmp_path / tag
-        args = _quick(smollm2_dir, out, "--data", fixture("amc23"), *greedy, *extra, limit=1,
-                      tokens=8)  # fmt: skip
+        args = _quick(
+            smollm2_dir, out, "--data", fixture("amc23"), *greedy, *extra, limit=1, tokens=8
+        )
         assert run_script("amc23", *args) == 0
         outs[tag] = [json.loads(x)["completion"] for x in open(out / "samples.jsonl")]
         assert json.loads((out / "summary.json").read_text())["quantization"] == "nf4"

@@ -30,8 +30,14 @@ BNB_WHEEL = "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
 def _run(*args, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     env.pop("OUT", None)
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _fake_bnb_wheel(folder: Path, cuda: bool = True) -> Path:
@@ -79,8 +85,9 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
 def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
     out, empty = tmp_path / "out", tmp_path / "no-wheels"
     empty.mkdir()
-    proc = _run("--dry-run", "--out", out, "--wheels", empty, "--skip", "bench_gpu",
-                "--budget-s", "100")  # fmt: skip
+    proc = _run(
+        "--dry-run", "--out", out, "--wheels", empty, "--skip", "bench_gpu", "--budget-s", "100"
+    )
     assert proc.returncode == 0, proc.stderr
     said = proc.stdout
     assert f"stage 1 install: would be skipped: no wheels in {empty}" in said
@@ -98,12 +105,14 @@ def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--budget-s", "0"], "--budget-s must be > 0"),
-     (["--cap-gb", "-1"], "--cap-gb must be > 0"),
-     (["--skip", "nosuchstage"], "invalid choice: 'nosuchstage'"),
-     (["--bench-configs", "8b"], "--bench-configs must look like 8b:1024"),
-     (["--frobnicate"], "unrecognized arguments: --frobnicate")],
-)  # fmt: skip
+    [
+        (["--budget-s", "0"], "--budget-s must be > 0"),
+        (["--cap-gb", "-1"], "--cap-gb must be > 0"),
+        (["--skip", "nosuchstage"], "invalid choice: 'nosuchstage'"),
+        (["--bench-configs", "8b"], "--bench-configs must look like 8b:1024"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
 def test_bad_arguments_are_named(tmp_path, args, message):
     proc = _run("--dry-run", "--out", tmp_path, *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -180,9 +189,11 @@ def _module():
 def test_a_stage_past_its_timeout_is_ended_with_its_children(tmp_path):
     gc = _module()
     # the stage starts a child of its own that would outlive it if only the stage were killed
-    code = ("import subprocess, sys, time; print('started', flush=True); "
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-            "time.sleep(120)")  # fmt: skip
+    code = (
+        "import subprocess, sys, time; print('started', flush=True); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "time.sleep(120)"
+    )
     stage = gc.Stage("sleepy", [sys.executable, "-c", code], timeout_s=2)
     record = gc.run_stage(stage, 2, dict(os.environ), tmp_path)
     assert record["status"] == "timeout" and "ended" in record["reason"]
@@ -192,10 +203,14 @@ def test_a_stage_past_its_timeout_is_ended_with_its_children(tmp_path):
 
 def test_suite_outcomes_come_from_its_log_when_there_is_no_junit_file():
     gc = _module()
-    log = ("collected 3 items\n\n"
-           "tests/test_gpu_e2e.py::test_a PASSED [ 33%]\n"
-           "tests/test_gpu_e2e.py::test_b FAILED [ 66%]\n"
-           "tests/test_gpu_e2e.py::test_c ")  # fmt: skip
+    log = (
+        "collected 3 items\n\n"
+        "tests/test_gpu_e2e.py::test_a PASSED [ 33%]\n"
+        "tests/test_gpu_e2e.py::test_b FAILED [ 66%]\n"
+        "tests/test_gpu_e2e.py::test_c "
+    )
     assert {k: v["outcome"] for k, v in gc.outcomes_from_log(log).items()} == {
-        "test_a": "passed", "test_b": "failed", "test_c": "running when the suite ended"
-    }  # fmt: skip
+        "test_a": "passed",
+        "test_b": "failed",
+        "test_c": "running when the suite ended",
+    }

@@ -65,20 +65,34 @@ REPORT: dict = {"bound": "peak above baseline <= 1.5 x planned + 64 MiB", "runs"
 def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
     """A recipe's GPU settings on the tiny model (later overrides win)."""
     return [
-        f"model.name={model_dir}", "model.quantization=nf4", "model.dtype=bfloat16",
-        "model.gradient_checkpointing=true", "train.optimizer=auto", "objective.name=ibpo",
+        f"model.name={model_dir}",
+        "model.quantization=nf4",
+        "model.dtype=bfloat16",
+        "model.gradient_checkpointing=true",
+        "train.optimizer=auto",
+        "objective.name=ibpo",
         # bitsandbytes keeps 8-bit optimizer state only for tensors of >= 4096 elements: at rank
         # 64 the larger LoRA matrices of this model have that many (the smaller stay 32-bit)
-        "model.lora_r=64", "model.lora_alpha=128",
-        f"rollout.group_size={G}", f"train.prompts_per_step={B}", "train.micro_batch_groups=1",
-        "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
+        "model.lora_r=64",
+        "model.lora_alpha=128",
+        f"rollout.group_size={G}",
+        f"train.prompts_per_step={B}",
+        "train.micro_batch_groups=1",
+        "rollout.max_new_tokens=8",
+        "rollout.eval_max_new_tokens=8",
         # the built-in arithmetic prompts are 61-63 tokens with this tokenizer: the planner's
         # worst case (every prompt at this length) stays close to what runs
         "data.max_prompt_tokens=64",
-        "repair.template='{question}|{attempt}|{reference}'", f"objective.reward={REWARD}",
-        "data.eval_size=0", "run.save_every=0", "run.plots=false", "run.progress=false",
-        f"run.output_dir={out}", f"train.steps={steps}", *extra,
-    ]  # fmt: skip
+        "repair.template='{question}|{attempt}|{reference}'",
+        f"objective.reward={REWARD}",
+        "data.eval_size=0",
+        "run.save_every=0",
+        "run.plots=false",
+        "run.progress=false",
+        f"run.output_dir={out}",
+        f"train.steps={steps}",
+        *extra,
+    ]
 
 
 def parity(text: str) -> float:
@@ -116,10 +130,18 @@ class Harness:
         _wrap(monkeypatch, step_mod, "score_round", self._score_round)
         _wrap(monkeypatch, step_mod, "hf_generator", self._generator)
         _wrap(monkeypatch, step_mod, "run_repairs", lambda real: self._labelled("repair", real))
-        _wrap(monkeypatch, trainer_mod, "evaluate_accuracy",
-              lambda real: self._labelled("evaluation", real))  # fmt: skip
-        _wrap(monkeypatch, step_mod, "update_policy",
-              lambda real: lambda *a, **k: self.measure("training", real, *a, **k))  # fmt: skip
+        _wrap(
+            monkeypatch,
+            trainer_mod,
+            "evaluate_accuracy",
+            lambda real: self._labelled("evaluation", real),
+        )
+        _wrap(
+            monkeypatch,
+            step_mod,
+            "update_policy",
+            lambda real: lambda *a, **k: self.measure("training", real, *a, **k),
+        )
         _wrap(monkeypatch, step_mod, "offloaded_activations", self._offload)
 
     # rewards
@@ -250,8 +272,12 @@ def model_facts(model) -> dict:
 
 def optimizer_facts(optimizer) -> dict:
     inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
-    moments = [v for s in inner.state.values() for k, v in s.items()
-               if k in ("state1", "state2", "exp_avg", "exp_avg_sq")]  # fmt: skip
+    moments = [
+        v
+        for s in inner.state.values()
+        for k, v in s.items()
+        if k in ("state1", "state2", "exp_avg", "exp_avg_sq")
+    ]
     # bitsandbytes pages the state of tensors of >= 1e5 elements: CUDA managed memory behind a
     # tensor that says "cpu" (none of this model's LoRA tensors is that large)
     devices = {"paged" if getattr(t, "is_paged", False) else str(t.device) for t in moments}
@@ -287,8 +313,11 @@ def settle() -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         REPORT["warmup_left_allocated_bytes"] = torch.cuda.memory_allocated() - before
-        REPORT["environment"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                                 "device": torch.cuda.get_device_name()}  # fmt: skip
+        REPORT["environment"] = {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(),
+        }
         _WARMED = True
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -306,12 +335,15 @@ def phase_table(cfg, peaks: dict[str, int], baseline: int) -> dict:
         measured = None if peak is None else peak - baseline
         bound = None if planned is None else int(SLACK * planned + MARGIN)
         rows[name] = {
-            "planned_bytes": planned, "measured_bytes": measured, "peak_allocated_bytes": peak,
-            "baseline_bytes": baseline if CUDA else None, "bound_bytes": bound,
+            "planned_bytes": planned,
+            "measured_bytes": measured,
+            "peak_allocated_bytes": peak,
+            "baseline_bytes": baseline if CUDA else None,
+            "bound_bytes": bound,
             "within_bound": None if None in (measured, bound) else measured <= bound,
             "ratio": None if not (measured is not None and planned) else measured / planned,
             "planned_components_bytes": {k: round(v * GIB) for k, v in (parts or {}).items()},
-        }  # fmt: skip
+        }
     return rows
 
 
@@ -406,16 +438,20 @@ def test_steps_where_every_completion_is_wrong_then_right(tiny_model_dir, tmp_pa
     check_wrong_then_right(tiny_model_dir, tmp_path, monkeypatch)
 
 
-def test_dynamic_sampling_refills_flat_groups_and_falls_back(tiny_model_dir, tmp_path,
-                                                             monkeypatch):  # fmt: skip
+def test_dynamic_sampling_refills_flat_groups_and_falls_back(tiny_model_dir, tmp_path, monkeypatch):
     def first(rnd, b, i):
         if rnd == 1:  # group 0 flat (all right: dropped); group 1 right / half right: kept,
             return 1.0 if b == 0 or i % 2 == 0 else 0.5  # and no member failed: no repairs
         return float(i % 2)  # the refill: two members fail and are repaired
 
     h = Harness(monkeypatch, {1: first, 2: lambda rnd, b, i: 1.0})
-    args = base_args(tiny_model_dir, tmp_path / "run", 3, "rollout.dynamic_sampling=true",
-                     "rollout.max_resample_rounds=2")  # fmt: skip
+    args = base_args(
+        tiny_model_dir,
+        tmp_path / "run",
+        3,
+        "rollout.dynamic_sampling=true",
+        "rollout.max_resample_rounds=2",
+    )
     summary, metrics, entry = h.run("dynamic_sampling", args)
     assert summary["status"] == "completed" and summary["steps"] == 3, summary["message"]
     refilled, flat = _steps(metrics)[:2]
@@ -433,9 +469,15 @@ def test_dynamic_sampling_refills_flat_groups_and_falls_back(tiny_model_dir, tmp
 
 def test_offloaded_activations_with_a_static_kv_cache(tiny_model_dir, tmp_path, monkeypatch):
     h = Harness(monkeypatch)
-    args = base_args(tiny_model_dir, tmp_path / "run", 2, "model.offload_activations=true",
-                     "rollout.kv_cache=static", "data.eval_size=4",
-                     "train.eval_every=1")  # fmt: skip
+    args = base_args(
+        tiny_model_dir,
+        tmp_path / "run",
+        2,
+        "model.offload_activations=true",
+        "rollout.kv_cache=static",
+        "data.eval_size=4",
+        "train.eval_every=1",
+    )
     summary, metrics, entry = h.run("offload_static_kv", args)
     assert summary["status"] == "completed" and summary["steps"] == 2, summary["message"]
     assert h.facts["model"]["kv_cache"] == "static"
@@ -453,8 +495,9 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     h = Harness(monkeypatch)
 
     def args(out, steps, *extra):
-        return base_args(tiny_model_dir, out, steps, "run.save_every=1",
-                         "run.keep_checkpoints=3", *extra)  # fmt: skip
+        return base_args(
+            tiny_model_dir, out, steps, "run.save_every=1", "run.keep_checkpoints=3", *extra
+        )
 
     ref, again, run = tmp_path / "ref", tmp_path / "again", tmp_path / "run"
     assert h.run("resume_reference", args(ref, 3))[0]["status"] == "completed"
@@ -466,8 +509,9 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     saved = torch.load(root / "step-2" / "optimizer.pt", weights_only=True)["state"]
     dtypes = {t.dtype for s in saved.values() for t in s.values() if isinstance(t, torch.Tensor)}
     assert torch.uint8 in dtypes or not CUDA  # paged 8-bit AdamW's moments went to disk as such
-    resumed, resumed_metrics, entry = h.run("resume_last_step",
-                                            args(run, 3, "run.resume_from=latest"))  # fmt: skip
+    resumed, resumed_metrics, entry = h.run(
+        "resume_last_step", args(run, 3, "run.resume_from=latest")
+    )
     assert resumed["status"] == "completed" and resumed["steps"] == 3
     assert resumed["resumed_from"] == str(root / "step-2")
     assert_qlora_on_device(h.facts)  # the resumed optimizer: paged 8-bit, state on the GPU
@@ -480,11 +524,14 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     if not repeatable:
         noise = max((want[k] - other[k]).abs().max().item() for k in want)
         entry["reference_runs_max_abs_difference"] = noise
-        entry["resumed_max_abs_difference"] = max((got[k] - want[k]).abs().max().item()
-                                                  for k in want)  # fmt: skip
+        entry["resumed_max_abs_difference"] = max(
+            (got[k] - want[k]).abs().max().item() for k in want
+        )
         write_report()
-        pytest.skip(f"two identical runs differ on this GPU (max |dLoRA| = {noise:.3g}): an "
-                    "exact resume cannot be told from that; see the report's numbers")  # fmt: skip
+        pytest.skip(
+            f"two identical runs differ on this GPU (max |dLoRA| = {noise:.3g}): an "
+            "exact resume cannot be told from that; see the report's numbers"
+        )
     assert rewards[run] == rewards[ref] == rewards[again]
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -503,18 +550,42 @@ def test_gsm8k_script_evaluates_the_saved_adapter(tiny_model_dir, tmp_path, monk
 
         model, tok = real(*args, **kwargs)
         four = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-        loaded.update(peft=isinstance(model, PeftModel), linear4bit=len(four),
-                      devices=sorted({str(m.weight.device) for m in four}),
-                      lora=any("lora_B" in n for n, _ in model.named_parameters()))  # fmt: skip
+        loaded.update(
+            peft=isinstance(model, PeftModel),
+            linear4bit=len(four),
+            devices=sorted({str(m.weight.device) for m in four}),
+            lora=any("lora_B" in n for n, _ in model.named_parameters()),
+        )
         return model, tok
 
     monkeypatch.setattr(modeling, "load_for_inference", load)
     out = tmp_path / "eval"
     script = runpy.run_path(str(ROOT / "scripts" / "eval_gsm8k.py"), run_name="eval_script")
-    rc = script["run"](["--model", tiny_model_dir, "--adapter", adapter, "--quantization", "nf4",
-                        "--dtype", "bfloat16", "--data", str(GSM8K_ROWS), "--limit", "2",
-                        "--n", "2", "--max-new-tokens", "8", "--batch-size", "4",
-                        "--output-dir", str(out), "--no-progress"])  # fmt: skip
+    rc = script["run"](
+        [
+            "--model",
+            tiny_model_dir,
+            "--adapter",
+            adapter,
+            "--quantization",
+            "nf4",
+            "--dtype",
+            "bfloat16",
+            "--data",
+            str(GSM8K_ROWS),
+            "--limit",
+            "2",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--batch-size",
+            "4",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "summary.json").read_text())
     assert result["problems"] == 2 and result["n"] == 2 and result["quantization"] == "nf4"

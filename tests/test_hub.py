@@ -33,12 +33,23 @@ def run(tiny_model_dir, tmp_path_factory):
     from ibpo.evaluation.cli import main as eval_main
 
     out = tmp_path_factory.mktemp("hub") / "run"
-    cfg = load_config(None, [
-        f"model.name={tiny_model_dir}", "model.quantization=none", "train.steps=2",
-        "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-        "rollout.eval_max_new_tokens=4", "data.eval_size=4", "run.save_every=1",
-        "train.learning_rate=0.05", f"run.output_dir={out}", "run.progress=false",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "model.quantization=none",
+            "train.steps=2",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            "rollout.eval_max_new_tokens=4",
+            "data.eval_size=4",
+            "run.save_every=1",
+            "train.learning_rate=0.05",
+            f"run.output_dir={out}",
+            "run.progress=false",
+        ],
+    )
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
     trainer.REWARDS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
@@ -49,9 +60,23 @@ def run(tiny_model_dir, tmp_path_factory):
     if not list(out.glob("plots/*.png")):  # the trainer may write plots itself
         (out / "plots").mkdir(exist_ok=True)
         (out / "plots" / "reward.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
-    args = ["--model", tiny_model_dir, "--adapter", str(out / "adapter"), "--data",
-            str(FIXTURES / "gsm8k.jsonl"), "--limit", "2", "--n", "2", "--max-new-tokens", "4",
-            "--output-dir", str(out / "eval" / "gsm8k"), "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        tiny_model_dir,
+        "--adapter",
+        str(out / "adapter"),
+        "--data",
+        str(FIXTURES / "gsm8k.jsonl"),
+        "--limit",
+        "2",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--output-dir",
+        str(out / "eval" / "gsm8k"),
+        "--no-progress",
+    ]
     assert eval_main(args, benchmark="gsm8k") == 0
     return out
 
@@ -207,8 +232,11 @@ def test_model_index_holds_the_adapters_evaluation(run, tmp_path, monkeypatch):
     s = json.loads((run / "eval" / "gsm8k" / "summary.json").read_text())
     got = {r.metric_type: r for r in card.data.eval_results}
     assert {k: r.metric_value for k, r in got.items()} == {
-        "accuracy": s["avg@2"], "pass@1": s["pass@1"], "pass@2": s["pass@2"], "maj@2": s["maj@2"],
-    }  # fmt: skip
+        "accuracy": s["avg@2"],
+        "pass@1": s["pass@1"],
+        "pass@2": s["pass@2"],
+        "maj@2": s["maj@2"],
+    }
     for r in got.values():
         assert r.task_type == "text-generation" and r.dataset_type == "gsm8k"  # --data: local
         assert r.dataset_name == "gsm8k (gsm8k.jsonl, local)" and r.dataset_split is None
@@ -237,8 +265,11 @@ def test_model_index_names_hub_benchmarks_and_leaves_out_the_base_alone(run, tmp
     assert "| gsm8k | tiny-qwen30 | - | 2 | 0.750 |" in card  # the base's row is in the table
     results = _card_data(card).eval_results
     assert {r.metric_type: r.metric_value for r in results} == {
-        "accuracy": 0.25, "pass@1": 0.25, "pass@2": 0.5, "maj@2": 0.5,
-    }  # fmt: skip
+        "accuracy": 0.25,
+        "pass@1": 0.25,
+        "pass@2": 0.5,
+        "maj@2": 0.5,
+    }
     r = results[0]
     where = (r.dataset_type, r.dataset_name, r.dataset_config, r.dataset_split, r.dataset_revision)
     assert where == ("openai/gsm8k", "gsm8k", "main", "test", "a" * 40)
@@ -427,8 +458,9 @@ def _mock_hub(monkeypatch, existing_private: bool = True, fail=None):
             raise fail
         folder = Path(kwargs["folder_path"])
         calls["upload_folder"] = {**kwargs, "files": _files(folder)}
-        calls["token_seen"] = any(FAKE_TOKEN.encode() in p.read_bytes()
-                                  for p in folder.rglob("*") if p.is_file())  # fmt: skip
+        calls["token_seen"] = any(
+            FAKE_TOKEN.encode() in p.read_bytes() for p in folder.rglob("*") if p.is_file()
+        )
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

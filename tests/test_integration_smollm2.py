@@ -26,8 +26,15 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
 
     from ibpo.modeling import _quantization_config, disable_cpu_bf16_repack
 
-    cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=12",
-                             "train.prompts_per_step=2", "train.learning_rate=1e-3"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=12",
+            "train.prompts_per_step=2",
+            "train.learning_rate=1e-3",
+        ],
+    )
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
     model, tok = load_policy(cfg.model, torch.device("cpu"))
@@ -51,9 +58,11 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
     with torch.no_grad():
         trained = completion_logprobs(model, *args)[0]
     base = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.float32, device_map={"": "cpu"},
+        smollm2_dir,
+        dtype=torch.float32,
+        device_map={"": "cpu"},
         quantization_config=_quantization_config(torch.float32),
-    )  # fmt: skip
+    )
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
     disable_cpu_bf16_repack(reloaded)
     reloaded.eval()
@@ -64,9 +73,19 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
 
 def test_cli_train_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["train", "train.steps=1", "train.prompts_per_step=2", "rollout.group_size=2",
-               "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8", "data.eval_size=4",
-               f"run.output_dir={out}", "run.progress=false"])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            "train.steps=1",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=8",
+            "rollout.eval_max_new_tokens=8",
+            "data.eval_size=4",
+            f"run.output_dir={out}",
+            "run.progress=false",
+        ]
+    )
     assert rc == 0
     line = capsys.readouterr().out
     assert "held-out accuracy" in line and "(n=4)" in line

@@ -254,8 +254,13 @@ def test_fused_memory_is_one_fp32_chunk_and_nothing_of_it_is_kept(dtype):
 
 def test_bench_logprobs_smoke():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_logprobs.py"), "--smoke"],
-                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench_logprobs.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "| variant | peak MiB | / naive |" in out.stdout
     assert "| variant | fwd+bwd s |" in out.stdout
@@ -274,9 +279,15 @@ def test_logprobs_match_generate_scores(policy):
     model, tok = policy
     model.eval()
     enc = tok(["What is 2+3?", "1?"], return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**enc, max_new_tokens=6, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
-                         eos_token_id=[])  # fmt: skip
+    out = model.generate(
+        **enc,
+        max_new_tokens=6,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[],
+    )
     P = enc["input_ids"].shape[1]
     comp = out.sequences[:, P:]
     scores = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)

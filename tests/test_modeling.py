@@ -15,8 +15,9 @@ def _rollout(model, tok, seed=0):
 
 
 def _logp(model, ro):
-    return completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_len,
-                               ro.completion_mask)[0]  # fmt: skip
+    return completion_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask
+    )[0]
 
 
 def test_auto_dtype_is_fp32_on_cpu():
@@ -26,8 +27,9 @@ def test_auto_dtype_is_fp32_on_cpu():
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
 def test_reference_is_the_shared_base(tiny_model_dir, quantization):
-    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization=quantization),
-                             torch.device("cpu"))  # fmt: skip
+    model, tok = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization=quantization), torch.device("cpu")
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # one copy of the base: no tensor storage appears twice, and the reference forward runs
@@ -68,15 +70,17 @@ def test_bnb_cpu_repack_fix_gradients_unchanged_by_generate(tiny_model_dir):
 
     def grads(with_generate: bool):
         torch.manual_seed(0)
-        model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="nf4"),
-                                 torch.device("cpu"))  # fmt: skip
+        model, tok = load_policy(
+            ModelConfig(name=tiny_model_dir, quantization="nf4"), torch.device("cpu")
+        )
         layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
         assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
-        ids = tok(["<user>What is 1+2?\n<assistant>3<eos>"], return_tensors="pt",
-                  add_special_tokens=False)["input_ids"]  # fmt: skip
+        ids = tok(
+            ["<user>What is 1+2?\n<assistant>3<eos>"], return_tensors="pt", add_special_tokens=False
+        )["input_ids"]
         if with_generate:
             _rollout(model, tok)  # eval mode, no grad: would repack the 4-bit weights
         model.train()
@@ -94,8 +98,9 @@ def test_bnb_cpu_repack_fix_gradients_unchanged_by_generate(tiny_model_dir):
 
 def _nf4_policy(tiny_model_dir):
     torch.manual_seed(0)
-    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="nf4"),
-                             torch.device("cpu"))  # fmt: skip
+    model, tok = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization="nf4"), torch.device("cpu")
+    )
     for n, p in model.named_parameters():  # a non-zero adapter, so folding it in matters
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
@@ -163,11 +168,13 @@ def test_dequantized_base_is_only_for_small_4bit_models_on_cpu(tiny_model_dir, m
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     nf4 = ModelConfig(quantization="nf4")
     assert use_dequantized_base(nf4, cpu, model)
-    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=False), cpu,
-                                    model)  # fmt: skip
+    assert not use_dequantized_base(
+        ModelConfig(quantization="nf4", cpu_dequantize=False), cpu, model
+    )
     assert not use_dequantized_base(ModelConfig(quantization="none"), cpu, model)
-    assert not use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cuda,
-                                    model)  # fmt: skip
+    assert not use_dequantized_base(
+        ModelConfig(quantization="nf4", cpu_dequantize=True), cuda, model
+    )
     monkeypatch.setattr(modeling, "AUTO_DEQUANTIZE_MAX_BYTES", size - 1)  # a model too big for it
     assert not use_dequantized_base(nf4, cpu, model)
     assert use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cpu, model)
@@ -184,8 +191,11 @@ def _fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     native = capability >= (8, 0)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: including_emulation or native)  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",
+        lambda including_emulation=True: including_emulation or native,
+    )
 
 
 def _flash_attn(monkeypatch, present: bool) -> None:
@@ -281,15 +291,17 @@ def test_offloaded_activations_take_the_layer_inputs_and_keep_the_gradients(
     def step(hooks):
         model.zero_grad(set_to_none=True)
         with hooks:
-            logp, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_len,
-                                          ro.completion_mask)  # fmt: skip
+            logp, _ = completion_logprobs(
+                model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask
+            )
         logp.sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     layers = model.get_base_model().model.layers
     inputs, packed = [], set()
-    handles = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-               for layer in layers]  # fmt: skip
+    handles = [
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for layer in layers
+    ]
     seen = torch.autograd.graph.saved_tensors_hooks(
         lambda t: packed.add(t.data_ptr()) or t, lambda t: t
     )

@@ -141,9 +141,17 @@ def test_group_gate_drops_whole_group_whatever_the_sign(rewards):
     def gated(weights, shift):
         _, logp, old, adv, mask, seq_adv = shared_token_case(old_shift=shift, rewards=rewards)
         per_tok, _, info = exchangeable(
-            logp, old, adv, mask, seq_adv, G, weights=weights, gate="group",
-            eps_low=0.2, eps_high=0.28,
-        )  # fmt: skip
+            logp,
+            old,
+            adv,
+            mask,
+            seq_adv,
+            G,
+            weights=weights,
+            gate="group",
+            eps_low=0.2,
+            eps_high=0.28,
+        )
         assert info["gate_fraction"] in (0.0, 1.0)  # all or nothing
         assert (torch.count_nonzero(per_tok.detach()) == 0) == (info["gate_fraction"] == 1.0)
         return info["gate_fraction"] == 1.0

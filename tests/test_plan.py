@@ -84,8 +84,11 @@ def test_nf4_weight_bytes_are_exactly_bitsandbytes(tiny_model_dir):
             assert qs.state2.blocksize == sizes.NF4_NESTED_BLOCK
             state = [qs.absmax, qs.code, qs.state2.absmax, qs.state2.code, qs.offset]
             total += sum(t.numel() * t.element_size() for t in [module.weight, *state])
-    total += sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                 if "lora_" not in n and not isinstance(p, bnb.nn.Params4bit))  # fmt: skip
+    total += sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "lora_" not in n and not isinstance(p, bnb.nn.Params4bit)
+    )
     shape = sizes.load_model_shape(tiny_model_dir, cfg.model)
     assert sizes.weight_bytes(shape, "nf4", 2) == total
     lora = [p for p in model.parameters() if p.requires_grad]
@@ -99,9 +102,16 @@ def test_kv_cache_is_exactly_the_transformers_cache():
     N, P, T = 3, 5, 7
     ids = torch.randint(3, 54, (N, P))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=T, min_new_tokens=T, eos_token_id=1, pad_token_id=0,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            eos_token_id=1,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
     cache = out.past_key_values
     measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     shape = _shape(model.config.to_dict())
@@ -122,10 +132,18 @@ def policy(tmp_path_factory):
     def get(hidden, inter, vocab, overrides):
         if (hidden, inter, vocab) not in built:
             path = tmp_path_factory.mktemp("plan-model")
-            d = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=hidden // 4, tie_word_embeddings=False, pad_token_id=0,
-                     eos_token_id=1)  # fmt: skip
+            d = dict(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=inter,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=hidden // 4,
+                tie_word_embeddings=False,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(Qwen3Config(**d)).save_pretrained(path)
             make_tokenizer().save_pretrained(path)
@@ -153,9 +171,17 @@ def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
     from ibpo.logprobs import completion_logprobs
 
     N, P, T, chunk = 8, 16, 48, 128
-    model, cfg, shape = policy(hidden, inter, vocab, [
-        f"rollout.group_size={N}", f"data.max_prompt_tokens={P}", f"rollout.max_new_tokens={T}",
-        f"train.logprob_chunk_tokens={chunk}"])  # fmt: skip
+    model, cfg, shape = policy(
+        hidden,
+        inter,
+        vocab,
+        [
+            f"rollout.group_size={N}",
+            f"data.max_prompt_tokens={P}",
+            f"rollout.max_new_tokens={T}",
+            f"train.logprob_chunk_tokens={chunk}",
+        ],
+    )
     model.train()  # gradient checkpointing acts in train mode only, as in the trainer
     model.zero_grad(set_to_none=True)
     ids = torch.randint(3, 54, (N, P + T))
@@ -170,22 +196,38 @@ def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
 
 @pytest.mark.parametrize(  # prefill-bound twice, then bound by the last step's sampling logits
     "shape, P, T, decode",
-    [(SHAPES[0], 96, 4, False), (SHAPES[1], 96, 4, False), (SHAPES[1], 8, 8, True)],  # fmt: skip
+    [(SHAPES[0], 96, 4, False), (SHAPES[1], 96, 4, False), (SHAPES[1], 8, 8, True)],
 )
 def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
     hidden, inter, vocab = shape
     N = 16
-    model, cfg, dims = policy(hidden, inter, vocab, [
-        f"rollout.group_size={N}", f"rollout.generation_batch_size={N}",
-        f"data.max_prompt_tokens={P}", f"rollout.max_new_tokens={T}",
-        "repair.enabled=false"])  # fmt: skip
+    model, cfg, dims = policy(
+        hidden,
+        inter,
+        vocab,
+        [
+            f"rollout.group_size={N}",
+            f"rollout.generation_batch_size={N}",
+            f"data.max_prompt_tokens={P}",
+            f"rollout.max_new_tokens={T}",
+            "repair.enabled=false",
+        ],
+    )
     model.eval()
     ids = torch.randint(3, 54, (N, P))
     att = torch.ones_like(ids)
     att[0, :2] = 0
     with torch.no_grad(), LiveTensorBytes() as mem:
-        model.generate(input_ids=ids, attention_mask=att, max_new_tokens=T, min_new_tokens=T,
-                       do_sample=True, top_k=None, eos_token_id=1, pad_token_id=0)  # fmt: skip
+        model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            do_sample=True,
+            top_k=None,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     parts = phases.phase_bytes(dims, cfg)["generation"]
     assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
     predicted = _transient(parts)
@@ -213,8 +255,13 @@ def test_more_tokens_and_bigger_batches_need_more_memory():
 
 
 def test_training_phase_arithmetic_by_hand():
-    cfg = _cfg("rollout.group_size=8", "rollout.max_new_tokens=1024", "data.max_prompt_tokens=512",
-               "train.micro_batch_groups=1", "model.lora_r=16")  # fmt: skip
+    cfg = _cfg(
+        "rollout.group_size=8",
+        "rollout.max_new_tokens=1024",
+        "data.max_prompt_tokens=512",
+        "train.micro_batch_groups=1",
+        "model.lora_r=16",
+    )
     train = phases.phase_bytes(_shape(QWEN3_8B), cfg)["training"]
     # 36 checkpointed layer inputs [8 x 1536, 4096] bf16 + RoPE + the bool padding mask
     S = 8 * 1536
@@ -225,8 +272,13 @@ def test_training_phase_arithmetic_by_hand():
 
 
 def test_suggestions_fit_and_are_the_largest_that_do():
-    base = ["model.name=unused", "rollout.max_new_tokens=2048", "train.prompts_per_step=16",
-            "rollout.generation_batch_size=128", "train.micro_batch_groups=4"]  # fmt: skip
+    base = [
+        "model.name=unused",
+        "rollout.max_new_tokens=2048",
+        "train.prompts_per_step=16",
+        "rollout.generation_batch_size=128",
+        "train.micro_batch_groups=4",
+    ]
     p = plan.estimate(QWEN3_4B, load_config(None, base), 1, 24.0)
     assert not p.fits and p.suggestions
     fixed = plan.estimate(QWEN3_4B, load_config(None, [*base, *p.suggestions]), 1, 24.0)
@@ -269,8 +321,19 @@ def _write_config(tmp_path, d) -> Path:
 def test_cli_plan_prints_a_table(tmp_path, capsys):
     folder = _write_config(tmp_path, QWEN3_1_7B)
     recipe = ROOT / "recipes/qwen3_1.7b/gsm8k_ibpo_1gpu.yaml"
-    rc = main(["plan", str(recipe), "rollout.max_new_tokens=512", "--gpus", "2",
-               "--gpu-memory-gb", "24", "--model-config", str(folder / "config.json")])  # fmt: skip
+    rc = main(
+        [
+            "plan",
+            str(recipe),
+            "rollout.max_new_tokens=512",
+            "--gpus",
+            "2",
+            "--gpu-memory-gb",
+            "24",
+            "--model-config",
+            str(folder / "config.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "KV cache" in out and "torch allocations" in out and "on 2 x 24 GiB" in out
@@ -291,10 +354,19 @@ def test_cli_plan_bad_model_config(tmp_path, capsys):
 
 def test_bench_gpu_smoke_runs_on_cpu():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/bench_gpu.py"), "--smoke", "--set",
-         "model.offload_activations=true", "rollout.kv_cache=static"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts/bench_gpu.py"),
+            "--smoke",
+            "--set",
+            "model.offload_activations=true",
+            "rollout.kv_cache=static",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (row,) = result["results"]
@@ -380,8 +452,13 @@ def test_fsdp_divides_the_persistent_state_by_gpus(gpus):
             f["base weights (nf4)"] == math.ceil((d["base weights (nf4)"] - state) / gpus) + state
         )
         # everything per micro-batch or per generate call is what a DDP replica holds
-        same = set(d) - {"base weights (nf4)", "LoRA weights (fp32)", "optimizer state",
-                         "LoRA grads (fp32)", "DDP grad buckets"}  # fmt: skip
+        same = set(d) - {
+            "base weights (nf4)",
+            "LoRA weights (fp32)",
+            "optimizer state",
+            "LoRA grads (fp32)",
+            "DDP grad buckets",
+        }
         assert {k: f[k] for k in same} == {k: d[k] for k in same}
     assert fsdp["training"]["LoRA grads (fp32)"] == math.ceil(
         one["training"]["LoRA grads (fp32)"] / gpus
@@ -482,13 +559,15 @@ def test_vllm_backend_moves_generation_into_the_engine():
     assert math.isclose(gen["vLLM LoRA slot"], slot / 2**30)
     process = "vLLM CUDA graphs, buffers (estimate)"
     assert v["training"] == {**hf["training"], process: gen[process]}
-    awake = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_sleep=false"),
-                          1, 24.0).phases["training"]  # fmt: skip
+    awake = plan.estimate(
+        "Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_sleep=false"), 1, 24.0
+    ).phases["training"]
     extra = {k: x for k, x in awake.items() if k.startswith("vLLM")}
     assert extra.keys() == {"vLLM base weights (nf4)", "vLLM LoRA slot", "vLLM KV cache", process}
     # a smaller KV budget, asked for in GiB
-    small = plan.estimate("Qwen/Qwen3-8B", _cfg("rollout.backend=vllm",
-                                                "rollout.vllm_kv_cache_gb=2"), 1, 24.0)  # fmt: skip
+    small = plan.estimate(
+        "Qwen/Qwen3-8B", _cfg("rollout.backend=vllm", "rollout.vllm_kv_cache_gb=2"), 1, 24.0
+    )
     assert 2.0 <= small.phases["generation"]["vLLM KV cache"] < 2.01  # whole KV blocks
     assert any("estimate, not measured" in n for n in small.notes)
 
@@ -504,8 +583,9 @@ def test_fsdp_training_counts_the_checkpointed_log_prob_head():
     for gpus in (1, 2):
         train = phases.phase_bytes(shape, cfg, gpus, "fsdp")["training"]
         assert train.get("activations: log-prob head chunk", 0) >= checkpointed, gpus
-    ddp, fsdp = (sum(phases.phase_bytes(shape, cfg, 1, s)["training"].values())
-                 for s in ("ddp", "fsdp"))  # fmt: skip
+    ddp, fsdp = (
+        sum(phases.phase_bytes(shape, cfg, 1, s)["training"].values()) for s in ("ddp", "fsdp")
+    )
     # on one GPU nothing else differs: the checkpointed head (12.5 GiB) replaces one layer's
     # backward (4.5 GiB), which the fused head (2.9 GiB) stayed under
     assert fsdp - ddp > 7.5 * 2**30

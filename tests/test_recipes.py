@@ -104,8 +104,9 @@ def test_recipe_fits_the_hardware_it_states(path, monkeypatch):
 def test_launch_command_uses_an_existing_matching_accelerate_config(path):
     lines, keys = _header(path)
     assert shlex.split(keys["Launch"])[-1] == _rel(path)
-    commands = [shlex.split(x[x.index("accelerate launch") :]) for x in lines
-                if "accelerate launch" in x]  # fmt: skip
+    commands = [
+        shlex.split(x[x.index("accelerate launch") :]) for x in lines if "accelerate launch" in x
+    ]
     assert commands or not _is_gpu(path)
     for cmd in commands:
         assert cmd[-1] == _rel(path) and "recipes/train.py" in cmd
@@ -143,8 +144,12 @@ def test_accelerate_configs_parse():
 
 def test_fsdp_recipe_claims_14b_fits_only_with_fsdp():
     path = ROOT / "recipes/qwen3_8b/math_ibpo_2gpu_fsdp.yaml"
-    overrides = ["model.name=Qwen/Qwen3-14B", "rollout.generation_batch_size=8",
-                 "repair.batch_size=4", "rollout.eval_batch_size=8"]  # fmt: skip
+    overrides = [
+        "model.name=Qwen/Qwen3-14B",
+        "rollout.generation_batch_size=8",
+        "repair.batch_size=4",
+        "rollout.eval_batch_size=8",
+    ]
     cfg = load_config(path, overrides)
     fsdp = plan.estimate(None, cfg, 2, 24.0, "fsdp")
     ddp = plan.estimate(None, cfg, 2, 24.0, "ddp")
@@ -153,8 +158,10 @@ def test_fsdp_recipe_claims_14b_fits_only_with_fsdp():
     assert fsdp.fits and not ddp.fits and offloaded.fits
     text = " ".join(line.lstrip("# ") for line in _header(path)[0])
     assert " ".join(overrides) in text
-    assert (f"the planner gives {fsdp.peak_gb:.1f} GiB per GPU under FSDP and "
-            f"{ddp.peak_gb:.1f} GiB under DDP") in text  # fmt: skip
+    assert (
+        f"the planner gives {fsdp.peak_gb:.1f} GiB per GPU under FSDP and "
+        f"{ddp.peak_gb:.1f} GiB under DDP"
+    ) in text
     assert f"DDP would, at {offloaded.peak_gb:.1f} GiB" in text
 
 

@@ -23,8 +23,9 @@ from ibpo.rollout import Rollout
 def test_shaping_touches_only_incorrect_members_and_phi_is_bounded_by_rho():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     correct = rewards >= 1
-    jobs = plan_repairs(rewards, references=2, max_per_group=4, selection="correct_first",
-                        rng=random.Random(0))  # fmt: skip
+    jobs = plan_repairs(
+        rewards, references=2, max_per_group=4, selection="correct_first", rng=random.Random(0)
+    )
     success = [k % 2 == 0 for k in range(len(jobs))]
     phi = phi_from_repairs(jobs, success, (2, 4), rho=0.5)
     assert ((phi >= 0) & (phi <= 0.5)).all() and phi.max() > 0
@@ -74,8 +75,13 @@ def test_partly_correct_members_are_neither_repaired_nor_preferred_references():
 
 def test_plan_prefers_correct_siblings_respects_cap_and_never_self():
     correct = torch.tensor([[True, False, False, False, True, False]])
-    jobs = plan_repairs(correct.float(), references=2, max_per_group=3, selection="correct_first",
-                        rng=random.Random(1))  # fmt: skip
+    jobs = plan_repairs(
+        correct.float(),
+        references=2,
+        max_per_group=3,
+        selection="correct_first",
+        rng=random.Random(1),
+    )
     members = {j.member for j in jobs}
     assert len(members) == 3 and members <= {1, 2, 3, 5}  # cap, incorrect only
     assert len(jobs) == 3 * 2
@@ -184,8 +190,19 @@ def test_run_repairs_batches_grades_and_masks():
 
     rep = RepairConfig(references=1)
     gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
-    out = run_repairs(fake_generate, _Tok(), ["3 + 4"], rollout, rewards, ["37"], _reward, rep,
-                      DataConfig(), gen, random.Random(0))  # fmt: skip
+    out = run_repairs(
+        fake_generate,
+        _Tok(),
+        ["3 + 4"],
+        rollout,
+        rewards,
+        ["37"],
+        _reward,
+        rep,
+        DataConfig(),
+        gen,
+        random.Random(0),
+    )
     assert len(calls) == 1 and len(calls[0]) == 2  # one batched call, one repair per wrong member
     assert all("3 + 4" in p and "7" in p for p in calls[0])  # question and a correct reference
     assert out.phi.tolist() == [[0.0, 0.5, 0.0, 0.0]]

@@ -63,13 +63,22 @@ def make_run(out, steps=20, evals=(5, 10, 15), summary=True, seed=0):
     write_lines(out / report.METRICS, lines, torn='{"step": 21, "reward": 0.')
     s = None
     if summary:
-        s = {"eval_before": {"accuracy": 0.1, "n": 40}, "eval_after": {"accuracy": 0.55, "n": 40},
-             "steps": steps, "objective": "ibpo", "model": "tiny", "quantization": "none",
-             "dataset": "builtin:arithmetic", "status": "completed", "message": None,
-             "nonfinite_steps": int(sum(r["skipped_nonfinite"] for r in final.values())),
-             "resumed_from": str(out / "checkpoints/step-8"),
-             "checkpoint": str(out / f"checkpoints/step-{steps}"),
-             "wall_seconds": 3725.0, "adapter": str(out / "adapter")}  # fmt: skip
+        s = {
+            "eval_before": {"accuracy": 0.1, "n": 40},
+            "eval_after": {"accuracy": 0.55, "n": 40},
+            "steps": steps,
+            "objective": "ibpo",
+            "model": "tiny",
+            "quantization": "none",
+            "dataset": "builtin:arithmetic",
+            "status": "completed",
+            "message": None,
+            "nonfinite_steps": int(sum(r["skipped_nonfinite"] for r in final.values())),
+            "resumed_from": str(out / "checkpoints/step-8"),
+            "checkpoint": str(out / f"checkpoints/step-{steps}"),
+            "wall_seconds": 3725.0,
+            "adapter": str(out / "adapter"),
+        }
         (out / report.SUMMARY).write_text(json.dumps(s))
     return [final[k] for k in sorted(final)], evals, s
 
@@ -245,8 +254,13 @@ def test_summary_table_of_a_run_without_summary(tmp_path):
 
 def test_summary_table_leaves_out_metrics_never_logged(tmp_path):
     write_lines(tmp_path / report.METRICS, [{"step": 1, "reward": 0.25}])
-    summary = {"status": "interrupted", "message": "stopped by SIGTERM\n  resume with ...",
-               "steps": 1, "eval_before": None, "eval_after": None}  # fmt: skip
+    summary = {
+        "status": "interrupted",
+        "message": "stopped by SIGTERM\n  resume with ...",
+        "steps": 1,
+        "eval_before": None,
+        "eval_after": None,
+    }
     (tmp_path / report.SUMMARY).write_text(json.dumps(summary))
     table = report.summary_table(tmp_path)
     assert table_value(table, "status") == "interrupted: stopped by SIGTERM"

@@ -13,8 +13,9 @@ def test_completion_mask_up_to_first_eos():
 
 
 def test_generate_groups_left_padding_and_restores_mode(tiny_model_dir):
-    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
-                             torch.device("cpu"))  # fmt: skip
+    model, tok = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization="none"), torch.device("cpu")
+    )
     model.train()
     torch.manual_seed(0)
     ro = generate(model, tok, ["a", "What is 12+30?"], 3, 8, batch_size=4)
@@ -33,14 +34,16 @@ def test_static_kv_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
     """rollout.kv_cache=static: the same greedy tokens and, with the same seed, the same samples
     (left padding, a batch split in slices, early stop at EOS); set once on the model; each call's
     cache is sized for that call, not for the longest call so far."""
-    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
-                             torch.device("cpu"))  # fmt: skip
+    model, tok = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization="none"), torch.device("cpu")
+    )
     prompts = ["a", "What is 12+30?", "hello there"]
     found = {}
     for kind in ("dynamic", "static"):
         set_kv_cache(model, kind)
-        assert model.generation_config.cache_implementation == (None if kind == "dynamic"
-                                                                else "static")  # fmt: skip
+        assert model.generation_config.cache_implementation == (
+            None if kind == "dynamic" else "static"
+        )
         greedy = generate(model, tok, prompts, 1, 12, batch_size=2, do_sample=False)
         torch.manual_seed(3)
         sampled = generate(model, tok, prompts, 4, 12, batch_size=8)
@@ -58,11 +61,16 @@ def test_static_kv_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
 def test_model_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
     """A model's generation_config may carry repetition penalties, min_p, n-gram bans...: rollouts
     ignore them (they would sample from something other than the policy the update trains)."""
-    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"),
-                             torch.device("cpu"))  # fmt: skip
+    model, tok = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization="none"), torch.device("cpu")
+    )
     outs = []
-    reshaping = {"min_p": 0.999, "no_repeat_ngram_size": 1, "repetition_penalty": 50.0,
-                 "num_beams": 3}  # fmt: skip
+    reshaping = {
+        "min_p": 0.999,
+        "no_repeat_ngram_size": 1,
+        "repetition_penalty": 50.0,
+        "num_beams": 3,
+    }
     for extra in ({}, reshaping):
         for k, v in extra.items():
             setattr(model.generation_config, k, v)

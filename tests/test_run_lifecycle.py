@@ -37,8 +37,9 @@ def _metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rerunning_an_interrupted_command_keeps_its_checkpoints(tiny_model_dir, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_rerunning_an_interrupted_command_keeps_its_checkpoints(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     out = tmp_path / "run"
     monkeypatch.setattr(failures.GracefulStop, "requested", lambda self, acc: True)
     summary = _run(tiny_model_dir, out, 3)
@@ -65,11 +66,18 @@ def _oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_resume_applies_a_new_learning_rate_and_names_other_changes(tiny_model_dir, tmp_path,
-                                                                    capsys):  # fmt: skip
+def test_resume_applies_a_new_learning_rate_and_names_other_changes(
+    tiny_model_dir, tmp_path, capsys
+):
     out = tmp_path / "run"
-    _run(tiny_model_dir, out, 3, "train.learning_rate=1e-3", "train.warmup_steps=2",
-         "run.keep_checkpoints=5")  # fmt: skip
+    _run(
+        tiny_model_dir,
+        out,
+        3,
+        "train.learning_rate=1e-3",
+        "train.warmup_steps=2",
+        "run.keep_checkpoints=5",
+    )
     # the logged rate is the one the step used: warmup 1/2, then the full rate
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-3, 1e-3])
     capsys.readouterr()
@@ -110,8 +118,15 @@ def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
 
     monkeypatch.setattr(trainer_mod, "evaluate_accuracy", evaluate)
     out = tmp_path / "run"
-    summary = _run(tiny_model_dir, out, 3, "data.eval_size=2", "train.eval_every=1",
-                   "run.save_every=0", "rollout.eval_max_new_tokens=4")  # fmt: skip
+    summary = _run(
+        tiny_model_dir,
+        out,
+        3,
+        "data.eval_size=2",
+        "train.eval_every=1",
+        "run.save_every=0",
+        "rollout.eval_max_new_tokens=4",
+    )
     assert summary["status"] == "out_of_memory" and summary["steps"] == 1
     assert "evaluation after step 1" in summary["message"]
     assert "rollout.eval_batch_size" in summary["message"]
@@ -120,8 +135,9 @@ def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
     assert all(torch.equal(live[k], kept[k]) for k in kept)
 
 
-def test_a_failed_final_evaluation_still_writes_the_summary(tiny_model_dir, tmp_path,
-                                                             monkeypatch, capsys):  # fmt: skip
+def test_a_failed_final_evaluation_still_writes_the_summary(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     def evaluate(*args, **kwargs):
         raise RuntimeError("the grader's worker died")
 
@@ -135,8 +151,9 @@ def test_a_failed_final_evaluation_still_writes_the_summary(tiny_model_dir, tmp_
     ).is_dir() and "final held-out evaluation failed" in capsys.readouterr().err
 
 
-def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(tiny_model_dir, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     real, calls = ckpt._fsync_tree, []
 
     def fsync(path):

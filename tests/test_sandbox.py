@@ -239,8 +239,13 @@ def test_sandboxes_die_with_their_parent(tmp_path):
     env = os.environ | {"TMPDIR": str(tmp_path)}  # its sandbox folders, never cleaned up
     seen = []  # what a parent printed when its sandboxes ended before being seen
     for _ in range(2):  # a second parent only if the first one's sandboxes were never seen
-        parent = subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        parent = subprocess.Popen(
+            [sys.executable, "-c", script],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 20
             while not marked() - before and parent.poll() is None and time.monotonic() < deadline:

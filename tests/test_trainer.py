@@ -61,8 +61,9 @@ def _step(model, tok, opt, sched, acc, cfg):
 
 
 def test_one_step_changes_lora_only(tiny_model_dir):
-    cfg, acc, model, tok = _setup(tiny_model_dir, ["model.quantization=nf4",
-                                                   "train.learning_rate=0.01"])  # fmt: skip
+    cfg, acc, model, tok = _setup(
+        tiny_model_dir, ["model.quantization=nf4", "train.learning_rate=0.01"]
+    )
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
@@ -176,12 +177,22 @@ def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model
 
 def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "train.prompts_per_step=2", "rollout.group_size=2",
-                             "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4",
-                             "data.eval_size=6", f"run.output_dir={out}",
-                             "run.progress=false", "train.steps=3",
-                             "train.eval_every=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "model.quantization=none",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            "rollout.eval_max_new_tokens=4",
+            "data.eval_size=6",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "train.steps=3",
+            "train.eval_every=2",
+        ],
+    )
     summary = train(cfg)
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
@@ -203,19 +214,36 @@ def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp
     imported, and other tests (TRL's) import it."""
     for name in ("tensorboardX", "wandb", "trackio"):
         pytest.importorskip(name)
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"),
-           "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio"),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb"),
+        "WANDB_SILENT": "true",
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     (tmp_path / "wandb").mkdir()
     out = tmp_path / "run"
-    args = [f"model.name={tiny_model_dir}", "model.quantization=none", "train.steps=2",
-            "train.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-            "rollout.eval_max_new_tokens=4", "data.eval_size=4", f"run.output_dir={out}",
-            "run.progress=false", "run.log_with=[tensorboard,wandb,trackio]",
-            "train.eval_every=1", "run.plots=false"]  # fmt: skip
+    args = [
+        f"model.name={tiny_model_dir}",
+        "model.quantization=none",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "rollout.eval_max_new_tokens=4",
+        "data.eval_size=4",
+        f"run.output_dir={out}",
+        "run.progress=false",
+        "run.log_with=[tensorboard,wandb,trackio]",
+        "train.eval_every=1",
+        "run.plots=false",
+    ]
     code = f"from ibpo.cli import main; raise SystemExit(main(['train', *{args!r}]))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
     tags = (b"reward", b"residual", b"entropy", b"eval_accuracy")

@@ -30,10 +30,18 @@ def fake_vllm(monkeypatch):
 
 
 def _policy(tiny_model_dir, *overrides):
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "rollout.backend=vllm", "rollout.max_new_tokens=6",
-                             "rollout.group_size=2", "train.prompts_per_step=2",
-                             *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "model.quantization=none",
+            "rollout.backend=vllm",
+            "rollout.max_new_tokens=6",
+            "rollout.group_size=2",
+            "train.prompts_per_step=2",
+            *overrides,
+        ],
+    )
     torch.manual_seed(0)
     model, tok = load_policy(cfg.model, torch.device("cpu"))
     _perturb(model, seed=1)
@@ -147,8 +155,7 @@ def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     from ibpo.vllm_rollout import VLLMEngine, engine_kwargs
 
     kw = engine_kwargs(fake_vllm, "nf4", 12)
-    assert kw == dict(quantization="bitsandbytes", enable_lora=True, max_lora_rank=16,
-                      max_loras=1)  # fmt: skip
+    assert kw == dict(quantization="bitsandbytes", enable_lora=True, max_lora_rank=16, max_loras=1)
     assert engine_kwargs(fake_vllm, "none", None) == {}
     cfg, model, tok = _policy(tiny_model_dir, "rollout.generation_batch_size=3")
     VLLMEngine.start(cfg, model, tok)
@@ -178,13 +185,24 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
     # a random tiny model never answers right: reward odd-length answers, so groups differ
     monkeypatch.setitem(REWARDS, "odd_length", lambda text, answer: float(len(text) % 2))
     out = tmp_path / "run"
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "rollout.backend=vllm", "train.prompts_per_step=2",
-                             "rollout.group_size=2", "rollout.max_new_tokens=4",
-                             "rollout.eval_max_new_tokens=4", "data.eval_size=4",
-                             f"run.output_dir={out}", "run.progress=false",
-                             "train.steps=2", "train.learning_rate=0.05",
-                             "objective.reward=odd_length"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "model.quantization=none",
+            "rollout.backend=vllm",
+            "train.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            "rollout.eval_max_new_tokens=4",
+            "data.eval_size=4",
+            f"run.output_dir={out}",
+            "run.progress=false",
+            "train.steps=2",
+            "train.learning_rate=0.05",
+            "objective.reward=odd_length",
+        ],
+    )
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["eval_after"]["n"] == 4
     llm = fake_vllm.ENGINES[-1]
@@ -226,10 +244,18 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(VLLMEngine, "start", classmethod(recording_start))
-    run = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
-                             "rollout.backend=vllm", "data.eval_size=0", "train.steps=1",
-                             f"run.output_dir={tmp_path / 'run'}",
-                             "run.progress=false"])  # fmt: skip
+    run = load_config(
+        None,
+        [
+            f"model.name={tiny_model_dir}",
+            "model.quantization=none",
+            "rollout.backend=vllm",
+            "data.eval_size=0",
+            "train.steps=1",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.progress=false",
+        ],
+    )
     with pytest.raises(RuntimeError, match="a bug"):
         trainer.train(run)
     assert len(started) == 1 and started[0].llm is None  # closed
@@ -267,10 +293,26 @@ def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_p
     samples = {}
     for backend in ("hf", "vllm"):
         out = tmp_path / backend
-        args = ["--model", tiny_model_dir, "--adapter", str(tmp_path / "adapter"), "--data",
-                str(fixture), "--n", "1", "--temperature", "0", "--max-new-tokens", "6",
-                "--backend", backend, "--max-model-len", "200",
-                "--output-dir", str(out)]  # fmt: skip
+        args = [
+            "--model",
+            tiny_model_dir,
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--data",
+            str(fixture),
+            "--n",
+            "1",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "6",
+            "--backend",
+            backend,
+            "--max-model-len",
+            "200",
+            "--output-dir",
+            str(out),
+        ]
         assert main(args, benchmark="gsm8k") == 0
         rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
         samples[backend] = [(r["completion"], r["reward"]) for r in rows]
@@ -290,8 +332,14 @@ def test_bench_vllm_smoke_through_the_stand_in():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": FAKE, "HF_HUB_OFFLINE": "1"}
     script = str(root / "scripts" / "bench_vllm.py")
-    proc = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True,
-                          timeout=300, cwd=root, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["adapter_served"] and result["same_after_wake"]

@@ -265,8 +265,10 @@ def hub_rows(bench: Benchmark, revision: str | None, subset: str | None) -> list
         except Exception as e:  # network, offline mode, unknown id or config
             if bench.offline_rows is None:
                 raise ConfigError(_hub_error(bench, cfg, e)) from None
-            print(f"{bench.name}: Hub unavailable ({type(e).__name__}); using the offline copy",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{bench.name}: Hub unavailable ({type(e).__name__}); using the offline copy",
+                file=sys.stderr,
+            )
             return bench.offline_rows()
         prefix = f"{cfg}-" if cfg and len(bench.subsets) > 1 else ""
         rows += [{**r, "_fallback_id": f"{prefix}{i}"} for i, r in enumerate(ds)]
@@ -283,8 +285,10 @@ def _by_contest_date(rows: list[dict], dates, source: str) -> list[dict]:
         except ValueError:
             raise ConfigError(f"--start-date/--end-date '{d}' is not a YYYY-MM-DD date") from None
     if rows and "contest_date" not in rows[0]:
-        raise ConfigError(f"{source} has no contest_date column: --start-date/--end-date apply "
-                          "to LiveCodeBench only")  # fmt: skip
+        raise ConfigError(
+            f"{source} has no contest_date column: --start-date/--end-date apply "
+            "to LiveCodeBench only"
+        )
     day = lambda r: str(r.get("contest_date") or "")[:10]  # noqa: E731 ("2024-10-05T00:00:00")
     return [r for r in rows if (not first or day(r) >= first) and (not last or day(r) <= last)]
 

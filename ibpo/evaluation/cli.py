@@ -34,9 +34,16 @@ def hf_sampler(args) -> tuple[Sampler, object]:
 
     def sample(prompts: list[str]) -> list[tuple[str, int, bool]]:
         ro = generate(
-            model, tok, prompts, 1, args.max_new_tokens, args.batch_size,
-            do_sample=args.temperature > 0, temperature=args.temperature, top_p=args.top_p,
-        )  # fmt: skip
+            model,
+            tok,
+            prompts,
+            1,
+            args.max_new_tokens,
+            args.batch_size,
+            do_sample=args.temperature > 0,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
         lengths = ro.completion_mask.sum(-1).long().tolist()
         return list(zip(ro.texts, lengths, ro.truncated.tolist()))
 
@@ -61,8 +68,9 @@ def vllm_sampler(args) -> tuple[Sampler, object]:
     kwargs = engine_kwargs(vllm, args.quantization, rank)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
-    llm = vllm.LLM(model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype,
-                   **kwargs)  # fmt: skip
+    llm = vllm.LLM(
+        model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype, **kwargs
+    )
     top_p = args.top_p if args.temperature > 0 else 1.0
     params = vllm.SamplingParams(
         temperature=args.temperature, top_p=top_p, max_tokens=args.max_new_tokens
@@ -104,25 +112,39 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     add("--model", default=EMBEDDED_NAME, help="Hub id, local folder, or the embedded default")
     add("--model-revision", help="model commit/branch on the Hub")
     add("--adapter", help="LoRA adapter: local folder or Hub id (loaded on top, never merged)")
-    add("--quantization", choices=["nf4", "none"], default="none",
-        help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype")  # fmt: skip
+    add(
+        "--quantization",
+        choices=["nf4", "none"],
+        default="none",
+        help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype",
+    )
     add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add("--backend", choices=["hf", "vllm"], default="hf")
-    add("--max-model-len", type=int,
+    add(
+        "--max-model-len",
+        type=int,
         help="vllm: the longest prompt + completion it accepts (default: the model's limit, whose "
-        "KV cache may not fit a small card)")  # fmt: skip
+        "KV cache may not fit a small card)",
+    )
     add("--data", help="local .jsonl/.json/.parquet with rows in the benchmark's Hub schema")
     add("--revision", help="dataset commit SHA (overrides the pinned one)")
     add("--subset", help="dataset config; LiveCodeBench: release tag (release_v5, v6, v5_v6)")
-    add("--start-date", help="LiveCodeBench: only problems whose contest_date is on or after this "
-        "YYYY-MM-DD (published scores use date windows, not release tags)")  # fmt: skip
+    add(
+        "--start-date",
+        help="LiveCodeBench: only problems whose contest_date is on or after this "
+        "YYYY-MM-DD (published scores use date windows, not release tags)",
+    )
     add("--end-date", help="LiveCodeBench: only problems whose contest_date is on or before this")
     add("--n", type=int, default=4, help="samples per problem")
     add("--temperature", type=float, default=0.6, help="0 = greedy")
     add("--top-p", type=float, default=0.95)
-    add("--max-new-tokens", type=int, default=1024,
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=1024,
         help="published reasoning scores use 32k+ with thinking on: a completion cut off "
-        "mid-thought scores 0 (the 'truncated' column)")  # fmt: skip
+        "mid-thought scores 0 (the 'truncated' column)",
+    )
     think = p.add_mutually_exclusive_group()
     on_off = dict(dest="enable_thinking", action="store_const")
     think.add_argument(
@@ -148,24 +170,42 @@ def evaluate(args) -> dict:
     start = time.time()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    problems = load_problems(bench, args.data, args.revision, args.subset, args.limit,
-                             (args.start_date, args.end_date))  # fmt: skip
+    problems = load_problems(
+        bench, args.data, args.revision, args.subset, args.limit, (args.start_date, args.end_date)
+    )
     out_dir = Path(args.output_dir or default_output_dir(bench.name, args.model, args.adapter))
     fingerprint = {
-        "benchmark": bench.name, "data": args.data or bench.dataset,
+        "benchmark": bench.name,
+        "data": args.data or bench.dataset,
         "revision": None if args.data else args.revision or bench.revision,
-        "subset": args.subset, "model": args.model, "model_revision": args.model_revision,
-        "adapter": args.adapter, "quantization": args.quantization, "dtype": args.dtype,
-        "backend": args.backend, "temperature": args.temperature, "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens, "enable_thinking": args.enable_thinking,
-        "seed": args.seed, "start_date": args.start_date, "end_date": args.end_date,
-    }  # fmt: skip
+        "subset": args.subset,
+        "model": args.model,
+        "model_revision": args.model_revision,
+        "adapter": args.adapter,
+        "quantization": args.quantization,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "enable_thinking": args.enable_thinking,
+        "seed": args.seed,
+        "start_date": args.start_date,
+        "end_date": args.end_date,
+    }
     check_run(out_dir, fingerprint, args.overwrite)
     builder = vllm_sampler if args.backend == "vllm" else hf_sampler
     records = run_benchmark(
-        problems, args.n, out_dir, lambda: builder(args), grade, extract,
-        args.enable_thinking, args.batch_size, args.progress,
-    )  # fmt: skip
+        problems,
+        args.n,
+        out_dir,
+        lambda: builder(args),
+        grade,
+        extract,
+        args.enable_thinking,
+        args.batch_size,
+        args.progress,
+    )
     metrics = summarize(problems, records, args.n, vote=bench.reward == "math")
     wall = round(time.time() - start, 1)
     summary = {**fingerprint, **metrics, "wall_seconds": wall}
@@ -182,9 +222,17 @@ def _cell(v) -> str:
 def markdown_row(s: dict, header: bool = False) -> str:
     n = s["n"]
     adapter = _slug(s["adapter"]) if s["adapter"] else "-"
-    cells = {"benchmark": s["benchmark"], "model": _slug(s["model"]), "adapter": adapter, "n": n,
-             f"avg@{n}": s[f"avg@{n}"], "pass@1": s["pass@1"], f"pass@{n}": s[f"pass@{n}"],
-             f"maj@{n}": s[f"maj@{n}"], "mean len": f"{s['mean_length']:.0f}"}  # fmt: skip
+    cells = {
+        "benchmark": s["benchmark"],
+        "model": _slug(s["model"]),
+        "adapter": adapter,
+        "n": n,
+        f"avg@{n}": s[f"avg@{n}"],
+        "pass@1": s["pass@1"],
+        f"pass@{n}": s[f"pass@{n}"],
+        f"maj@{n}": s[f"maj@{n}"],
+        "mean len": f"{s['mean_length']:.0f}",
+    }
     if "truncated" in s:  # summaries written before the column existed lack it
         cells["truncated"] = s["truncated"]
     cols, vals = list(cells), list(cells.values())  # with n = 1, pass@1 and pass@n are one
@@ -208,8 +256,11 @@ def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
         return 2
     print(markdown_row(summary, header=True), end="")
     if summary["truncated"] > 0.05:
-        print(f"warning: {summary['truncated']:.0%} of the completions hit --max-new-tokens "
-              f"({summary['max_new_tokens']}) and were graded unfinished; published scores "
-              "use far longer generations", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {summary['truncated']:.0%} of the completions hit --max-new-tokens "
+            f"({summary['max_new_tokens']}) and were graded unfinished; published scores "
+            "use far longer generations",
+            file=sys.stderr,
+        )
     print(f"samples.jsonl, summary.json and results.md in {summary['output_dir']}")
     return 0

@@ -196,10 +196,16 @@ def check_run(out_dir: Path, fingerprint: dict, overwrite: bool) -> None:
 
 
 def run_benchmark(
-    problems, n: int, out_dir: Path, build_sampler: Callable[[], tuple[Sampler, object]],
-    grade: Callable[[str, str], float], extract: Callable[[str], str | None],
-    enable_thinking: bool | None, batch_size: int, progress: bool = True,
-) -> dict:  # fmt: skip
+    problems,
+    n: int,
+    out_dir: Path,
+    build_sampler: Callable[[], tuple[Sampler, object]],
+    grade: Callable[[str, str], float],
+    extract: Callable[[str], str | None],
+    enable_thinking: bool | None,
+    batch_size: int,
+    progress: bool = True,
+) -> dict:
     """Generate the missing (problem, sample) pairs chunk by chunk; -> all records by key.
     Grading runs in threads: code grading waits on sandbox subprocesses, not on Python."""
     from concurrent.futures import ThreadPoolExecutor
@@ -223,10 +229,17 @@ def run_benchmark(
         graded = [as_graded(rendered[p.id], o[0]) for (p, _), o in zip(chunk, outs)]
         rewards = pool.map(grade, graded, [p.gold for p, _ in chunk])
         new = [
-            {"problem_id": p.id, "sample": i, "completion": text, "extracted": extract(g),
-             "reward": float(r), "length": length, "truncated": bool(cut)}
+            {
+                "problem_id": p.id,
+                "sample": i,
+                "completion": text,
+                "extracted": extract(g),
+                "reward": float(r),
+                "length": length,
+                "truncated": bool(cut),
+            }
             for (p, i), (text, length, cut), g, r in zip(chunk, outs, graded, rewards)
-        ]  # fmt: skip
+        ]
         append_samples(path, new)
         records.update({(r["problem_id"], r["sample"]): r for r in new})
         bar.update(len(chunk))

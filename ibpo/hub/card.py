@@ -208,16 +208,25 @@ def _training_lines(summary: dict, metrics: list[dict], step: int | None) -> lis
             e = summary.get(f"eval_{when}") or {}
             if "accuracy" in e:
                 rows.append((f"held-out accuracy {when} (greedy, n={e.get('n')})", e["accuracy"]))
-                note = ["", "Held-out accuracy is greedy, on `data.eval_size` problems of the "
-                        "run's eval split: a training check, not a benchmark score."]  # fmt: skip
-        rows += [("wall time (min)", _fmt((summary.get("wall_seconds") or 0) / 60, 1)),
-                 ("non-finite steps skipped", summary.get("nonfinite_steps"))]  # fmt: skip
+                note = [
+                    "",
+                    "Held-out accuracy is greedy, on `data.eval_size` problems of the "
+                    "run's eval split: a training check, not a benchmark score.",
+                ]
+        rows += [
+            ("wall time (min)", _fmt((summary.get("wall_seconds") or 0) / 60, 1)),
+            ("non-finite steps skipped", summary.get("nonfinite_steps")),
+        ]
     elif step is not None:
         rows.append(("checkpoint step", step))
     rewards, residuals = _numbers(metrics, "reward"), _numbers(metrics, "residual")
     if rewards:
-        rows += [("steps logged", len(metrics)), ("reward, first step", rewards[0]),
-                 ("reward, last step", rewards[-1]), ("reward, max", max(rewards))]  # fmt: skip
+        rows += [
+            ("steps logged", len(metrics)),
+            ("reward, first step", rewards[0]),
+            ("reward, last step", rewards[-1]),
+            ("reward, max", max(rewards)),
+        ]
     if _numbers(metrics[-1:], "entropy"):
         rows.append(("policy entropy, last step", metrics[-1]["entropy"]))
     if residuals:
@@ -304,10 +313,15 @@ def _card_data(cfg: dict, base_id: str | None, license, title: str, results: lis
     if base_id:
         tags.append(f"base_model:adapter:{base_id}")
     return ModelCardData(
-        base_model=base_id, library_name="peft", license=license or "other",
-        pipeline_tag="text-generation", tags=tags, datasets=list(dict.fromkeys(datasets)) or None,
-        model_name=title, eval_results=results or None,
-    )  # fmt: skip
+        base_model=base_id,
+        library_name="peft",
+        license=license or "other",
+        pipeline_tag="text-generation",
+        tags=tags,
+        datasets=list(dict.fromkeys(datasets)) or None,
+        model_name=title,
+        eval_results=results or None,
+    )
 
 
 CARD = """
@@ -363,8 +377,10 @@ The run's resolved configuration, also in `ibpo_config.yaml`;
 def _intro(name: str | None, base_id: str | None, override, cfg: dict, license, step) -> str:
     kind = "4-bit QLoRA" if cfg.get("model", {}).get("quantization") == "nf4" else "LoRA"
     objective = cfg.get("objective", {}).get("name", "ibpo")
-    lines = [f"A LoRA adapter for `{base_id or name}`, trained with ibpo (verifiable-reward RL, "
-             f"{kind}) using the `{objective}` objective."]  # fmt: skip
+    lines = [
+        f"A LoRA adapter for `{base_id or name}`, trained with ibpo (verifiable-reward RL, "
+        f"{kind}) using the `{objective}` objective."
+    ]
     if name == EMBEDDED_NAME and not override:
         lines.append(
             "It was trained on ibpo's embedded copy of SmolLM2-135M-Instruct, dequantised from the "
@@ -378,8 +394,10 @@ def _intro(name: str | None, base_id: str | None, override, cfg: dict, license, 
             "metadata names no `base_model` (`ibpo push --base-model <Hub id>` sets it)."
         )
     if license is None:
-        lines.append("**License:** ibpo does not know the base model's license, so this card says "
-                     "`other`: set it to the base model's license before sharing.")  # fmt: skip
+        lines.append(
+            "**License:** ibpo does not know the base model's license, so this card says "
+            "`other`: set it to the base model's license before sharing."
+        )
     if step is not None:
         lines.append(f"This is the adapter of checkpoint step {step}, not of a finished run.")
     return "\n".join(lines)
@@ -406,13 +424,17 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     evaluation, results = _evaluations(find_eval_results(loc["run"] or loc["adapter"], eval_dirs))
     reward, title = cfg.get("objective", {}).get("reward", "math"), repo_id.split("/")[1]
     body = CARD.format(
-        title=title, intro=_intro(name, base_id, base_model, cfg, license, loc["step"]),
-        citation=CITATION, training="\n".join(training), evaluation=evaluation,
-        base=base_id or "<base model>", repo_id=repo_id,
+        title=title,
+        intro=_intro(name, base_id, base_model, cfg, license, loc["step"]),
+        citation=CITATION,
+        training="\n".join(training),
+        evaluation=evaluation,
+        base=base_id or "<base model>",
+        repo_id=repo_id,
         eval_model=name if name == EMBEDDED_NAME or not base_id else base_id,
         benchmark="humaneval" if reward == "code" else "math500",
         recipe=RECIPE.format(config=yaml.safe_dump(cfg, sort_keys=False)) if cfg else "",
-    )  # fmt: skip
+    )
     # ModelCard parses the front matter back (ModelCardData checks the model-index) and writes it.
     # card.validate() is never called: it posts the card to the Hub.
     card_data = _card_data(cfg, base_id, license, title, results)

@@ -101,9 +101,13 @@ def _stage_adapter_config(src: Path, dest: Path, base_id: str | None, revision) 
 
 
 def prepare_upload(
-    output_dir: Path, repo_id: str, staging_dir: Path, eval_dirs=(), base_model: str | None = None,
+    output_dir: Path,
+    repo_id: str,
+    staging_dir: Path,
+    eval_dirs=(),
+    base_model: str | None = None,
     token: str | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Write exactly what `push` uploads into `staging_dir` (absent or empty) and return it."""
     check_repo_id(repo_id)
     loc, staging = locate(output_dir), Path(staging_dir)
@@ -130,8 +134,12 @@ def _stage(loc: dict, staging: Path, card: str, base_model: str | None) -> None:
     cfg = run_config(files)
     model = (cfg or {}).get("model", {})
     base_id = base_model_id(model.get("name"), base_model)
-    _stage_adapter_config(loc["adapter"] / ADAPTER_FILES[0], staging / ADAPTER_FILES[0], base_id,
-                          model.get("revision") if not base_model else None)  # fmt: skip
+    _stage_adapter_config(
+        loc["adapter"] / ADAPTER_FILES[0],
+        staging / ADAPTER_FILES[0],
+        base_id,
+        model.get("revision") if not base_model else None,
+    )
     for name in (ADAPTER_FILES[1], *TOKENIZER_FILES):
         if (loc["adapter"] / name).is_file():
             shutil.copyfile(loc["adapter"] / name, staging / name)
@@ -159,8 +167,10 @@ def _explain(error: Exception, repo_id: str) -> str:
     status = getattr(getattr(error, "response", None), "status_code", None)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     if status == 401:
-        return ("the Hub rejected the token (401). Fix: `hf auth login` with a valid token, or set "
-                "HF_TOKEN")  # fmt: skip
+        return (
+            "the Hub rejected the token (401). Fix: `hf auth login` with a valid token, or set "
+            "HF_TOKEN"
+        )
     if status == 403:
         return (
             f"the token may not write to '{repo_id.split('/')[0]}' (403: {first}). Fix: a token "
@@ -170,9 +180,14 @@ def _explain(error: Exception, repo_id: str) -> str:
 
 
 def push(
-    output_dir: Path, repo_id: str, private: bool = True, eval_dirs=(),
-    commit_message: str | None = None, token: str | None = None, base_model: str | None = None,
-) -> str:  # fmt: skip
+    output_dir: Path,
+    repo_id: str,
+    private: bool = True,
+    eval_dirs=(),
+    commit_message: str | None = None,
+    token: str | None = None,
+    base_model: str | None = None,
+) -> str:
     """Create `repo_id` if needed (private by default) and upload the staged adapter and card;
     -> the repo URL. `token` None: HF_TOKEN or the cached login."""
     import huggingface_hub as hf
@@ -185,19 +200,24 @@ def push(
             "it and push again (`ibpo push --dry-run` stages the upload offline)"
         )
     if token is None and hf.get_token() is None:
-        raise HubError("no Hugging Face token. Fix: `hf auth login` (a token with write access), "
-                       "or set HF_TOKEN")  # fmt: skip
+        raise HubError(
+            "no Hugging Face token. Fix: `hf auth login` (a token with write access), "
+            "or set HF_TOKEN"
+        )
     with tempfile.TemporaryDirectory(prefix="ibpo-push-") as tmp:
-        staging = prepare_upload(output_dir, repo_id, Path(tmp) / "upload", eval_dirs, base_model,
-                                 token)  # fmt: skip
+        staging = prepare_upload(
+            output_dir, repo_id, Path(tmp) / "upload", eval_dirs, base_model, token
+        )
         api = hf.HfApi()
         try:
             url = api.create_repo(repo_id, token=token, private=private, exist_ok=True)
             # create_repo ignores `private` for a repo that exists: never publish by surprise
             if private and not api.repo_info(repo_id, token=token).private:
-                raise HubError(f"'{repo_id}' exists and is public; nothing was pushed. Fix: "
-                               "--public (run.hub_private=false) to push to it, or another "
-                               "--repo-id")  # fmt: skip
+                raise HubError(
+                    f"'{repo_id}' exists and is public; nothing was pushed. Fix: "
+                    "--public (run.hub_private=false) to push to it, or another "
+                    "--repo-id"
+                )
             message = commit_message or "ibpo: LoRA adapter and model card"
             api.upload_folder(
                 repo_id=repo_id, folder_path=str(staging), commit_message=message, token=token
@@ -221,14 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repo-id", required=True, help="<user or organisation>/<name>")
     p.add_argument("--public", action="store_true", help="create the repo public (default private)")
-    p.add_argument("--eval-dir", action="append", default=[], metavar="DIR",
-                   help="an `ibpo eval` --output-dir to report (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--eval-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="an `ibpo eval` --output-dir to report (repeatable)",
+    )
     p.add_argument(
         "--base-model", help="Hub id of the base when it was trained from a local folder"
     )
     p.add_argument("--commit-message")
-    p.add_argument("--dry-run", action="store_true",
-                   help="write the staging folder and list it; no network")  # fmt: skip
+    p.add_argument(
+        "--dry-run", action="store_true", help="write the staging folder and list it; no network"
+    )
     p.add_argument(
         "--staging-dir", help="with --dry-run (default: OUTPUT_DIR/hub-staging, replaced)"
     )
@@ -244,8 +270,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path.stat().st_size:>12,d}  {path.relative_to(staging)}")
             print(f"dry run: staged in {staging}; nothing was uploaded")
             return 0
-        url = push(args.output_dir, args.repo_id, not args.public, args.eval_dir,
-                   args.commit_message, base_model=args.base_model)  # fmt: skip
+        url = push(
+            args.output_dir,
+            args.repo_id,
+            not args.public,
+            args.eval_dir,
+            args.commit_message,
+            base_model=args.base_model,
+        )
     except HubError as e:
         print(f"ibpo push: error: {e}", file=sys.stderr)
         return 2

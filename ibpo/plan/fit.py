@@ -57,8 +57,10 @@ def _totals(
     shape: ModelShape, cfg: Config, gpus: int, sharding: str = "ddp"
 ) -> tuple[dict, str, float, float]:
     """(GiB per phase and component, peak phase, its allocations, with overheads)."""
-    phases = {name: {k: v / GIB for k, v in parts.items()}
-              for name, parts in phase_bytes(shape, cfg, gpus, sharding).items()}  # fmt: skip
+    phases = {
+        name: {k: v / GIB for k, v in parts.items()}
+        for name, parts in phase_bytes(shape, cfg, gpus, sharding).items()
+    }
     peak = max(phases, key=lambda p: sum(phases[p].values()))
     allocated = sum(phases[peak].values())
     return phases, peak, allocated, allocated * (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB
@@ -106,9 +108,12 @@ def suggest(
         _, phase, _, total = _totals(shape, trial, gpus, sharding)
         if total <= budget_gb:
             knobs = dict.fromkeys((s, k) for ks in _KNOBS.values() for s, k, _ in ks)
-            return [f"{s}.{k}={getattr(getattr(trial, s), k)}" for s, k in knobs
-                    if getattr(getattr(trial, s, None), k, None)
-                    != getattr(getattr(cfg, s, None), k, None)]  # fmt: skip
+            return [
+                f"{s}.{k}={getattr(getattr(trial, s), k)}"
+                for s, k in knobs
+                if getattr(getattr(trial, s, None), k, None)
+                != getattr(getattr(cfg, s, None), k, None)
+            ]
         if not _shrink(trial, phase, gpus):
             return None
     return None
@@ -129,8 +134,10 @@ def estimate(
     if sharding not in SHARDINGS:
         raise ConfigError(f"--sharding {sharding!r}; choose one of: {', '.join(SHARDINGS)}")
     if gpus > 1 and cfg.rollout.backend == "vllm":  # as distributed.check_launch refuses it
-        raise ConfigError("rollout.backend=vllm runs one process: plan it with --gpus 1, or "
-                          "set rollout.backend=hf for several GPUs")  # fmt: skip
+        raise ConfigError(
+            "rollout.backend=vllm runs one process: plan it with --gpus 1, or "
+            "set rollout.backend=hf for several GPUs"
+        )
     shape = load_model_shape(model_config, cfg.model)
     phases, peak, allocated, total = _totals(shape, cfg, gpus, sharding)
     notes, suggestions = [], []
@@ -138,29 +145,57 @@ def estimate(
         found = suggest(shape, cfg, gpus, gpu_memory_gb, sharding)
         suggestions = found or []
         if found is None:
-            notes.append("no batch setting fits: shorten rollout.max_new_tokens or "
-                         "data.max_prompt_tokens, or use a larger GPU")  # fmt: skip
+            notes.append(
+                "no batch setting fits: shorten rollout.max_new_tokens or "
+                "data.max_prompt_tokens, or use a larger GPU"
+            )
     if gpus > 1 and sharding == "ddp":
         notes.append("DDP: every GPU holds all of this (--sharding fsdp for FSDP full shard)")
     if gpus > 1 and sharding == "fsdp":
-        notes.append(f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
-                     "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
-                     "layers are counted whole (FSDP all-gathers them)")  # fmt: skip
+        notes.append(
+            f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
+            "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
+            "layers are counted whole (FSDP all-gathers them)"
+        )
         notes.append("FSDP: generation runs on a whole gathered copy of the weights")
     if cfg.rollout.backend == "vllm":
-        notes.append("rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
-                     "not measured" + ("; it sleeps during training (weights in host memory)"
-                                       if cfg.rollout.vllm_sleep else ""))  # fmt: skip
+        notes.append(
+            "rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
+            "not measured"
+            + (
+                "; it sleeps during training (weights in host memory)"
+                if cfg.rollout.vllm_sleep
+                else ""
+            )
+        )
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         host = offloaded_bytes(shape, cfg, dtype_bytes(cfg.model)) / GIB
-        notes.append(f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "
-                     "pinned host memory during the update")  # fmt: skip
-    name = model_config.get("_name_or_path", "model config") if isinstance(
-        model_config, Mapping) else str(model_config or cfg.model.name)  # fmt: skip
+        notes.append(
+            f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "
+            "pinned host memory during the update"
+        )
+    name = (
+        model_config.get("_name_or_path", "model config")
+        if isinstance(model_config, Mapping)
+        else str(model_config or cfg.model.name)
+    )
     trainable = lora_parameter_count(shape, cfg.model.lora_r, cfg.model.lora_target_modules)
-    return Plan(name, shape.parameter_count(), trainable, gpus, gpu_memory_gb, phases, peak,
-                phases[peak], allocated, total, total <= gpu_memory_gb, suggestions,
-                notes, sharding)  # fmt: skip
+    return Plan(
+        name,
+        shape.parameter_count(),
+        trainable,
+        gpus,
+        gpu_memory_gb,
+        phases,
+        peak,
+        phases[peak],
+        allocated,
+        total,
+        total <= gpu_memory_gb,
+        suggestions,
+        notes,
+        sharding,
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -169,17 +204,26 @@ def format_plan(plan: Plan) -> str:
     width = max(len(r) for r in rows) + 2
     line = lambda label, cells: label.ljust(width) + "".join(c.rjust(12) for c in cells)
     sums = [sum(plan.phases[n].values()) for n in names]
-    out = [f"ibpo plan: {plan.model}: {plan.parameters / 1e9:.2f}B parameters, "
-           f"{plan.trainable / 1e6:.1f}M trainable (LoRA)", "", line("GiB", names)]  # fmt: skip
-    out += [line(r, [f"{plan.phases[n][r]:.2f}" if r in plan.phases[n] else "-" for n in names])
-            for r in rows]  # fmt: skip
+    out = [
+        f"ibpo plan: {plan.model}: {plan.parameters / 1e9:.2f}B parameters, "
+        f"{plan.trainable / 1e6:.1f}M trainable (LoRA)",
+        "",
+        line("GiB", names),
+    ]
+    out += [
+        line(r, [f"{plan.phases[n][r]:.2f}" if r in plan.phases[n] else "-" for n in names])
+        for r in rows
+    ]
     out.append(line("torch allocations", [f"{s:.2f}" for s in sums]))
     over = [f"{s * (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB:.2f}" for s in sums]
     out.append(line(f"+ CUDA context, {FRAGMENTATION:.0%} fragmentation", over))
     verdict = "fits" if plan.fits else "does NOT fit"
     how = f" ({plan.sharding.upper()})" if plan.gpus > 1 else ""
-    out += ["", f"peak: {plan.peak_phase}, {plan.peak_gb:.1f} GiB per GPU: {verdict} on "
-                f"{plan.gpus} x {plan.gpu_memory_gb:g} GiB{how}"]  # fmt: skip
+    out += [
+        "",
+        f"peak: {plan.peak_phase}, {plan.peak_gb:.1f} GiB per GPU: {verdict} on "
+        f"{plan.gpus} x {plan.gpu_memory_gb:g} GiB{how}",
+    ]
     if plan.suggestions:
         out.append("fits with: " + " ".join(plan.suggestions))
     out += [f"note: {n}" for n in plan.notes]

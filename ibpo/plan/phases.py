@@ -145,8 +145,12 @@ def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> 
     regrown."""
     deq = _dequant_bytes(shape, model, b)
     full = kv_cache_bytes(shape, batch, prompt + new, b)
-    decode = {"KV cache": full, "KV regrowth (one layer)": full // shape.layers,
-              "sampling logits": sampling, "4-bit dequant buffer": deq}  # fmt: skip
+    decode = {
+        "KV cache": full,
+        "KV regrowth (one layer)": full // shape.layers,
+        "sampling logits": sampling,
+        "4-bit dequant buffer": deq,
+    }
     if static:
         del decode["KV regrowth (one layer)"]
     prefill = {
@@ -199,8 +203,7 @@ def _training(shape: ModelShape, cfg: Config, b: int, sharding: str = "ddp") -> 
     seqs = min(tr.micro_batch_groups, tr.prompts_per_step) * G
     length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     S, M = seqs * length, seqs * cfg.rollout.max_new_tokens  # positions, completion tokens
-    saved = layer_saved_per_token(shape, lora_targets(shape, mc.lora_target_modules),
-                                  mc.lora_r, b)  # fmt: skip
+    saved = layer_saved_per_token(shape, lora_targets(shape, mc.lora_target_modules), mc.lora_r, b)
     bool_mask, float_mask = mask_bytes(seqs, length, b)
     shared = bool_mask + 2 * S * shape.head_dim * b  # padding mask, RoPE cos/sin
     transient = S * layer_transient_per_token(shape) + float_mask

@@ -216,9 +216,14 @@ def _prune(root: Path, keep: int, protect: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator, root: Path, parts: StepParts, state: TrainerState, metrics: Path | None,
-    keep: int, config: dict | None = None,
-) -> Path:  # fmt: skip
+    accelerator,
+    root: Path,
+    parts: StepParts,
+    state: TrainerState,
+    metrics: Path | None,
+    keep: int,
+    config: dict | None = None,
+) -> Path:
     """Write checkpoint step-<state.step> under `root` atomically; every process must call it.
     An OSError (a full disk) removes the temporary folder and propagates."""
     root = Path(root)
@@ -253,8 +258,11 @@ def _save(accelerator, root: Path, parts, state, metrics, keep, config) -> Path:
         torch.save(parts.scheduler.state_dict(), tmp / "scheduler.pt")
         if metrics is not None and Path(metrics).is_file():
             shutil.copyfile(metrics, tmp / "metrics.jsonl")
-        meta = {**dataclasses.asdict(state), "world_size": accelerator.num_processes,
-                "fsdp": is_fsdp(parts.model)}  # fmt: skip
+        meta = {
+            **dataclasses.asdict(state),
+            "world_size": accelerator.num_processes,
+            "fsdp": is_fsdp(parts.model),
+        }
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2) + "\n")
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -286,16 +294,21 @@ def _restore_cuda(state: dict, device: torch.device | None) -> None:
     elif len(saved) == torch.cuda.device_count():
         torch.cuda.set_rng_state(saved[gpu], gpu)
     else:
-        _cuda_rng_not_restored(f"it saved the RNG of {len(saved)} visible GPU(s) by position and "
-                               f"this process sees {torch.cuda.device_count()}")  # fmt: skip
+        _cuda_rng_not_restored(
+            f"it saved the RNG of {len(saved)} visible GPU(s) by position and "
+            f"this process sees {torch.cuda.device_count()}"
+        )
 
 
 def _cuda_rng_not_restored(why: str) -> None:
     # a warning (shown once per process): sampling on the GPU differs from an uninterrupted run,
     # everything else (adapter, optimizer, data order, CPU RNGs) resumes exactly
-    warnings.warn(f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): CUDA "
-                  "sampling continues from the run's seed (train.seed) instead", RuntimeWarning,
-                  stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): CUDA "
+        "sampling continues from the run's seed (train.seed) instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _restore_process(state: dict, parts: StepParts, device: torch.device | None = None) -> None:

@@ -103,11 +103,13 @@ def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
     config = cfg.to_dict()
     return [
         f"{section}.{key}: {old[section][key]!r} -> {value!r}"
-        for section, values in config.items() if isinstance(values, dict)
+        for section, values in config.items()
+        if isinstance(values, dict)
         for key, value in values.items()
-        if key in old.get(section, {}) and old[section][key] != value
+        if key in old.get(section, {})
+        and old[section][key] != value
         and key not in _RESUMABLE_CHANGES.get(section, set())
-    ]  # fmt: skip
+    ]
 
 
 def apply_optimizer_settings(parts: StepParts, lr: float, weight_decay: float) -> list[str]:

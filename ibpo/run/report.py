@@ -133,11 +133,26 @@ def _draw_series(ax, curves: list[tuple[str, list[int], list[float]]]) -> None:
         smooth = len(values) > window
         marker = "o" if len(values) <= 30 else None
         style = "-" if k == 0 else "--"  # a second curve may coincide (0/1 rewards = accuracy)
-        ax.plot(steps, values, color=f"C{k}", ls=style, lw=0.8, marker=marker, ms=2.5,
-                alpha=0.35 if smooth else 1.0, label=None if smooth else label)  # fmt: skip
+        ax.plot(
+            steps,
+            values,
+            color=f"C{k}",
+            ls=style,
+            lw=0.8,
+            marker=marker,
+            ms=2.5,
+            alpha=0.35 if smooth else 1.0,
+            label=None if smooth else label,
+        )
         if smooth:
-            ax.plot(steps, moving_average(values, window), color=f"C{k}", ls=style, lw=1.6,
-                    label=f"{label} ({window}-step mean)")  # fmt: skip
+            ax.plot(
+                steps,
+                moving_average(values, window),
+                color=f"C{k}",
+                ls=style,
+                lw=1.6,
+                label=f"{label} ({window}-step mean)",
+            )
         smoothed |= smooth
     if len(curves) > 1 or smoothed:
         ax.legend(fontsize=7)
@@ -149,8 +164,14 @@ def _draw_heldout(ax, points: list[tuple[int, float]]) -> None:
     ax.margins(y=0.2)  # room for the value labels
     if len(points) <= 12:  # label each evaluation while the labels still fit
         for s, v in points:
-            ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 5),
-                        ha="center", fontsize=7)  # fmt: skip
+            ax.annotate(
+                f"{v:.2f}",
+                (s, v),
+                textcoords="offset points",
+                xytext=(0, 5),
+                ha="center",
+                fontsize=7,
+            )
 
 
 def _panels(rows: list[dict], summary: dict | None) -> list[tuple[str, Callable]]:
@@ -259,10 +280,14 @@ def _run_items(rows: list[dict], summary: dict | None) -> list[tuple[str, str]]:
         wall = f"{_duration(sum(times))} (sum of step times)" if times else "n/a"
     _, skipped = series(rows, "skipped_nonfinite")
     nonfinite = s.get("nonfinite_steps", int(sum(skipped)))
-    items = [("run", _run_name(summary)), ("status", status),
-             ("steps", str(s.get("steps", rows[-1]["step"] if rows else 0))),
-             ("non-finite steps", f"{nonfinite} skipped"), ("wall time", wall),
-             ("held-out accuracy", _heldout_text(rows, summary))]  # fmt: skip
+    items = [
+        ("run", _run_name(summary)),
+        ("status", status),
+        ("steps", str(s.get("steps", rows[-1]["step"] if rows else 0))),
+        ("non-finite steps", f"{nonfinite} skipped"),
+        ("wall time", wall),
+        ("held-out accuracy", _heldout_text(rows, summary)),
+    ]
     if s.get("resumed_from"):
         items.insert(3, ("resumed from", str(s["resumed_from"])))
     return items
@@ -273,8 +298,13 @@ def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
     _, reward = series(rows, "reward")
     if reward:
         k = math.ceil(len(reward) / 10)
-        items.append(("train reward", f"{_mean(reward[:k]):.3f} -> {_mean(reward[-k:]):.3f}  "
-                      f"(mean of the first -> last {k} of {len(reward)} steps)"))  # fmt: skip
+        items.append(
+            (
+                "train reward",
+                f"{_mean(reward[:k]):.3f} -> {_mean(reward[-k:]):.3f}  "
+                f"(mean of the first -> last {k} of {len(reward)} steps)",
+            )
+        )
     for key, label, fmt, reduce in [
         ("entropy", "final entropy", ".3f", lambda v: v[-1]),
         ("residual", "mean residual", ".4f", _mean),
@@ -286,8 +316,11 @@ def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
             items.append((label, f"{reduce(values):{fmt}}"))
     # overall rate = all completion tokens / all step time (a plain mean would weigh a fast
     # step like a slow one)
-    timed = [(r["tokens_per_second"], r["step_time"]) for r in rows
-             if _number(r.get("tokens_per_second")) and _number(r.get("step_time"))]  # fmt: skip
+    timed = [
+        (r["tokens_per_second"], r["step_time"])
+        for r in rows
+        if _number(r.get("tokens_per_second")) and _number(r.get("step_time"))
+    ]
     if timed and sum(t for _, t in timed) > 0:
         rate = sum(v * t for v, t in timed) / sum(t for _, t in timed)
         items.append(("tokens/s", f"{rate:.1f}  (completion tokens per second of step time)"))
@@ -301,13 +334,17 @@ def _location_items(output_dir: Path, summary: dict | None) -> list[tuple[str, s
     s = summary or {}
     checkpoint = s.get("checkpoint")
     if not checkpoint:  # no summary: the newest checkpoint folder, if any
-        found = sorted((output_dir / "checkpoints").glob("step-*"),
-                       key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)  # fmt: skip
+        found = sorted(
+            (output_dir / "checkpoints").glob("step-*"),
+            key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1,
+        )
         checkpoint = str(found[-1]) if found else None
     plots = sorted((output_dir / PLOTS).glob("*.png"))
-    return [("adapter", s.get("adapter") or "none saved"),
-            ("checkpoint", checkpoint or "none saved"),
-            ("plots", ", ".join(map(str, plots)) if plots else "none written")]  # fmt: skip
+    return [
+        ("adapter", s.get("adapter") or "none saved"),
+        ("checkpoint", checkpoint or "none saved"),
+        ("plots", ", ".join(map(str, plots)) if plots else "none written"),
+    ]
 
 
 def summary_table(output_dir: Path | str) -> str:

@@ -16,8 +16,17 @@ ENGINES: list = []  # every LLM made, newest last: tests inspect what ibpo asked
 
 
 class SamplingParams:
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, seed=None,
-                 stop_token_ids=None, detokenize=True):  # fmt: skip
+    def __init__(
+        self,
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=16,
+        seed=None,
+        stop_token_ids=None,
+        detokenize=True,
+    ):
         if temperature == 0 and n > 1:
             raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
@@ -78,8 +87,9 @@ class LLM:
         outs = []
         for prompt, p in zip(prompts, params):
             ids, seed = prompt["prompt_token_ids"], p.seed or 0
-            outs.append(_RequestOutput(ids, [self._one(model, ids, p, seed + k, k)
-                                             for k in range(p.n)]))  # fmt: skip
+            outs.append(
+                _RequestOutput(ids, [self._one(model, ids, p, seed + k, k) for k in range(p.n)])
+            )
         return outs
 
     def _one(self, model, prompt, p, seed, index):
