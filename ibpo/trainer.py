@@ -21,6 +21,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -213,21 +214,22 @@ def train(cfg: Config) -> dict:
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
 
-    start, tr, run = time.time(), cfg.train, cfg.run
+    start, tr = time.time(), cfg.train
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
-        log_with=run.log_with, project_dir=run.output_dir, step_scheduler_with_optimizer=False
+        log_with=cfg.run.log_with,
+        project_dir=cfg.run.output_dir,
+        step_scheduler_with_optimizer=False,
     )
     check_launch(accelerator, cfg)
     set_seed(tr.seed)
-    out, main = Path(run.output_dir), accelerator.is_main_process
-    resume = ckpt.resolve_resume(run.resume_from, out)
+    out = Path(cfg.run.output_dir)
+    resume = ckpt.resolve_resume(cfg.run.resume_from, out)
     if resume is None:
-        outdir.check_fresh_start(out, run.overwrite)
-    if main:
+        outdir.check_fresh_start(out, cfg.run.overwrite)
+    if accelerator.is_main_process:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
@@ -237,150 +239,195 @@ def train(cfg: Config) -> dict:
         # its own completions (torch, CUDA, numpy, random seeded with seed + process index), or
         # every rank would draw the same random streams and generate correlated groups.
         set_seed(tr.seed, device_specific=True)
-    engine = None
-    if cfg.rollout.backend == "vllm":
-        engine = VLLMEngine.start(cfg, parts.model, tokenizer)
+    engine = (
+        VLLMEngine.start(cfg, parts.model, tokenizer) if cfg.rollout.backend == "vllm" else None
+    )
     try:
-        if run.log_with:
+        if cfg.run.log_with:
             accelerator.init_trackers("ibpo", config=cfg.to_dict())
-        reward_fn = REWARDS[cfg.objective.reward]
+        run = Run(cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine)
+        run.state = _start_or_resume(
+            accelerator, parts, resume, run.metrics_path, run.held_out, cfg
+        )
+        run.prior = run.state.wall_seconds
+        run.start = start
+        return run.finish(run.loop())
+    finally:  # however the run ends: the engine holds GPU memory and a process-wide state
+        if engine is not None:
+            engine.close()
 
-        def held_out() -> dict | None:
-            if not eval_examples:
-                return None
-            with generating(parts.model, cfg, accelerator.device, engine) as generator:
-                return evaluate_accuracy(
-                    generator,
-                    tokenizer,
-                    eval_examples,
-                    cfg.data,
-                    reward_fn,
-                    cfg.rollout.eval_max_new_tokens,
-                    cfg.rollout.eval_batch_size,
-                    accelerator,
-                )
 
-        metrics_path = out / "metrics.jsonl"
-        state = _start_or_resume(accelerator, parts, resume, metrics_path, held_out, cfg)
-        prior = state.wall_seconds
+@dataclass
+class Ending:
+    """How the loop ended: its status, the message to print, the newest checkpoint, and whether
+    it stopped mid-step (then the live adapter is not saved: the checkpoint's stands)."""
 
-        def checkpoint() -> Path:
-            state.wall_seconds = prior + time.time() - start
-            root = out / ckpt.CHECKPOINTS
-            return ckpt.save_checkpoint(
-                accelerator,
-                root,
-                parts,
-                state,
-                metrics_path,
-                run.keep_checkpoints,
-                cfg.to_dict(recipe=True),
+    status: str = "completed"
+    message: str | None = None
+    last: Path | None = None
+    cut_short: bool = False
+
+
+class Run:
+    """What the loop, its checkpoints and the ending of one training run share."""
+
+    def __init__(
+        self, cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
+    ):
+        self.cfg, self.accelerator, self.out, self.resume = cfg, accelerator, out, resume
+        self.parts, self.tokenizer, self.eval_examples = parts, tokenizer, eval_examples
+        self.objective, self.engine = objective, engine
+        self.main = accelerator.is_main_process
+        self.metrics_path = out / "metrics.jsonl"
+        self.state = ckpt.TrainerState()
+        self.start = time.time()
+        self.prior = 0.0  # wall seconds of earlier sessions of this run
+
+    def held_out(self) -> dict | None:
+        """Greedy accuracy on the held-out set (None without one)."""
+        if not self.eval_examples:
+            return None
+        cfg = self.cfg
+        with generating(self.parts.model, cfg, self.accelerator.device, self.engine) as generate:
+            return evaluate_accuracy(
+                generate,
+                self.tokenizer,
+                self.eval_examples,
+                cfg.data,
+                REWARDS[cfg.objective.reward],
+                cfg.rollout.eval_max_new_tokens,
+                cfg.rollout.eval_batch_size,
+                self.accelerator,
             )
 
-        metrics_file = open(metrics_path, "a" if resume else "w") if main else None  # noqa: SIM115
+    def wall_seconds(self) -> float:
+        return self.prior + time.time() - self.start
+
+    def checkpoint(self) -> Path:
+        self.state.wall_seconds = self.wall_seconds()
+        return ckpt.save_checkpoint(
+            self.accelerator,
+            self.out / ckpt.CHECKPOINTS,
+            self.parts,
+            self.state,
+            self.metrics_path,
+            self.cfg.run.keep_checkpoints,
+            self.cfg.to_dict(recipe=True),
+        )
+
+    def loop(self) -> Ending:
+        """The steps, with their metrics, periodic evaluations and checkpoints, until the last
+        step, a signal, too many non-finite steps, running out of memory or a full disk."""
+        from tqdm.auto import tqdm
+
+        cfg, state, acc = self.cfg, self.state, self.accelerator
+        tr, run = cfg.train, cfg.run
+        end = Ending(last=self.resume)
+        metrics = open(self.metrics_path, "a" if self.resume else "w") if self.main else None  # noqa: SIM115
         bar = tqdm(
             total=tr.steps,
             initial=min(state.step, tr.steps),
             desc="ibpo",
-            disable=not (main and run.progress),
+            disable=not (self.main and run.progress),
         )
-        status, message, last = "completed", None, resume  # last: the newest checkpoint
-        cut_short = False  # stopped mid-step: the live adapter is not saved
         phase = "step"  # what ran when an error came: step | eval | save
         try:
             with failures.GracefulStop() as stop:
                 while state.step < tr.steps:
                     phase = "step"
-                    m = rl_step(parts, tokenizer, accelerator, cfg, objective, engine)
+                    m = rl_step(self.parts, self.tokenizer, acc, cfg, self.objective, self.engine)
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
-                    log_step(m, state.step, bar, metrics_file, accelerator, run.log_with)
+                    log_step(m, state.step, bar, metrics, acc, run.log_with)
                     if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
-                        status = "nonfinite"
+                        end.status = "nonfinite"
                         break
-                    if stop.requested(accelerator):
-                        status = "interrupted"
+                    if stop.requested(acc):
+                        end.status = "interrupted"
                         break
                     if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
                         phase = "eval"
-                        log_eval(
-                            held_out(), state.step, bar, metrics_file, accelerator, run.log_with
-                        )
+                        log_eval(self.held_out(), state.step, bar, metrics, acc, run.log_with)
                     if run.save_every and state.step % run.save_every == 0:
                         phase = "save"
-                        last = checkpoint()
+                        end.last = self.checkpoint()
                 phase = "save"
-                if last is None or ckpt.step_of(last) != state.step:  # end, signal, non-finite stop
-                    last = checkpoint()
+                # the end, a signal or a non-finite stop: checkpoint what the last save missed
+                if end.last is None or ckpt.step_of(end.last) != state.step:
+                    end.last = self.checkpoint()
         except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
             # under FSDP saving would gather shards from processes caught at other points: no saving
-            status, cut_short = "interrupted", is_fsdp(parts.model)
+            end.status, end.cut_short = "interrupted", is_fsdp(self.parts.model)
         except OSError as e:  # a full disk while saving: the previous checkpoint stands
             if phase != "save":
                 raise
-            status, message, cut_short = "failed", failures.save_failed_message(e, last), True
+            end.status, end.cut_short = "failed", True
+            end.message = failures.save_failed_message(e, end.last)
         except Exception as e:
             if not failures.is_oom(e):
                 raise
-            status = "out_of_memory"
-            if phase == "eval" and accelerator.num_processes == 1:  # the step itself finished
-                last = checkpoint()
-                message = failures.oom_message(cfg, state.step, e, last, in_eval=True)
+            end.status = "out_of_memory"
+            if phase == "eval" and acc.num_processes == 1:  # the step itself finished
+                end.last = self.checkpoint()
+                end.message = failures.oom_message(cfg, state.step, e, end.last, in_eval=True)
             else:
-                message = failures.oom_message(cfg, state.step + 1, e, last)
-                cut_short = True
+                end.message = failures.oom_message(cfg, state.step + 1, e, end.last)
+                end.cut_short = True
         finally:
             bar.close()
-            if metrics_file:
-                metrics_file.close()
-        if status == "nonfinite":
-            message = failures.nonfinite_message(state, last)
-        if status == "interrupted":
-            message = failures.interrupted_message(state.step, last)
+            if metrics:
+                metrics.close()
+        if end.status == "nonfinite":
+            end.message = failures.nonfinite_message(state, end.last)
+        if end.status == "interrupted":
+            end.message = failures.interrupted_message(state.step, end.last)
+        return end
+
+    def finish(self, end: Ending) -> dict:
+        """Print how the run ended, keep its adapter, write summary.json (before and after the
+        final held-out evaluation), then the plots and the Hub upload."""
+        cfg, acc, out, state, main = self.cfg, self.accelerator, self.out, self.state, self.main
         # Out of memory with several processes: the others may be inside a collective of this step
         # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
         # the others' collective then fails and the launcher stops the run, instead of everyone
         # waiting for a collective timeout.
-        alone = status == "out_of_memory" and accelerator.num_processes > 1
-        if message and (main or alone):
-            who = f"process {accelerator.process_index}: " if alone else ""
-            print(f"ibpo: {who}{message}", file=sys.stderr)
+        alone = end.status == "out_of_memory" and acc.num_processes > 1
+        if end.message and (main or alone):
+            who = f"process {acc.process_index}: " if alone else ""
+            print(f"ibpo: {who}{end.message}", file=sys.stderr)
         adapter = out / "adapter"
-        if cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-            adapter = outdir.keep_checkpoint_adapter(last, adapter) if main else None
+        if end.cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
+            adapter = outdir.keep_checkpoint_adapter(end.last, adapter) if main else None
         else:
-            save_adapter(accelerator, parts.model, adapter)
+            save_adapter(acc, self.parts.model, adapter)
             if main:
-                tokenizer.save_pretrained(adapter)
+                self.tokenizer.save_pretrained(adapter)
         summary = {
             "eval_before": state.eval_before,
             "eval_after": None,
             "steps": state.step,
-            "objective": objective.name,
+            "objective": self.objective.name,
             "model": cfg.model.name,
             "quantization": cfg.model.quantization,
             "dataset": cfg.data.dataset,
-            "status": status,
-            "message": message,
+            "status": end.status,
+            "message": end.message,
             "nonfinite_steps": state.nonfinite_total,
-            "resumed_from": resume and str(resume),
-            "checkpoint": last and str(last),
-            "wall_seconds": round(prior + time.time() - start, 1),
+            "resumed_from": self.resume and str(self.resume),
+            "checkpoint": end.last and str(end.last),
+            "wall_seconds": round(self.wall_seconds(), 1),
             "adapter": adapter and str(adapter),
         }
         if main:  # written now too: a run killed in its final evaluation still has a summary
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if status == "completed":
-            summary["eval_after"] = _final_eval(held_out, accelerator)
-            summary["wall_seconds"] = round(prior + time.time() - start, 1)
+        if end.status == "completed":
+            summary["eval_after"] = _final_eval(self.held_out, acc)
+            summary["wall_seconds"] = round(self.wall_seconds(), 1)
         if not alone:
-            accelerator.wait_for_everyone()
+            acc.wait_for_everyone()
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            finish_run(out, cfg, status)
-        if run.log_with and not alone:
-            accelerator.end_training()
+            finish_run(out, cfg, end.status)
+        if cfg.run.log_with and not alone:
+            acc.end_training()
         return summary
-    finally:  # however the run ends: the engine holds GPU memory and a process-wide state
-        if engine is not None:
-            engine.close()
