@@ -3,7 +3,11 @@
 
 `ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
-names the fix and exit with status 2, never a traceback. `ibpo plan ... [--gpus N]
+names the fix and exit with status 2, never a traceback. `ibpo train` exits with how the run
+ended (summary.json's `status` and `exit_code`): 0 completed, 1 failed (a full disk while
+saving), 2 bad input (configuration, data, output_dir), 3 out_of_memory, 4 nonfinite, 130
+interrupted by SIGINT (Ctrl-C, also before training started) and 143 by SIGTERM; an interrupted
+run resumes with run.resume_from=latest. `ibpo plan ... [--gpus N]
 [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config PATH_OR_HUB_ID]` prints the estimated
 peak GPU memory of the recipe per phase (ibpo/plan/) and settings that fit when it does not.
 `ibpo eval BENCHMARK [options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]`
@@ -27,6 +31,7 @@ from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
 from ibpo.hub.push import main as push_main
 from ibpo.plan.fit import estimate, format_plan
+from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
 from ibpo.trainer import train
 
@@ -107,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         summary = train(cfg)
+    except StoppedEarly as e:  # Ctrl-C before the loop: nothing trained
+        print(f"ibpo: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where no handler says more (imports, the final evaluation)
+        print("ibpo: interrupted", file=sys.stderr)
+        return EXIT_CODES["interrupted"]
     except ConfigError as e:
         print(f"ibpo: error: {e}", file=sys.stderr)
         return 2
@@ -118,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # several processes: the summary once
         print(summary_line(summary))
         print(json.dumps(summary))
-    # a run stopped by non-finite steps or out of memory is a failure for schedulers and scripts;
-    # an interrupted one saved its checkpoint and can be resumed
-    return 1 if summary["status"] in ("nonfinite", "out_of_memory") else 0
+    # schedulers and scripts tell the endings apart (an interrupted run is resumable, not done)
+    return summary.get("exit_code", exit_code(summary["status"]))
 
 
 if __name__ == "__main__":

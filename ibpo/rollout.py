@@ -174,8 +174,11 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    logits_processor=None,
 ) -> Rollout:
-    """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G."""
+    """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G.
+    `logits_processor`: extra processing after the model's (e.g. evaluation's per-row seeded
+    sampling over greedy decoding)."""
     device = next(p for p in model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, device)
     eos = eos_ids(tokenizer, model)
@@ -217,6 +220,7 @@ def generate(
             out = gen_model.generate(
                 input_ids=prompt_ids[s : s + batch_size],
                 attention_mask=prompt_mask[s : s + batch_size],
+                logits_processor=logits_processor,
                 **kwargs,
             )
             pieces.append(out[:, prompt_ids.shape[1] :])

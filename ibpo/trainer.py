@@ -1,9 +1,10 @@
 """The run around the step: `train(cfg)` from a recipe to a saved adapter and a summary.
 
 In order: launch checks (one process, DDP or FSDP2; DeepSpeed and FSDP1 are refused); the output
-folder (a fresh start, or a resume from a checkpoint: run/outdir.py, run/checkpoint.py); data,
-the QLoRA policy, optimizer and scheduler, prepared by Accelerate; the held-out accuracy before
-training; then the loop, one `step.rl_step` per step, with its metrics logged (run/log.py),
+folder created; data, the QLoRA policy, optimizer and scheduler, prepared by Accelerate; only then
+a fresh start moves an earlier run in the output folder aside to previous-<time>/ (or a resume
+from a checkpoint: run/outdir.py, run/checkpoint.py); the held-out accuracy before training;
+then the loop, one `step.rl_step` per step, with its metrics logged (run/log.py),
 periodic held-out evaluations and checkpoints; at the end the adapter in PEFT format with the
 tokenizer, `summary.json`, the held-out accuracy after, plots and an optional Hub upload.
 Checkpoints (every run.save_every steps, at the end, on SIGINT/SIGTERM, and when non-finite
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +34,6 @@ from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_not
 from ibpo.distributed import (
     check_launch,
     check_shared_output,
-    is_fsdp,
     launch_kind,
     save_adapter,
 )
@@ -123,15 +124,11 @@ def _build(cfg: Config, accelerator) -> tuple[StepParts, object, list]:
 
 
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """Main process, once the data and the model have loaded: a fresh start moves an earlier
+    run aside (run.overwrite=true: deletes it), then the new config.yaml."""
+    if resume is None and (line := outdir.set_aside_previous_run(out, cfg.run.overwrite)):
+        print(line, file=sys.stderr)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
-    removed = outdir.clear_previous_run(out) if resume is None else []
-    if removed:
-        print(
-            f"ibpo: starting afresh: removed an earlier run's {', '.join(removed)} in {out} "
-            "(run.resume_from=latest continues a run instead)",
-            file=sys.stderr,
-        )
 
 
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
@@ -210,7 +207,8 @@ def train(cfg: Config) -> dict:
 
     Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
-    Running out of memory ends the run with advice instead of a traceback.
+    Running out of memory ends the run with advice instead of a traceback; Ctrl-C before the
+    loop raises failures.StoppedEarly (one line). summary["exit_code"] is `ibpo train`'s.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -227,28 +225,37 @@ def train(cfg: Config) -> dict:
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
-    if resume is None:
-        outdir.check_fresh_start(out, cfg.run.overwrite)
+    outdir.make_output_dir(out)
+    objective: ResolvedObjective = resolve_params(cfg.objective)
+    try:  # nothing of an earlier run is touched until the data and the model are ready
+        parts, tokenizer, eval_examples = _build(cfg, accelerator)
+    except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
+        raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     if accelerator.is_main_process:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
-    objective: ResolvedObjective = resolve_params(cfg.objective)
-    parts, tokenizer, eval_examples = _build(cfg, accelerator)
     if accelerator.num_processes > 1:
         # The same seed built the same LoRA init on every process; from here each process samples
         # its own completions (torch, CUDA, numpy, random seeded with seed + process index), or
         # every rank would draw the same random streams and generate correlated groups.
         set_seed(tr.seed, device_specific=True)
-    engine = (
-        VLLMEngine.start(cfg, parts.model, tokenizer) if cfg.rollout.backend == "vllm" else None
-    )
+    engine = None
     try:
-        if cfg.run.log_with:
-            accelerator.init_trackers("ibpo", config=cfg.to_dict())
-        run = Run(cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine)
-        run.state = _start_or_resume(
-            accelerator, parts, resume, run.metrics_path, run.held_out, cfg
-        )
+        try:  # Ctrl-C here (the engine, the checkpoint, the first evaluation): nothing trained
+            if cfg.rollout.backend == "vllm":
+                engine = VLLMEngine.start(cfg, parts.model, tokenizer)
+            if cfg.run.log_with:
+                accelerator.init_trackers("ibpo", config=cfg.to_dict())
+            run = Run(
+                cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
+            )
+            run.state = _start_or_resume(
+                accelerator, parts, resume, run.metrics_path, run.held_out, cfg
+            )
+        except KeyboardInterrupt:
+            if resume is None and accelerator.is_main_process:  # no run here: none to move aside
+                (out / "config.yaml").unlink(missing_ok=True)
+            raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
         run.prior = run.state.wall_seconds
         run.start = start
         return run.finish(run.loop())
@@ -259,13 +266,15 @@ def train(cfg: Config) -> dict:
 
 @dataclass
 class Ending:
-    """How the loop ended: its status, the message to print, the newest checkpoint, and whether
-    it stopped mid-step (then the live adapter is not saved: the checkpoint's stands)."""
+    """How the loop ended: its status, the message to print, the newest checkpoint, whether it
+    stopped mid-step (then the live adapter is not saved: the checkpoint's stands) and the
+    signal that interrupted it (for the exit code)."""
 
     status: str = "completed"
     message: str | None = None
     last: Path | None = None
     cut_short: bool = False
+    signum: int | None = None
 
 
 class Run:
@@ -343,7 +352,7 @@ class Run:
                         end.status = "nonfinite"
                         break
                     if stop.requested(acc):
-                        end.status = "interrupted"
+                        end.status, end.signum = "interrupted", stop.signum
                         break
                     if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
                         phase = "eval"
@@ -356,8 +365,10 @@ class Run:
                 if end.last is None or ckpt.step_of(end.last) != state.step:
                     end.last = self.checkpoint()
         except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
-            # under FSDP saving would gather shards from processes caught at other points: no saving
-            end.status, end.cut_short = "interrupted", is_fsdp(self.parts.model)
+            # the live adapter may be mid-update (and under FSDP saving would gather shards from
+            # processes caught at other points): the run's adapter is the last checkpoint's
+            end.status, end.cut_short, end.signum = "interrupted", True, signal.SIGINT
+            end.message = failures.stopped_at_once_message(state.step + 1, end.last)
         except OSError as e:  # a full disk while saving: the previous checkpoint stands
             if phase != "save":
                 raise
@@ -379,7 +390,7 @@ class Run:
                 metrics.close()
         if end.status == "nonfinite":
             end.message = failures.nonfinite_message(state, end.last)
-        if end.status == "interrupted":
+        if end.status == "interrupted" and end.message is None:
             end.message = failures.interrupted_message(state.step, end.last)
         return end
 
@@ -388,7 +399,7 @@ class Run:
         final held-out evaluation), then the plots and the Hub upload."""
         cfg, acc, out, state, main = self.cfg, self.accelerator, self.out, self.state, self.main
         # Out of memory with several processes: the others may be inside a collective of this step
-        # that this one will never join, so it joins none from here on and ends (the CLI exits 1);
+        # that this one will never join, so it joins none from here on and ends (the CLI exits 3);
         # the others' collective then fails and the launcher stops the run, instead of everyone
         # waiting for a collective timeout.
         alone = end.status == "out_of_memory" and acc.num_processes > 1
@@ -417,6 +428,7 @@ class Run:
             "checkpoint": end.last and str(end.last),
             "wall_seconds": round(self.wall_seconds(), 1),
             "adapter": adapter and str(adapter),
+            "exit_code": failures.exit_code(end.status, end.signum),  # of `ibpo train`
         }
         if main:  # written now too: a run killed in its final evaluation still has a summary
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -71,18 +71,24 @@ def test_pass_ks_are_powers_of_two_and_n():
 
 
 def test_majority_vote_groups_equal_numbers_and_breaks_ties_by_order():
-    assert majority_correct(["1/2", "0.5", "3", None], [1.0, 1.0, 0.0, 0.0]) == 1.0
-    assert majority_correct(["3", "4"], [0.0, 1.0]) == 0.0  # tie: the earlier answer wins
-    assert majority_correct(["4", "3", "3"], [1.0, 0.0, 0.0]) == 0.0
-    assert majority_correct([None, None], [0.0, 0.0]) == 0.0
+    for mode in ("grader", "text"):
+        assert majority_correct(["1/2", "0.5", "3", None], [1.0, 1.0, 0.0, 0.0], mode) == 1.0
+        assert majority_correct(["3", "4"], [0.0, 1.0], mode) == 0.0  # tie: the earlier wins
+        assert majority_correct(["4", "3", "3"], [1.0, 0.0, 0.0], mode) == 0.0
+        assert majority_correct([None, None], [0.0, 0.0], mode) == 0.0
+    assert majority_correct(["1/2", "3", "0.5", "3"], [1.0, 0.0, 1.0, 0.0], "grader") == 1.0
+    assert majority_correct(["1/2", "3", "0.5", "3"], [1.0, 0.0, 1.0, 0.0], "text") == 0.0
+    with pytest.raises(ValueError, match="text or grader"):
+        majority_correct(["1"], [1.0], "cluster")
 
 
 def test_majority_vote_groups_answers_the_grader_calls_equal():
     """Three ways of writing 1/2 outvote two 3s; the same for thousands separators and units."""
     answers = ["\\dfrac{1}{2}", "\\frac{1}{2}", "\\tfrac12", "3", "3"]
-    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0]) == 1.0
+    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0], "grader") == 1.0
+    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0], "text") == 0.0  # "3" x 2
     answers = ["1,000", "1{,}000", "1000 \\text{ dollars}", "999", "999"]
-    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0]) == 1.0
+    assert majority_correct(answers, [1.0, 1.0, 1.0, 0.0, 0.0], "grader") == 1.0
     assert vote_clusters(["2", None, "2.0", "x", "4/2"]) == [0, None, 0, 3, 0]
 
 
@@ -105,7 +111,7 @@ def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answ
         ("cut", "Maybe \\boxed{204}? Wait, let me check the", True),
         ("done", "200 + 4 = 204.\n</think>\n\\boxed{204}", False),
     ]:
-        sampler = lambda prompts, t=text, c=cut: [(t, 12, c) for _ in prompts]  # noqa: E731
+        sampler = lambda prompts, seeds, t=text, c=cut: [(t, 12, c) for _ in prompts]  # noqa: E731
         build = lambda s=sampler: (s, OpensThinking())  # noqa: E731
         (tmp_path / name).mkdir()
         records = run_benchmark(
@@ -167,6 +173,7 @@ def test_summarize_by_hand():
     assert s["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
     assert s["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
     assert s["maj@2"] == pytest.approx(0.5)  # a: tie -> "2" (right); b: "5" (wrong)
+    assert s["maj@2_grader"] == pytest.approx(0.5)
     assert s["mean_length"] == pytest.approx(6.0) and s["truncated"] == pytest.approx(0.25)
     assert summarize([P("a")], records, n=2, vote=False)["maj@2"] is None
     row = markdown_row({**s, "benchmark": "x", "model": "org/m", "adapter": None})

@@ -1,7 +1,7 @@
 """What a run leaves behind when it is rerun, resumed differently, or fails late (tiny Qwen3, CPU).
 
-* Rerunning an interrupted command refuses to delete its checkpoints; a fresh start clears an
-  earlier run's adapter and summary, so they are never taken for the new run's.
+* Rerunning an interrupted command moves its checkpoints aside (previous-*/), as a fresh start
+  does with any earlier run, so its adapter and summary are never taken for the new run's.
 * Resuming applies a changed learning rate (the restored optimizer would keep the old one) and
   names other changed settings (also against the settings an older version saved, the run keys
   under train); a save after resuming from an earlier step drops the later ones.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ibpo.trainer as trainer_mod
-from ibpo.config import ConfigError, load_config
+from ibpo.config import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
@@ -37,7 +37,7 @@ def _metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rerunning_an_interrupted_command_keeps_its_checkpoints(
+def test_rerunning_an_interrupted_command_moves_its_checkpoints_aside(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     out = tmp_path / "run"
@@ -47,19 +47,24 @@ def test_rerunning_an_interrupted_command_keeps_its_checkpoints(
     assert "run.resume_from=latest" in summary["message"]
     monkeypatch.undo()
     monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
-    with pytest.raises(
-        ConfigError, match=r"did not finish(.|\n)*resume_from=latest(.|\n)*overwrite=true"
-    ):
-        _run(tiny_model_dir, out, 3)
-    assert ckpt.latest_checkpoint(out / "checkpoints").name == "step-1"  # nothing deleted
-    assert _run(tiny_model_dir, out, 2, "run.overwrite=true")["status"] == "completed"
-    # after a completed run a fresh start is allowed; one that fails at once leaves no adapter
-    # or summary of the earlier run behind to be pushed as its own
+    # a plain rerun starts afresh: the interrupted run moves aside whole, resumable from there
+    assert _run(tiny_model_dir, out, 2)["status"] == "completed"
+    (prev,) = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert ckpt.latest_checkpoint(prev / "checkpoints").name == "step-1"  # nothing deleted
+    assert json.loads((prev / "summary.json").read_text())["status"] == "interrupted"
+    # a fresh start that fails in its first step leaves no adapter or summary of the earlier run
+    # behind to be pushed as its own: that run is under previous-*/ too
     monkeypatch.setattr(trainer_mod, "rl_step", _oom)
     summary = _run(tiny_model_dir, out, 2)
     assert summary["status"] == "out_of_memory" and summary["adapter"] is None
     assert not (out / "adapter").exists() and not (out / "checkpoints").exists()
     assert json.loads((out / "summary.json").read_text())["status"] == "out_of_memory"
+    assert len([p for p in out.iterdir() if p.name.startswith("previous-")]) == 2
+    # run.overwrite=true deletes instead of moving aside
+    monkeypatch.undo()
+    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    assert _run(tiny_model_dir, out, 1, "run.overwrite=true")["status"] == "completed"
+    assert len([p for p in out.iterdir() if p.name.startswith("previous-")]) == 2
 
 
 def _oom(*args, **kwargs):

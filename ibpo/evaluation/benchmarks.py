@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibpo.config import ConfigError
-from ibpo.data import gold_answer
+from ibpo.data import gold_answer, read_json_records, read_parquet_file
 from ibpo.rewards import REWARDS
 from ibpo.rewards.code import extract_code, humaneval_spec, livecodebench_spec
 from ibpo.rewards.math import extract_answer
@@ -236,19 +236,12 @@ def _hub_error(bench: Benchmark, subset: str | None, err) -> str:
 
 
 def read_rows_file(path: str) -> list[dict]:
-    """Rows of a local .jsonl / .json (list of rows) / .parquet file."""
+    """Rows of a local .jsonl / .json (list of rows) / .parquet file; a bad file is one
+    ConfigError naming it (and the line) and the fix."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--data file '{path}' not found")
     if p.suffix == ".parquet":
-        import datasets
-
-        return list(datasets.load_dataset("parquet", data_files=str(p), split="train"))
-    text = p.read_text(encoding="utf-8")
-    if p.suffix == ".json":
-        rows = json.loads(text)
-        return rows if isinstance(rows, list) else [rows]
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return list(read_parquet_file(p, path, "--data file"))
+    return read_json_records(p, path, "--data file")
 
 
 def hub_rows(bench: Benchmark, revision: str | None, subset: str | None) -> list[dict]:

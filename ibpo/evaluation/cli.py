@@ -1,6 +1,8 @@
 """The evaluation command line: `scripts/eval_<benchmark>.py` and `ibpo eval` parse their options
 here, build a sampler (HF `generate`, or vLLM with the adapter as a LoRA request), run the
-benchmark (evaluation.run_benchmark) and write summary.json and results.md.
+benchmark (evaluation.run_benchmark) and write summary.json and results.md. Either sampler draws
+each (problem, sample) from its own seed (evaluate.py's docstring: vLLM's per-request seed, or
+SeededSampling's per-row generator for HF).
 
 Not here: metrics, the resumable sample file and the generation loop (evaluate.py), benchmark
 schemas and prompts (benchmarks.py).
@@ -20,32 +22,72 @@ import torch
 from ibpo.config import ConfigError
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.benchmarks import BENCHMARKS, grader, load_problems
-from ibpo.evaluation.evaluate import Sampler, check_run, run_benchmark, summarize
+from ibpo.evaluation.evaluate import (
+    SAMPLE_SEEDS,
+    Sampler,
+    check_run,
+    run_benchmark,
+    summarize,
+)
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.rollout import generate
 from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
 
+class SeededSampling:
+    """A logits processor that makes greedy decoding sample, each row from its own seed: HF's
+    temperature and top-p warpers, then Gumbel noise from the row's torch.Generator (one draw of
+    vocabulary size per step), so argmax samples softmax(filtered logits / T) exactly as HF's
+    multinomial does, but a row's tokens depend only on its logits and its seed, not on which or
+    how many other rows share the batch (HF's sampling draws every row from one global stream)."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device):
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        vocab, dev = scores.shape[-1], scores.device
+        u = torch.stack([torch.rand(vocab, generator=g, device=dev) for g in self.gens])
+        return scores - torch.log(-torch.log(u))  # + Gumbel(0, 1); u = 0 never wins
+
+
 def hf_sampler(args) -> tuple[Sampler, object]:
+    """rollout.generate, one call per chunk (run_benchmark's chunks hold --batch-size prompts):
+    greedy decoding over SeededSampling's noisy logits, so that each completion is a sample that
+    depends on its own seed only (greedy proper at temperature 0)."""
 
     model, tok = load_for_inference(
         args.model, args.adapter, args.quantization, args.dtype, revision=args.model_revision
     )
+    device = next(p for p in model.parameters()).device
 
-    def sample(prompts: list[str]) -> list[tuple[str, int, bool]]:
+    def sample(prompts: list[str], seeds: list[int]) -> list[tuple[str, int, bool]]:
+        from transformers import LogitsProcessorList
+
+        processor = None
+        if args.temperature > 0:
+            seeded = SeededSampling(seeds, args.temperature, args.top_p, device)
+            processor = LogitsProcessorList([seeded])
         ro = generate(
             model,
             tok,
             prompts,
             1,
             args.max_new_tokens,
-            args.batch_size,
-            do_sample=args.temperature > 0,
-            temperature=args.temperature,
-            top_p=args.top_p,
+            len(prompts),
+            do_sample=False,
+            logits_processor=processor,
         )
-        lengths = ro.completion_mask.sum(-1).long().tolist()
-        return list(zip(ro.texts, lengths, ro.truncated.tolist()))
+        return list(zip(ro.texts, ro.lengths, ro.host_truncated()))
 
     return sample, tok
 
@@ -72,13 +114,21 @@ def vllm_sampler(args) -> tuple[Sampler, object]:
         model=path, revision=args.model_revision, seed=args.seed, dtype=args.dtype, **kwargs
     )
     top_p = args.top_p if args.temperature > 0 else 1.0
-    params = vllm.SamplingParams(
-        temperature=args.temperature, top_p=top_p, max_tokens=args.max_new_tokens
-    )
 
-    def sample(prompts: list[str]) -> list[tuple[str, int, bool]]:
+    def sample(prompts: list[str], seeds: list[int]) -> list[tuple[str, int, bool]]:
         # token ids, not text: the chat template already holds any BOS the model needs
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        # one request per sample (n=1), seeded with its own seed: vLLM draws a seeded request
+        # from its own generator, whatever else is in the batch
+        params = [
+            vllm.SamplingParams(
+                temperature=args.temperature,
+                top_p=top_p,
+                max_tokens=args.max_new_tokens,
+                seed=s if args.temperature > 0 else None,
+            )
+            for s in seeds
+        ]
         outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, lora_request=lora)
         done = [o.outputs[0] for o in outs]
         return [(o.text, len(o.token_ids), o.finish_reason == "length") for o in done]
@@ -153,7 +203,13 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     think.add_argument("--no-thinking", const=False, help="Qwen3 templates: thinking off", **on_off)
     add("--batch-size", type=int, default=16, help="sequences per generate call (and per save)")
     add("--limit", type=int, help="evaluate only the first LIMIT problems")
-    add("--seed", type=int, default=0)
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="sample i of problem p is drawn with its own seed, a hash of (seed, p, i): resuming, "
+        "growing --n or another --batch-size give the same samples",
+    )
     add("--output-dir", help="default: outputs/eval/<benchmark>-<model>[+<adapter>]")
     add("--overwrite", action="store_true", help="discard samples already in --output-dir")
     add("--no-progress", dest="progress", action="store_false")
@@ -193,6 +249,8 @@ def evaluate(args) -> dict:
         "start_date": args.start_date,
         "end_date": args.end_date,
     }
+    if args.temperature > 0:  # greedy samples need no seeds: earlier greedy folders still match
+        fingerprint["sample_seeds"] = SAMPLE_SEEDS
     check_run(out_dir, fingerprint, args.overwrite)
     builder = vllm_sampler if args.backend == "vllm" else hf_sampler
     records = run_benchmark(
@@ -205,6 +263,7 @@ def evaluate(args) -> dict:
         args.enable_thinking,
         args.batch_size,
         args.progress,
+        seed=args.seed,
     )
     metrics = summarize(problems, records, args.n, vote=bench.reward == "math")
     wall = round(time.time() - start, 1)

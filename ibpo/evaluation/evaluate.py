@@ -7,14 +7,31 @@ Two entry points:
   benchmark (benchmarks.py) for a base model with an optional LoRA adapter, n samples per
   problem. Every graded sample is appended to <output-dir>/samples.jsonl as soon as
   its batch finishes, so a killed run resumes where it stopped (a half-written last line is
-  dropped; the rest is drawn afresh from --seed, so it differs from an uninterrupted run's
-  draw). summary.json and results.md (one markdown row) are rewritten at the end. Generation
+  dropped). summary.json and results.md (one markdown row) are rewritten at the end. Generation
   uses HF `generate` (rollout.py) or, with --backend vllm, vLLM with the adapter as a LoRA request.
+
+Sampling seeds: sample i of problem p is drawn with its own seed, `sample_seed(--seed, p, i)` (a
+SHA-256 of the three, never Python's salted hash), whatever else shares its batch: vLLM gets it
+as the request's `seed` (one request per sample), HF `generate` as one torch.Generator per row
+that draws the Gumbel noise of that row's tokens (cli.SeededSampling: temperature and top-p as
+HF's own warpers, then the Gumbel-max trick, which samples exactly softmax(filtered logits)). So
+a sample is a function of (problem, sample index, seed): growing --n adds new samples, a resumed
+run draws only the missing ones with their own seeds, and --batch-size changes nothing but
+speed. The one exception is floating point: another batch (other prompts, other padding) can
+move logits in their last bits, which on a GPU can flip a near-tied token and the rest of
+that completion; on the same batches the draw is exact. The run fingerprint says which seeding
+made the samples (`sample_seeds`), so a folder of samples drawn before this scheme is refused
+instead of mixed.
 
 pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021), computed as a
 product so it never forms huge binomials. A sample counts as correct when its reward is 1.0;
-avg@n is the mean reward. maj@n (math only) votes over extracted final answers; for code there is
-no answer to vote on, so it is reported as null.
+avg@n is the mean reward. maj@n (math only) votes over extracted final answers in two ways:
+`maj@n` is the usual convention (Qwen's math eval, lighteval): a vote per sample on the answer
+string (stripped), a sample without an answer voting "", ties to the earliest, the winning string
+graded; `maj@n_grader` groups answers the grader calls equal (`\\dfrac{1}{2}`, `0.5`) and lets
+unanswered samples abstain, which is more generous and, the grader's equality not being transitive,
+depends on the samples' order. Summaries written before `maj@n_grader` existed hold the grader
+vote under `maj@n`. For code there is no answer to vote on, so both are null.
 
 Not here: benchmark schemas and prompts (benchmarks.py), model loading (modeling.py), or
 data-parallel evaluation across several GPUs (run one process per benchmark instead).
@@ -22,6 +39,7 @@ data-parallel evaluation across several GPUs (run one process per benchmark inst
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -36,8 +54,19 @@ from ibpo.data import Example, render_prompt
 from ibpo.rewards.math import answers_match, as_graded
 from ibpo.rollout import Generator
 
-# (prompts) -> one (completion text, length in tokens, hit max_new_tokens) per prompt
-Sampler = Callable[[list[str]], list[tuple[str, int, bool]]]
+# (prompts, one sampling seed per prompt) -> (completion text, length in tokens, hit
+# max_new_tokens) per prompt; the completion for a prompt must depend only on it and its seed
+Sampler = Callable[[list[str], list[int]], list[tuple[str, int, bool]]]
+
+# the run fingerprint's name for how samples are seeded (see the module docstring)
+SAMPLE_SEEDS = "sha256(seed, problem_id, sample)"
+
+
+def sample_seed(seed: int, problem_id: str, index: int) -> int:
+    """The sampling seed of sample `index` of a problem: 63 bits of SHA-256, stable across
+    processes, machines and batchings."""
+    digest = hashlib.sha256(f"{seed}\0{problem_id}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def evaluate_accuracy(
@@ -111,8 +140,20 @@ def vote_clusters(answers: list[str | None]) -> list[int | None]:
     return out
 
 
-def majority_correct(answers: list[str | None], rewards: list[float]) -> float:
-    """1.0 when the most frequent extracted answer (earliest on ties) is a correct one."""
+def majority_correct(answers: list[str | None], rewards: list[float], mode: str = "text") -> float:
+    """1.0 when the majority answer (earliest on ties) is a correct one.
+    mode "text": one vote per sample on its stripped answer string, a missing answer voting "".
+    mode "grader": votes grouped by the grader's equality (vote_clusters), no answer abstaining."""
+    if mode == "text":
+        votes = ["" if a is None else a.strip() for a in answers]
+        counts = Counter(votes)
+        if not counts:
+            return 0.0
+        top = max(counts.values())
+        winner = next(i for i, v in enumerate(votes) if counts[v] == top)  # earliest on ties
+        return float(votes[winner] != "" and rewards[winner] >= 1.0)
+    if mode != "grader":
+        raise ValueError(f"maj@n vote mode must be text or grader, got {mode!r}")
     clusters = vote_clusters(answers)
     counts = Counter(c for c in clusters if c is not None)
     if not counts:
@@ -123,7 +164,8 @@ def majority_correct(answers: list[str | None], rewards: list[float]) -> float:
 
 
 def summarize(problems, records: dict, n: int, vote: bool) -> dict:
-    """avg@n, pass@k, maj@n (when `vote`), mean length over problems x samples 0..n-1."""
+    """avg@n, pass@k, maj@n and maj@n_grader (when `vote`), mean length over problems x samples
+    0..n-1."""
     rows = [[records[(p.id, i)] for i in range(n)] for p in problems]
     rewards = [[r["reward"] for r in rs] for rs in rows]
     flat = [r for rs in rows for r in rs]
@@ -131,8 +173,12 @@ def summarize(problems, records: dict, n: int, vote: bool) -> dict:
     correct = [sum(x >= 1.0 for x in rs) for rs in rewards]
     for k in pass_ks(n):
         out[f"pass@{k}"] = _mean([pass_at_k(n, c, k) for c in correct])
-    maj = [majority_correct([r["extracted"] for r in rs], rw) for rs, rw in zip(rows, rewards)]
-    out[f"maj@{n}"] = _mean(maj) if vote else None
+    for key, mode in ((f"maj@{n}", "text"), (f"maj@{n}_grader", "grader")):
+        maj = [
+            majority_correct([r["extracted"] for r in rs], rw, mode)
+            for rs, rw in zip(rows, rewards)
+        ]
+        out[key] = _mean(maj) if vote else None
     out["mean_length"] = _mean([r["length"] for r in flat])
     out["truncated"] = _mean([float(r["truncated"]) for r in flat])
     return out
@@ -183,6 +229,12 @@ def check_run(out_dir: Path, fingerprint: dict, overwrite: bool) -> None:
         old = json.loads(run_file.read_text())
         diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
         if diff:
+            if "sample_seeds" in diff and old.get("sample_seeds") is None:
+                raise ConfigError(
+                    f"{out_dir} holds samples drawn before each sample had its own seed (a "
+                    "resumed or extended run of those repeated earlier samples).\n"
+                    "  Fix: pass another --output-dir, or --overwrite to start again."
+                )
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise ConfigError(
                 f"{out_dir} holds samples of a different run ({detail}).\n"
@@ -205,9 +257,11 @@ def run_benchmark(
     enable_thinking: bool | None,
     batch_size: int,
     progress: bool = True,
+    seed: int = 0,
 ) -> dict:
-    """Generate the missing (problem, sample) pairs chunk by chunk; -> all records by key.
-    Grading runs in threads: code grading waits on sandbox subprocesses, not on Python."""
+    """Generate the missing (problem, sample) pairs chunk by chunk, each with its own seed
+    (sample_seed(seed, problem id, sample)); -> all records by key. Grading runs in threads: code
+    grading waits on sandbox subprocesses, not on Python."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm.auto import tqdm
@@ -225,7 +279,8 @@ def run_benchmark(
     pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
     for s in range(0, len(todo), batch_size):
         chunk = todo[s : s + batch_size]
-        outs = sample([rendered[p.id] for p, _ in chunk])
+        seeds = [sample_seed(seed, p.id, i) for p, i in chunk]
+        outs = sample([rendered[p.id] for p, _ in chunk], seeds)
         graded = [as_graded(rendered[p.id], o[0]) for (p, _), o in zip(chunk, outs)]
         rewards = pool.map(grade, graded, [p.gold for p, _ in chunk])
         new = [

@@ -3,6 +3,10 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
 
 * `GracefulStop`: SIGINT / SIGTERM finish the current step, then the run saves and ends.
 * `is_oom` and the `*_message` helpers: the advice the trainer prints and writes to summary.json.
+* `exit_code`: how `ibpo train` exits, by how the run ended (summary.json's status and
+  exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
+  of memory 3, non-finite steps 4, interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
+* `StoppedEarly`: Ctrl-C before the loop (loading, the first held-out evaluation): one line.
 
 Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (ibpo/trainer.py).
 """
@@ -20,6 +24,31 @@ import torch
 
 from ibpo.config import Config
 from ibpo.run.checkpoint import TrainerState
+
+EXIT_CODES = {"completed": 0, "failed": 1, "out_of_memory": 3, "nonfinite": 4, "interrupted": 130}
+
+
+def exit_code(status: str, signum: int | None = None) -> int:
+    """The exit status of `ibpo train` for a run that ended with `status` (the shell's 128 + the
+    signal for an interrupted one: 130 for SIGINT, 143 for SIGTERM)."""
+    if status == "interrupted" and signum is not None:
+        return 128 + int(signum)
+    return EXIT_CODES.get(status, 1)
+
+
+class StoppedEarly(Exception):
+    """Ctrl-C before the loop: nothing trained, so no summary; `str()` is the line to print."""
+
+    exit_code = EXIT_CODES["interrupted"]
+
+
+def stopped_early_message(resume: Path | None) -> str:
+    if resume is not None:
+        return (
+            f"interrupted before training resumed; the run is as its checkpoint {resume} left "
+            "it (the same command continues it)"
+        )
+    return "interrupted before training started; nothing to resume"
 
 
 class GracefulStop:
@@ -46,12 +75,14 @@ class GracefulStop:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        # os.write, not print: a handler may run in the middle of another print
-        os.write(
-            sys.stderr.fileno(),
+        line = (
             f"\nibpo: {signal.Signals(signum).name}: finishing this step, then saving a "
-            "checkpoint (Ctrl-C again stops at once)\n".encode(),
+            "checkpoint (Ctrl-C again stops at once)\n"
         )
+        try:  # os.write, not print: a handler may run in the middle of another print
+            os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError):  # a stderr without a file descriptor (a notebook's)
+            sys.stderr.write(line)
 
     def requested(self, accelerator) -> bool:
         """The same answer on every process (a signal may reach only some of them)."""
@@ -103,6 +134,19 @@ def interrupted_message(step: int, last: Path | None) -> str:
     return (
         f"interrupted after step {step}; checkpoint: {last}.\n  Continue: the same command "
         "with run.resume_from=latest."
+    )
+
+
+def stopped_at_once_message(step: int, last: Path | None) -> str:
+    """A second Ctrl-C, in step `step`: that step is lost; the adapter is the last checkpoint's."""
+    if last is None:
+        return (
+            f"interrupted at once in step {step} (a second Ctrl-C); no checkpoint was saved yet, "
+            "so the adapter is not saved and there is nothing to resume"
+        )
+    return (
+        f"interrupted at once in step {step} (a second Ctrl-C); the adapter is the last "
+        f"checkpoint's: {last}. Continue: the same command with run.resume_from=latest."
     )
 
 

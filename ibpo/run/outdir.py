@@ -1,8 +1,10 @@
 """What a run's output_dir holds between runs: a fresh start, a resume with changed settings.
 
-* A fresh start clears what an earlier run left (checkpoints, adapter, summary, plots), so its
-  adapter or summary is never taken for the new run's, and is refused when that run did not
-  finish (run.overwrite=true allows it): rerunning an interrupted command keeps its checkpoints.
+* run.output_dir is created first; a path that cannot be is a configuration error.
+* A fresh start moves what an earlier run left (finished or not: checkpoints, adapter, summary,
+  metrics, config, plots, evaluations) to <output_dir>/previous-<UTC time>/, once its own data
+  and model have loaded: its adapter or summary is never taken for the new run's, a start that
+  fails leaves it in place, and nothing is lost unasked (run.overwrite=true deletes it instead).
 * A run cut short mid-step gets its last checkpoint's adapter as <output_dir>/adapter.
 * Resuming applies a changed train.learning_rate or weight_decay on purpose (the restored
   optimizer and scheduler would keep the old ones) and names every other setting that differs
@@ -14,7 +16,10 @@ Not here: writing or loading checkpoints (checkpoint.py).
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -22,41 +27,79 @@ from ibpo.config import Config, ConfigError, RunConfig, from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
 
-# what a run leaves in its output_dir besides config.yaml and metrics.jsonl (rewritten anyway)
-RUN_OUTPUTS = (CHECKPOINTS, "adapter", "summary.json", "plots")
+PREVIOUS = "previous-"  # <output_dir>/previous-<UTC time>/: an earlier run, moved aside
 
 
-def check_fresh_start(output_dir: Path, overwrite: bool) -> None:
-    """Refuse to start afresh over the checkpoints of a run that did not finish (its summary is
-    missing or not 'completed'): the same command run again must not delete them."""
+def make_output_dir(output_dir: Path) -> None:
+    """Create run.output_dir (before anything is loaded, nothing of an earlier run touched):
+    a path that cannot be created or written is a configuration error, not a traceback."""
     out = Path(output_dir)
-    last = latest_checkpoint(out / CHECKPOINTS)
-    if overwrite or last is None:
-        return
-    summary = out / "summary.json"
-    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
-    if status != "completed":
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
         raise ConfigError(
-            f"{out} holds checkpoints of a run that did not finish (status: {status or 'none'}; "
-            f"last: {last.name}).\n  Fix: add run.resume_from=latest to continue it, or "
-            "run.overwrite=true to start afresh and delete them (or another run.output_dir)."
+            f"run.output_dir={out}: cannot create it ({type(e).__name__}: "
+            f"{e.strerror or e}). Fix: choose a folder you can write."
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"run.output_dir={out}: cannot write there (PermissionError: not writable). "
+            "Fix: choose a folder you can write."
         )
 
 
-def clear_previous_run(output_dir: Path) -> list[str]:
-    """A fresh run in an existing output_dir removes what an earlier run left there (so its
-    adapter or summary is never taken for this run's); -> the names removed."""
-    removed = []
-    for name in RUN_OUTPUTS:
-        path = Path(output_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed
+def previous_run(output_dir: Path) -> list[Path]:
+    """What an earlier run left in output_dir: every entry except the previous-* folders of
+    runs already moved aside (an empty list: nothing there)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if not p.name.startswith(PREVIOUS))
+
+
+def _status(output_dir: Path) -> str:
+    summary = Path(output_dir) / "summary.json"
+    try:
+        return json.loads(summary.read_text()).get("status") or "no status"
+    except (OSError, ValueError, AttributeError):
+        return "no summary"
+
+
+def set_aside_previous_run(output_dir: Path, overwrite: bool) -> str | None:
+    """A fresh start, once its data and model have loaded: the earlier run in output_dir (its
+    checkpoints, adapter, summary, metrics, config, plots, evaluations: every entry but the
+    previous-* folders) moves to <output_dir>/previous-<UTC time>/, or is deleted with
+    run.overwrite=true, so that nothing of it is taken for the new run's and nothing is lost
+    unasked; -> the line saying what happened (None: nothing was there)."""
+    out = Path(output_dir)
+    entries = previous_run(out)
+    if not entries:
+        return None
+    status, last = _status(out), latest_checkpoint(out / CHECKPOINTS)
+    if overwrite:
+        for path in entries:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return f"ibpo: starting afresh: deleted the earlier run ({status}) in {out} (run.overwrite)"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    prev = out / f"{PREVIOUS}{stamp}"
+    for n in itertools.count(2):
+        try:
+            prev.mkdir()
+            break
+        except FileExistsError:
+            prev = out / f"{PREVIOUS}{stamp}-{n}"
+    for path in entries:
+        path.rename(prev / path.name)
+    line = f"ibpo: starting afresh: moved the earlier run ({status}) to {prev}"
+    if last is not None and status != "completed":
+        line += (
+            f" (last checkpoint: {last.name}; run.resume_from={prev} continues it, and "
+            "run.resume_from=latest continues a run instead of starting afresh)"
+        )
+    return line
 
 
 def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
