@@ -452,7 +452,7 @@ class Config:
 
 # --- checks that span fields -----------------------------------------------------------------
 
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def check_repo_id(
@@ -460,7 +460,7 @@ def check_repo_id(
 ) -> str:
     """A Hugging Face Hub repo id, <user or organisation>/<name>, or `error` naming the rule;
     `fix` is how the message's example sets it (the push command's option by default)."""
-    ok = bool(repo_id) and _REPO_ID.fullmatch(repo_id) and len(repo_id) <= 96
+    ok = bool(repo_id) and REPO_ID.fullmatch(repo_id) and len(repo_id) <= 96
     ok = ok and ".." not in repo_id and "--" not in repo_id
     ok = ok and not repo_id.endswith((".", "-", ".git")) and not re.search(r"[.-]/", repo_id)
     if not ok:

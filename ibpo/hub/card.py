@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from ibpo import config
 from ibpo.config import ConfigError, migrate_renamed
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.benchmarks import BENCHMARKS
@@ -40,7 +41,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )  # fmt: skip
 RUN_FILES = ("summary.json", "metrics.jsonl")
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # config keys that could hold a credential ("max_new_tokens" is not one: whole words only)
 _ABSOLUTE = re.compile(r"(/|~/|[A-Za-z]:[\\/])\S")  # POSIX, home-relative, Windows
 _SECRET_KEY = re.compile(r"(^|_)(token|secret|password|passwd|api_?key|credentials?)($|_)", re.I)
@@ -58,15 +58,9 @@ class HubError(ConfigError):
 
 
 def check_repo_id(repo_id: str | None) -> str:
-    ok = bool(repo_id) and _REPO_ID.fullmatch(repo_id) and len(repo_id) <= 96
-    ok = ok and ".." not in repo_id and "--" not in repo_id
-    ok = ok and not repo_id.endswith((".", "-", ".git")) and not re.search(r"[.-]/", repo_id)
-    if not ok:
-        raise HubError(
-            f"repo id {repo_id!r} is not <user or organisation>/<name> (letters, digits, '-', "
-            "'_', '.'; no '--' or '..'). Fix: --repo-id alice/qwen3-1.7b-gsm8k-ibpo"
-        )
-    return repo_id
+    """The Hub's repo-id rule (config.check_repo_id, which run.hub_repo_id is checked by too),
+    raising HubError."""
+    return config.check_repo_id(repo_id, HubError)
 
 
 # --- what a run left behind ----------------------------------------------------------------------
@@ -158,12 +152,14 @@ def scrub(tree):
 
 
 def _is_hub_id(name: str | None) -> bool:
-    return bool(name) and _REPO_ID.fullmatch(name) is not None and not Path(name).exists()
+    return bool(name) and config.REPO_ID.fullmatch(name) is not None and not Path(name).exists()
 
 
 def base_model_id(model_name: str | None, override: str | None = None) -> str | None:
     if override:
-        if not _REPO_ID.fullmatch(override):  # a path would land in the card and adapter config
+        if not config.REPO_ID.fullmatch(
+            override
+        ):  # a path would land in the card and adapter config
             raise HubError(
                 f"--base-model {override!r} is not a Hub model id. Fix: the Hub id the local base "
                 "was copied from, e.g. --base-model Qwen/Qwen3-1.7B"

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import yaml
 
-from ibpo import config
 from ibpo.hub.card import (
     ADAPTER_FILES,
     RUN_FILES,
@@ -44,6 +43,7 @@ from ibpo.hub.card import (
     HubError,
     base_model_id,
     build_model_card,
+    check_repo_id,
     locate,
     plot_files,
     run_config,
@@ -53,12 +53,6 @@ from ibpo.hub.card import (
 
 _HF_TOKEN_SHAPE = re.compile(rb"hf_[A-Za-z0-9]{30,}")
 _TEXT_SUFFIXES = {".json", ".jsonl", ".yaml", ".md", ".txt", ".jinja", ".model"}
-
-
-def check_repo_id(repo_id: str | None) -> str:
-    """The Hub's repo-id rule (config.check_repo_id, which run.hub_repo_id is checked by too),
-    raising HubError."""
-    return config.check_repo_id(repo_id, HubError)
 
 
 # --- staging and pushing -------------------------------------------------------------------------
