@@ -4,7 +4,7 @@ Runs `ibpo train` for a few steps with a fixed seed, one thread and fp32 compute
 package of a git revision (checked out into a temporary worktree) and once with this checkout,
 each in its own process on this machine, and compares the per-step loss, reward, accuracy,
 gradient norm and completion length of metrics.jsonl exactly (float equality, printed as repr);
-the logged KL and entropy are printed beside them. Floats differ across
+the logged KL, entropy and step time are printed beside them. Floats differ across
 CPUs, so the comparison is only meaningful between two runs on the same machine: nothing here
 is a stored figure.
 
@@ -43,7 +43,7 @@ CASES = {
 # compared exactly: what the step computes
 KEYS = ("loss", "reward", "accuracy", "grad_norm", "completion_length")
 # printed beside them, not compared: logged means whose averaging may legitimately change
-INFO = ("kl", "entropy")
+INFO = ("kl", "entropy", "step_time")
 
 
 def for_version(source: Path, overrides: list[str]) -> list[str]:
