@@ -26,6 +26,7 @@ from ibpo.cli import main
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
+from tests.test_run_lifecycle import full_disk
 
 
 @pytest.fixture(autouse=True)
@@ -156,18 +157,6 @@ def _signal_in_step(sig):
     return step
 
 
-def _full_disk(monkeypatch):
-    real, calls = ckpt._fsync_tree, []
-
-    def fsync(path):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(28, os.strerror(28))
-        return real(path)
-
-    monkeypatch.setattr(ckpt, "_fsync_tree", fsync)
-
-
 @pytest.mark.parametrize(
     "ending, code",
     [
@@ -185,7 +174,7 @@ def test_the_exit_code_says_how_the_run_ended(
     real_step = trainer_mod.rl_step
     extra = []
     if ending == "failed":
-        _full_disk(monkeypatch)
+        full_disk(monkeypatch)
     elif ending == "out_of_memory":
         monkeypatch.setattr(trainer_mod, "rl_step", _oom)
     elif ending == "nonfinite":

@@ -156,9 +156,8 @@ def test_a_failed_final_evaluation_still_writes_the_summary(
     ).is_dir() and "final held-out evaluation failed" in capsys.readouterr().err
 
 
-def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch
-):
+def full_disk(monkeypatch) -> None:
+    """The second checkpoint write from here on fails as a full disk would (ENOSPC)."""
     real, calls = ckpt._fsync_tree, []
 
     def fsync(path):
@@ -168,6 +167,12 @@ def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(
         return real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_tree", fsync)
+
+
+def test_a_full_disk_while_saving_ends_with_the_last_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    full_disk(monkeypatch)
     out = tmp_path / "run"
     summary = _run(tiny_model_dir, out, 3)
     assert summary["status"] == "failed" and summary["steps"] == 2
