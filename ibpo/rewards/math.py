@@ -8,19 +8,26 @@ templates that open the block in the prompt). Then the answer is the last `\boxe
 is ..." / "Answer: ..." / "#### ..." (a `$...$` span or the first sentence; a lone number in
 prose alone: "The answer is 12 apples" -> 12); else the last number.
 
-Normalisation (both sides) drops `$`, `\(\)`, `\[\]`, `\left`/`\right`, spacing, degrees, `\%`,
-dollar signs, a whole `\text{...}`, trailing units (`\text{ cm}`, "5 dollars"), a trailing period
-and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a
-pair); `(B)` -> B. Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
+Normalisation (both sides) drops `$`, `\(\)`, `\[\]`, `\left`/`\right`, spacing (`\ `, while the
+row break `\\` of a matrix or cases stays, `\\[2pt]` as `\\`), degrees, `\%`, dollar signs, a
+whole `\text{...}`, trailing units (`\text{ cm}`, "5 dollars"; not "2 or x", "4 if n is even"), a
+trailing period and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `\varnothing`, `\{\}`, `∅` ->
+`\emptyset`; `\ldots`, `\cdots`, `...` -> `\dots`; ASCII `floor(x)`, `ceil(x)` ->
+`\lfloor x\rfloor`, `\lceil x\rceil`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a pair); `(B)` -> B.
+Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
 
-Comparison: plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`), and sets, intervals and
-tuples of them, are compared in Python: integers exactly, others to 6 decimals (math-verify's
-rounding), sets in any order, `[1,2)` is not `[1,2]`. Identical strings match. Only the rest
-(radicals, expressions, ...) reaches sympy, through math-verify.
+Comparison: plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and
+sets, intervals and tuples of them, are compared in Python: integers exactly, others to 6
+decimals (math-verify's rounding), sets in any order, `[1,2)` is not `[1,2]`. Identical strings
+match. Sympy cannot tell what `\dots` stands for, so lists with an ellipsis (`1, 3, 5, \dots`)
+are compared here, item by item in order, the ellipsis in the same places, and any other
+answer with one as text only. Only the rest (radicals, matrices, expressions, symbolic
+factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through math-verify.
 
 Time bound: math-verify's signal timeouts only work in the main thread, so they are off. Answers
-over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, big or nested factorials are
-compared as text only. The rest runs in a pool of worker processes over pipes, so any thread (or
+over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, and factorials sympy would
+evaluate to a huge number (`1001!`, `(10^5)!`, `3!!!`, `(n-n+999 \cdot 999)!`) are compared as
+text only. The rest runs in a pool of worker processes over pipes, so any thread (or
 daemonic pool process) may grade. Overrunning VERIFY_TIMEOUT_S counts as wrong and kills the
 worker: a stuck sympy call (often C big-integer code) cannot be interrupted, and a thread could
 not be stopped at all. The kernel also caps each comparison at WORKER_CPU_S of CPU, so nothing
@@ -137,16 +144,29 @@ def extract_answer(text: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------- normalisation
+# A row break `\\` (with its optional spacing, `\\[2pt]`) is matched first and kept, so that
+# the spacing command `\ ` cannot take its second backslash.
 _DROP = re.compile(
-    r"\\(?:left|right)(?![A-Za-z])|\\[,!;: ]|\\q?quad(?![A-Za-z])|\\displaystyle|~"
+    r"(\\\\)(?:\s*\[\s*-?[\d.]+\s*[a-z]{2}\s*\])?"
+    r"|\\(?:left|right)(?![A-Za-z])|\\[,!;: ]|\\q?quad(?![A-Za-z])|\\displaystyle|~"
     r"|\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°|\\?%|\\?\$"
 )
+# One spelling for symbols LaTeX writes several ways, so that they match as text.
+_ALIASES = [
+    (re.compile(r"\\varnothing(?![A-Za-z])|∅|\\\{\s*\\\}"), r"\\emptyset"),
+    (re.compile(r"\\[lc]?dots[cbmio]?(?![A-Za-z])|…|\.\.\.|\\cdot\s*\\cdot\s*\\cdot"), r"\\dots"),
+]
+# ASCII floor(x) / ceil(x), as gold answers write them, in LaTeX: what math-verify parses.
+_ASCII_BRACKET = re.compile(r"(?<![A-Za-z\\])(floor|ceil)\s*\(")
+_ASCII_LATEX = {"floor": ("\\lfloor ", "\\rfloor"), "ceil": ("\\lceil ", "\\rceil")}
 _TEXT_ALL = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\{([^{}]*)\}")
 _UNIT_TEXT = re.compile(
     r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?[23]\}?)?$"
 )
 _UNIT_WORDS = re.compile(r"(?<=\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?$")
 _MATH_WORDS = {"pi", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "sqrt", "mod"}
+# Words that join a second answer or a condition, so what follows is no unit: "2 or x" is not 2.
+_MATH_WORDS |= {"or", "and", "nor", "not", "but", "if", "unless", "otherwise", "except"}
 _ASSIGN = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d{1,3}(?: \d{3})+")
 _CHOICE = re.compile(r"\(?([A-J])\)?")
@@ -154,11 +174,30 @@ _FRAC_ALIAS = re.compile(r"\\[dt]frac(?![A-Za-z])")
 _MATH_MODE = re.compile(r"\\\((.*)\\\)|\\\[(.*)\\\]", re.DOTALL)
 
 
+def _ascii_brackets(s: str) -> str:
+    r"""`floor(n/2)` -> `\lfloor n/2\rfloor` (likewise ceil); unbalanced ones are left alone."""
+    while m := _ASCII_BRACKET.search(s):
+        depth, end = 1, m.end()
+        while depth and end < len(s):
+            depth += {"(": 1, ")": -1}.get(s[end], 0)
+            end += 1
+        if depth:
+            break
+        left, right = _ASCII_LATEX[m.group(1)]
+        if s[: m.start()].rstrip().endswith(("^", "_")):  # 2^floor(n/2): a braced exponent
+            left, right = "{" + left, right + "}"
+        s = s[: m.start()] + left + s[m.end() : end - 1] + right + s[end:]
+    return s
+
+
 def _normalize(s: str) -> str:
     s = s.strip().replace("\u2212", "-")
     if m := _MATH_MODE.fullmatch(s):  # \(...\) or \[...\]
         s = m.group(1) if m.group(1) is not None else m.group(2)
-    s = _DROP.sub("", s).replace("{,}", ",")
+    s = _DROP.sub(lambda m: m.group(1) or "", s).replace("{,}", ",")
+    for pattern, spelling in _ALIASES:
+        s = pattern.sub(spelling, s)
+    s = _ascii_brackets(s)
     s = _FRAC_ALIAS.sub(r"\\frac", s).strip()
     if m := _TEXT_ALL.fullmatch(s):
         s = m.group(1).strip()
@@ -182,8 +221,17 @@ _FRAC = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}")
 _EXPONENT = re.compile(r"\^\s*\{?\s*\(?\s*-?\s*(\d+)")
 # Power towers: 9^{9^9}, 9^(9^9), 9^{9}^{9}, 9^99^9 (while a^2b^2 is fine).
 _TOWER = re.compile(r"\^\s*(?:\{[^{}]*\^|\([^()]*\^|\{[^{}]*\}\s*\^|(?:\d+|\w|\\[A-Za-z]+)\s*\^)")
-_FACTORIAL = re.compile(r"(\d*)\s*!")
+_FACTORIAL = re.compile(r"!(?!=)")  # "!=" is "not equal"
+_CLOSING = {")": "(", "]": "[", "}": "{", "\\rfloor": "\\lfloor", "\\rceil": "\\lceil"}
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_INTEGER = re.compile(r"\d+")
+# 6.02 \times 10^{23}, 6.02\cdot10^23, 10^{-3}: the exponent as in _DECIMAL (at most 999)
+_SCIENTIFIC = re.compile(
+    r"(?:(-?(?:\d+\.?\d*|\.\d+))\s*(?:\\times|\\cdot|\*|×|·)\s*)?"
+    r"10\s*\^\s*(?:\{\s*([-+]?\d{1,3})\s*\}|([-+]?\d{1,3}))"
+)
 _SEQUENCE = re.compile(r"(\\\{|[(\[])?([^()\[\]{}]*,[^()\[\]{}]*)(\\\}|[)\]])?")
+_ELLIPSIS = re.compile(r"\\dots(?![A-Za-z])")  # after _normalize, the one spelling of all
 _INFINITY = {"\\infty": float("inf"), "+\\infty": float("inf"), "-\\infty": float("-inf")}
 
 
@@ -193,6 +241,8 @@ def _as_number(s: str) -> Fraction | None:
             return Fraction(s)
         if m := _FRAC.fullmatch(s):
             return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+        if m := _SCIENTIFIC.fullmatch(s):
+            return Fraction(m.group(1) or 1) * Fraction(10) ** int(m.group(2) or m.group(3))
     except (ValueError, ZeroDivisionError):  # 1/0, over Python's int digit limit
         pass
     return None
@@ -240,8 +290,78 @@ def _too_costly(s: str) -> bool:
         return True
     if any(int(e) > MAX_EXPONENT for e in _EXPONENT.findall(s)):
         return True
-    # "n!" with large n, or a factorial of an expression ("(10^5)!", "3!!!")
-    return any(not n or int(n) > MAX_FACTORIAL for n in _FACTORIAL.findall(s))
+    return any(_costly_factorial(s, m.start()) for m in _FACTORIAL.finditer(s))
+
+
+def _factorial_operand(s: str, end: int) -> str:
+    r"""What the factorial sign ending at `end` applies to: a number, a name (`n`, `\alpha`),
+    a bracketed group (`(2n)`, `{n+1}`, `\lfloor n/2\rfloor`) or "" when there is none."""
+    s = s[:end].rstrip()
+    closing = next((c for c in _CLOSING if s.endswith(c)), None)
+    if closing is None:
+        m = re.search(r"(?:\d+|\\?[A-Za-z]+|!)$", s)
+        return m.group(0) if m else ""
+    opening, depth, i = _CLOSING[closing], 0, len(s)
+    while i > 0:  # back to the matching opening bracket
+        i -= 1
+        if s.startswith(closing, i):
+            depth += 1
+        elif s.startswith(opening, i):
+            depth -= 1
+            if depth == 0:
+                return s[i:]
+    return ""
+
+
+def _costly_factorial(s: str, end: int) -> bool:
+    """A factorial sympy might evaluate to a huge integer: n! for n > MAX_FACTORIAL, a nested
+    factorial ("3!!!", "(3!)!"), a factorial of a numeric expression ("(10^5)!"). Symbolic ones
+    ("n!", "(2n)!", "(n-1)!") stay unevaluated in sympy, so they are compared; but sympy folds
+    "n-n+999*999" to a number, so their numbers, multiplied, must not exceed MAX_FACTORIAL
+    (which bounds any sum or product of them, too) and powers are not allowed."""
+    operand = _factorial_operand(s, end)
+    if not operand or "!" in operand:
+        return True
+    if operand.isdigit():
+        return int(operand) > MAX_FACTORIAL
+    if "^" in operand or not re.search("[A-Za-z]", _COMMAND.sub("", operand)):  # (10^5)!
+        return True
+    product = 1
+    for n in _INTEGER.findall(operand):
+        product *= max(int(n), 1)
+        if product > MAX_FACTORIAL:
+            return True
+    return False
+
+
+def _items(s: str) -> list[str]:
+    """`s` split at its top-level commas, outside any brackets."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += 1 if c in "([{" else -1 if c in ")]}" else 0
+        if c == "," and depth == 0:
+            items.append(s[start:i].strip())
+            start = i + 1
+    return items + [s[start:].strip()]
+
+
+def _same_listing(pred: str, gold: str) -> bool:
+    r"""Listings with an ellipsis ("1/2^3, 1/2^6, \dots"), item by item in order, the ellipsis in
+    the same places; in the same brackets, if any. Anything else with an ellipsis is wrong."""
+    brackets = [("\\{", "\\}"), ("(", ")"), ("[", "]"), ("", "")]
+    left, right = next((o, c) for o, c in brackets if pred.startswith(o) and pred.endswith(c))
+    if not (gold.startswith(left) and gold.endswith(right)):
+        return False
+    a = _items(pred[len(left) : len(pred) - len(right)])
+    b = _items(gold[len(left) : len(gold) - len(right)])
+    if len(a) != len(b) or len(a) < 2:
+        return False
+    for x, y in zip(a, b):
+        if x == y == "\\dots":
+            continue
+        if _ELLIPSIS.search(x) or _ELLIPSIS.search(y) or not answers_match(x, y):
+            return False
+    return True
 
 
 def _squash(s: str) -> str:
@@ -265,6 +385,8 @@ def answers_match(pred: str, gold: str) -> bool:
         return same
     if seq_a and b is not None or seq_b and a is not None:
         return False  # a list is not a number: "1,2" is not 12
+    if _ELLIPSIS.search(pred) or _ELLIPSIS.search(gold):
+        return _same_listing(pred, gold)  # sympy cannot read "...": it takes \cdots for a symbol
     if _too_costly(pred) or _too_costly(gold):
         return False
     return _verify_bounded(gold, pred)
