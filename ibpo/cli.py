@@ -5,10 +5,11 @@
 built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
 names the fix and exit with status 2, never a traceback. `ibpo train` exits with how the run
 ended (summary.json's `status` and `exit_code`): 0 completed, 1 failed (a full disk while
-saving), 2 bad input (configuration, data, output_dir), 3 out_of_memory, 4 nonfinite, 130
-interrupted by SIGINT (Ctrl-C, also before training started) and 143 by SIGTERM; an interrupted
-run resumes with run.resume_from=latest. `ibpo plan ... [--gpus N]
-[--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config PATH_OR_HUB_ID]` prints the estimated
+saving), 2 bad input (configuration, data, output_dir), 3 out_of_memory, 4 nonfinite, 5
+mismatch (rollouts not from the trained policy), 130 interrupted by SIGINT (Ctrl-C, also before
+training started) and 143 by SIGTERM; an interrupted run resumes with run.resume_from=latest.
+`ibpo plan ... [--gpus N] [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config
+PATH_OR_HUB_ID]` prints the estimated
 peak GPU memory of the recipe per phase (ibpo/plan/) and settings that fit when it does not.
 `ibpo eval BENCHMARK [options]` is the same as `python scripts/eval_<BENCHMARK>.py [options]`
 (ibpo/evaluation/cli.py).

@@ -47,6 +47,8 @@ WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
 GATES = ("none", "group", "token")  # objectives.GATES
 AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")  # objectives.step_normaliser
 KL_ESTIMATORS = ("k3", "k3_ratio")  # objectives.KL_ESTIMATORS
+BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.micro_batch_loss
+IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # objectives.importance_weights
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
 # The surrogate keyword arguments; an objective whose defaults lack one does not take it.
 SURROGATE_KEYS = ("weights", "gate", "eps_low", "eps_high")
@@ -289,6 +291,12 @@ class RolloutConfig:
     # vllm: between generation phases the engine sleeps (weights to host memory, KV cache freed)
     # so that training has the GPU; false keeps both resident (faster switches, more memory)
     vllm_sleep: bool = True
+    # Rollout-vs-trainer mismatch, measured every step on the trained tokens (step.py): the KL
+    # between the log-probs the backend sampled with and the trainer's. Above mismatch_warn_kl a
+    # warning names the backend and the likely causes (adapter not applied, stale weights, dtype
+    # or kernels); above mismatch_stop_kl the run saves and stops (exit code 5).
+    mismatch_warn_kl: float = at_least(0.0, 0.02, "0 = never warn")
+    mismatch_stop_kl: float | None = positive(None, null="never stop")
 
 
 _OWN = "the objective's default"
@@ -324,6 +332,18 @@ class ObjectiveConfig:
         null=_OWN,
     )
     overlong_penalty: float | None = at_least(0.0, None, "it is subtracted", null=_OWN)
+    # The behaviour policy of the ratios (IBPO/DFPO's exchangeable weights, the clipped
+    # objectives' ratios, k3_ratio): trainer (the trainer's own log-probs before the update, which
+    # assumes the rollout came from exactly that policy) | rollout (the log-probs the generation
+    # backend reported for the tokens it sampled)
+    behavior_policy: str = choice(*BEHAVIOR_POLICIES)
+    # Importance weights rho = pi_trainer / pi_rollout on the loss (rollout-mismatch correction):
+    # none | truncate (min(rho, is_cap), TIS) | mask (rho, or 0 where rho > is_cap, MIS). Per
+    # token for grpo/dr_grpo/dapo, per sequence (geometric mean) for gspo and, inside the group
+    # transform so that cancellation stays exact, for ibpo/dfpo (where, under Min-Replace, one
+    # member masked drops its whole group).
+    importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
+    is_cap: float = positive(2.0)
     # reward function name (ibpo.rewards.REWARDS; see reward_names)
     reward: str = "math"
 
@@ -482,6 +502,12 @@ def reward_names() -> tuple[str, ...]:
 def check_objective(obj: ObjectiveConfig) -> None:
     """The objective section alone: its fields' rules, and no parameter its objective lacks."""
     check_fields(obj, "objective")
+    if obj.behavior_policy == "rollout" and obj.importance_sampling != "none":
+        raise ConfigError(
+            "objective.importance_sampling weighs the trainer's policy against the rollout's, "
+            "which objective.behavior_policy=rollout already uses in every ratio: choose one "
+            "(objective.importance_sampling=none, or objective.behavior_policy=trainer)"
+        )
     takes = [k for k in SURROGATE_KEYS if k in OBJECTIVE_DEFAULTS[obj.name]]
     for key in SURROGATE_KEYS:
         if getattr(obj, key) is not None and key not in takes:

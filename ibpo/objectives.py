@@ -21,6 +21,16 @@ weights orthogonal to A), a token emitted at the same context by all members get
 sum_i w~_i A_i = 0 net gradient when advantages are group-centred. Clipped objectives (GRPO, DAPO,
 Dr.GRPO) and GSPO's per-sequence ratio do not have this property; they are here as baselines.
 
+Behaviour-policy correction (rollout vs trainer; docs/objectives.md). The ratios above take
+old_logp as the behaviour policy: the trainer's log-probs before the update by default, or the
+log-probs the generation backend reported (objective.behavior_policy=rollout). Alternatively the
+loss is weighted by rho = pi_old / pi_rollout, truncated (TIS: min(rho, C)) or masked (MIS: rho
+where rho <= C, else 0), as `importance_weights` makes them: per token for the clipped token
+objectives; per sequence (the geometric mean, exp(mean_t log rho)) for GSPO and for the
+exchangeable surrogate, where it multiplies w_i *before* the group transform, so every member
+of a group still shares one coefficient and cancellation stays exact. With rollout and trainer
+log-probs equal, rho = 1 exactly and both corrections reduce to the uncorrected objective.
+
 What this module does not do: compute advantages (advantages.py), log-probs (logprobs.py), or
 read configs beyond `resolve_params`, which turns an ObjectiveConfig into plain keyword arguments.
 The objectives' default parameters are data in config.OBJECTIVE_DEFAULTS (config.py checks and
@@ -79,6 +89,36 @@ WEIGHT_TRANSFORMS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 GATES = ("none", "group", "token")
 
 
+# --- behaviour-policy correction (rollout vs trainer) ---------------------------------------
+
+
+def importance_ratio(old_logp: Tensor, behav_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Detached rho = pi_old / pi_behav: [n, T] per token (level="token") or [n] per sequence
+    (level="sequence": exp of the mean log-ratio over the sequence's tokens)."""
+    with torch.no_grad():
+        log_rho = torch.where(mask > 0, old_logp - behav_logp, 0.0)
+        if level == "sequence":
+            log_rho = _seq_mean(log_rho, mask)
+        return log_rho.exp()
+
+
+def importance_weights(rho: Tensor, mode: str, cap: float) -> Tensor:
+    """The weights the loss takes from ratios rho: truncate (TIS: min(rho, cap)) or mask (MIS:
+    rho where rho <= cap, else 0)."""
+    if mode == "truncate":
+        return rho.clamp(max=cap)
+    if mode == "mask":
+        return torch.where(rho <= cap, rho, 0.0)
+    raise ValueError(f"unknown importance_sampling mode {mode!r}")
+
+
+def _per_token(rho: Tensor | None, like: Tensor) -> Tensor | None:
+    """A sequence-level [n] or token-level [n, T] weight as a [n, T]-broadcastable tensor."""
+    if rho is None:
+        return None
+    return rho.unsqueeze(-1) if rho.dim() == 1 else rho
+
+
 # --- surrogates -------------------------------------------------------------------------------
 # Each returns (per-token loss l [n, T], coef [n, T], stats). `coef` is the detached coefficient
 # the surrogate actually applies, dl/dlogp = -coef * adv: what the cancellation diagnostic reads
@@ -97,19 +137,22 @@ def exchangeable(
     gate: str = "none",
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    rho: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """IBPO/DFPO: linear surrogate with detached, group-exchangeable sequence weights."""
+    """IBPO/DFPO: linear surrogate with detached, group-exchangeable sequence weights. `rho`
+    [n]: sequence importance weights, applied to w before the group transform."""
     n, _ = logp.shape
     with torch.no_grad():
-        w = sequence_log_ratio(logp, old_logp, mask).exp().view(n // group_size, group_size)
+        ratio = sequence_log_ratio(logp, old_logp, mask).exp().view(n // group_size, group_size)
+        w = ratio if rho is None else ratio * rho.view_as(ratio)
         w_t = WEIGHT_TRANSFORMS[weights](w, seq_adv.view_as(w))
         keep = torch.ones_like(mask)
         if gate == "group":
-            # Drop the whole group when its group-constant weight (Min-Replace's w~) leaves the
-            # band: one decision for every member, so it cannot break exchangeability, and
-            # blind to sign(A). Adv-Orthogonal's w~ differs per member: there every member's
-            # ratio must lie inside.
-            g = w_t[:, :1] if weights == "min_replace" else w
+            # Drop the whole group when its group-constant ratio (Min-Replace's w~ without
+            # importance weights) leaves the band: one decision for every member, so it cannot
+            # break exchangeability, and blind to sign(A). Adv-Orthogonal's w~ differs per
+            # member: there every member's ratio must lie inside.
+            g = ratio.min(1, keepdim=True).values if weights == "min_replace" else ratio
             inside = ((g >= 1 - eps_low) & (g <= 1 + eps_high)).all(1, keepdim=True)
             keep = keep * inside.expand_as(w).reshape(n, 1).to(mask.dtype)
         elif gate == "token":
@@ -133,8 +176,10 @@ def clipped_token(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    rho: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """PPO-style clipped token ratio (GRPO, Dr.GRPO, DAPO); the clip depends on sign(A)."""
+    """PPO-style clipped token ratio (GRPO, Dr.GRPO, DAPO); the clip depends on sign(A).
+    `rho` [n, T]: token importance weights on the loss."""
     ratio = (logp - old_logp).exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     loss = -torch.minimum(ratio * adv, clipped * adv)
@@ -142,6 +187,8 @@ def clipped_token(
         active = ((ratio * adv) > (clipped * adv)).to(mask.dtype)  # min picked the clipped branch
         frac = _share(active, mask)
         coef = ratio.detach() * (1 - active)  # d(-min)/d logp = -r A unclipped, 0 clipped
+    if rho is not None:
+        loss, coef = loss * rho, coef * rho
     return loss, coef, {"clip_fraction": frac}
 
 
@@ -155,11 +202,13 @@ def gspo_sequence(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    rho: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """GSPO: clipped sequence ratio s_i = exp(mean_t(logp - old_logp)), shared by its tokens.
 
     Written per token as s_{i,t} = sg[s_i] * pi/sg[pi], whose gradient is s_i * grad logp_t;
-    with seq_mean aggregation this is exactly GSPO's sequence-level objective.
+    with seq_mean aggregation this is exactly GSPO's sequence-level objective. `rho` [n]:
+    sequence importance weights on the loss.
     """
     log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
     s = (log_s + logp - logp.detach()).exp()
@@ -169,6 +218,9 @@ def gspo_sequence(
         active = ((s * adv) > (clipped * adv)).to(mask.dtype)
         frac = _share(active, mask)
         coef = s.detach() * (1 - active)
+    weight = _per_token(rho, loss)
+    if weight is not None:
+        loss, coef = loss * weight, coef * weight
     return loss, coef, {"clip_fraction": frac}
 
 
@@ -249,6 +301,8 @@ class Objective:
     # rollout.max_new_tokens and the penalty at full length; 0 = off
     overlong_buffer: float = 0.0
     overlong_penalty: float = 0.0
+    # what `importance_weights` weighs: each token, or each sequence (sequence-level surrogates)
+    is_level: str = "token"
 
 
 def _objective(name: str, surrogate: Callable[..., Any]) -> Objective:
@@ -262,6 +316,7 @@ def _objective(name: str, surrogate: Callable[..., Any]) -> Objective:
         counterfactual=name in COUNTERFACTUAL_OBJECTIVES,
         overlong_buffer=d["overlong_buffer"],
         overlong_penalty=d["overlong_penalty"],
+        is_level="token" if surrogate is clipped_token else "sequence",
     )
 
 
@@ -288,6 +343,10 @@ class ResolvedObjective:
     overlong_buffer: float = 0.0
     overlong_penalty: float = 0.0
     kl: Callable[[Tensor, Tensor, Tensor], Tensor] = k3_kl  # (logp, ref_logp, old_logp) -> [n, T]
+    behavior_policy: str = "trainer"  # whose log-probs are old_logp: trainer | rollout
+    importance_sampling: str = "none"  # none | truncate | mask (importance_weights)
+    is_cap: float = 2.0
+    is_level: str = "token"
 
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
@@ -308,4 +367,8 @@ def resolve_params(cfg: Any) -> ResolvedObjective:
         cfg.overlong_buffer,
         cfg.overlong_penalty,
         KL_ESTIMATORS[cfg.kl_estimator],
+        cfg.behavior_policy,
+        cfg.importance_sampling,
+        cfg.is_cap,
+        obj.is_level,
     )

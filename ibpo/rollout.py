@@ -8,6 +8,15 @@ first EOS. Large rollouts are generated in slices of `batch_size` sequences.
 Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
 here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.
 
+Behaviour log-probs: a sampled rollout carries, for each completion token, its log-probability
+under the distribution it was actually drawn from (`Rollout.logprobs`), so the update can check
+that rollouts came from the policy it trains (step.py) and correct for the difference
+(objectives.importance_weights). Here the sampling transforms (temperature, then top-k, then
+top-p) run as the last logits processor of `generate`, `SampledLogprobs`, which keeps
+log_softmax of the very scores transformers samples from (generate's own warpers stay off). They
+are the sampler's numbers: its kernels, KV cache, dtype and, on CPU, the dequantised base with the
+adapter folded in. Greedy calls (evaluation) report none.
+
 Not here: grading, advantages, or any gradient computation.
 """
 
@@ -40,6 +49,10 @@ class Rollout:
     tokens: list[list[int]] | None = None
     prompt_lengths: list[int] | None = None
     cut_off: list[bool] | None = None  # host copy of `truncated`
+    # [N, T] float32 on the device: log-prob of each completion token under the distribution the
+    # backend sampled it from (0 past the completion); None for greedy decoding or a backend that
+    # does not report them
+    logprobs: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -85,6 +98,7 @@ class Rollout:
             [tokens[i] for i in rows],
             [prompts[i] for i in rows],
             [self.host_truncated()[i] for i in rows],
+            None if self.logprobs is None else self.logprobs[idx],
         )
 
 
@@ -94,12 +108,14 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     P = max(r.prompt_len for r in rollouts)
     T = max(r.completion_mask.shape[1] for r in rollouts)
     pad = nn.functional.pad
-    ids, att, cmask = [], [], []
+    ids, att, cmask, logprobs = [], [], [], []
     for r in rollouts:
         left, right = P - r.prompt_len, T - r.completion_mask.shape[1]
         ids.append(pad(r.input_ids, (left, right), value=pad_id))
         att.append(pad(r.attention_mask, (left, right), value=0))
         cmask.append(pad(r.completion_mask, (0, right), value=0.0))
+        if r.logprobs is not None:
+            logprobs.append(pad(r.logprobs, (0, right), value=0.0))
     return Rollout(
         torch.cat(ids),
         torch.cat(att),
@@ -110,6 +126,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         [t for r in rollouts for t in r.host_tokens()],
         [n for r in rollouts for n in r.host_prompt_lengths()],
         [c for r in rollouts for c in r.host_truncated()],
+        torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
     )
 
 
@@ -162,6 +179,68 @@ def encode_prompts(
     return ids, enc["attention_mask"].repeat_interleave(num_samples, 0).to(device)
 
 
+def top_k_filter(scores: Tensor, k: int) -> Tensor:
+    """[n, V] -> [n, V]: scores outside each row's k largest set to -inf (ties at the k-th kept)."""
+    if k <= 0 or k >= scores.shape[-1]:
+        return scores
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_filter(scores: Tensor, p: float) -> Tensor:
+    """[n, V] -> [n, V]: keep each row's smallest set of most likely tokens whose probability
+    reaches p (the nucleus; at least one token), the rest set to -inf."""
+    if p >= 1.0:
+        return scores
+    ordered, order = scores.sort(-1, descending=True)
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
+    drop = before >= p
+    drop[..., 0] = False
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scores).scatter_(-1, order, ordered)
+
+
+class SampledLogprobs:
+    """The last logits processor of a sampled `generate`: applies temperature, top-k and top-p
+    (generate's own are off) and records log-probs of the drawn tokens under the result.
+
+    transformers samples from softmax of what this returns, so log_softmax of it at the drawn
+    token is exactly the sampling distribution's log-prob. The drawn token is only known at the
+    next call (the last column of input_ids), so the previous call's scores and log-normaliser
+    are kept until then (one [n, V] tensor that transformers would free a step later); `finish`
+    reads the last token from the output."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.previous: tuple[Tensor, Tensor] | None = None  # scores [n, V], logsumexp [n, 1]
+        self.columns: list[Tensor] = []  # [n] per generated token
+
+    def _record(self, tokens: Tensor) -> None:
+        scores, lse = self.previous
+        self.columns.append((scores.gather(1, tokens.view(-1, 1)) - lse).squeeze(1))
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.previous is not None:
+            self._record(input_ids[:, -1])
+        scores = scores / self.temperature if self.temperature != 1.0 else scores
+        scores = top_p_filter(top_k_filter(scores, self.top_k), self.top_p)
+        self.previous = (scores, scores.logsumexp(-1, keepdim=True))
+        return scores
+
+    def finish(self, completions: Tensor) -> Tensor:
+        """completions [n, t] as generate returned them -> their log-probs [n, t] (float32)."""
+        if self.previous is not None:
+            self._record(completions[:, -1])
+            self.previous = None
+        if len(self.columns) != completions.shape[1]:
+            raise RuntimeError(
+                f"recorded {len(self.columns)} log-probs for {completions.shape[1]} generated "
+                "tokens: another logits processor ran after ibpo's sampling transforms"
+            )
+        return torch.stack(self.columns, 1).float()
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -178,11 +257,12 @@ def generate(
 ) -> Rollout:
     """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G.
     `logits_processor`: extra processing after the model's (e.g. evaluation's per-row seeded
-    sampling over greedy decoding)."""
+    sampling over greedy decoding). A sampled rollout carries its behaviour log-probs."""
     device = next(p for p in model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, device)
     eos = eos_ids(tokenizer, model)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None)
+    # sampling: temperature, top-k and top-p are applied by SampledLogprobs, generate's own off
+    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=None)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
@@ -211,36 +291,49 @@ def generate(
     model.eval()
     # DistributedDataParallel has no .generate; the PEFT model under it does (adapter included)
     gen_model = getattr(model, "module", model)
-    pieces = []
+    pieces, logprobs = [], []
     try:
         for s in range(0, prompt_ids.shape[0], batch_size):
             # transformers sizes a static cache to the longest generate() call so far (to spare
             # recompilation); each call here gets its own length (a repair prompt is ~3x longer)
             vars(unwrap(model)).pop("_previous_max_cache_length", None)
+            processors = list(logits_processor or [])
+            recorder = SampledLogprobs(temperature, top_k, top_p) if do_sample else None
             out = gen_model.generate(
                 input_ids=prompt_ids[s : s + batch_size],
                 attention_mask=prompt_mask[s : s + batch_size],
-                logits_processor=logits_processor,
+                logits_processor=processors + ([recorder] if recorder else []),
                 **kwargs,
             )
             pieces.append(out[:, prompt_ids.shape[1] :])
+            if recorder is not None:
+                logprobs.append(recorder.finish(pieces[-1]))
     finally:
         model.train(was_training)
-    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos)
+    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None)
 
 
 def assemble(
-    prompt_ids: Tensor, prompt_mask: Tensor, pieces: list[Tensor], tokenizer, eos: list[int]
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    pieces: list[Tensor],
+    tokenizer,
+    eos: list[int],
+    logprobs: list[Tensor] | None = None,
 ) -> Rollout:
-    """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept)."""
+    """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept) and,
+    when the backend reports them, the slices' behaviour log-probs (each [n, t])."""
     width = max(p.shape[1] for p in pieces)
+    pad = nn.functional.pad
     completions = torch.cat(
-        [
-            nn.functional.pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id)
-            for p in pieces
-        ]
+        [pad(p, (0, width - p.shape[1]), value=tokenizer.pad_token_id) for p in pieces]
     ).to(prompt_ids.device)
     mask, truncated = completion_mask_from(completions, eos)
+    behaviour = None
+    if logprobs is not None:
+        behaviour = torch.cat([pad(lp, (0, width - lp.shape[1])) for lp in logprobs])
+        # where(), not a product: a padding position may hold -inf (a token top-p filtered out)
+        behaviour = torch.where(mask > 0, behaviour.to(mask.device, torch.float32), 0.0)
     input_ids = torch.cat([prompt_ids, completions], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
     lengths = mask.sum(-1).long().tolist()
@@ -257,6 +350,7 @@ def assemble(
         tokens,
         prompt_lengths,
         truncated.tolist(),
+        behaviour,
     )
 
 

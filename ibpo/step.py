@@ -55,18 +55,26 @@ from ibpo.advantages import (
     token_advantages,
 )
 from ibpo.batching import MicroBatch, micro_batches
-from ibpo.config import Config
+from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, render_prompt
 from ibpo.diagnostics import cancellation_residual
 from ibpo.distributed import agreed_count, gather_metrics, gathered
 from ibpo.logprobs import completion_logprobs
+from ibpo.mismatch import mismatch_stats
 from ibpo.modeling import (
     dequantized_base,
     offloaded_activations,
     reference_mode,
     use_dequantized_base,
 )
-from ibpo.objectives import ResolvedObjective, aggregate, step_normaliser, token_weights
+from ibpo.objectives import (
+    ResolvedObjective,
+    aggregate,
+    importance_ratio,
+    importance_weights,
+    step_normaliser,
+    token_weights,
+)
 from ibpo.repair import run_repairs
 from ibpo.rewards import REWARDS
 from ibpo.rewards.math import as_graded
@@ -389,14 +397,16 @@ def update_policy(
     cancel: dict[str, Tensor] = {}
     model.train()
     skipped, updates, grad_norm = False, 0, 0.0
-    for _ in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
+    for u in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
         losses, updates = [], updates + 1
         for k in range(n):
             i = min(k, len(mbs) - 1)
             mb = mbs[i]
             frozen = [None if f is None else f[i] for f in (old, ref)]
             with nullcontext() if k == n - 1 else accelerator.no_sync(model):
-                loss, info, c, a = micro_batch_loss(model, mb, batch, *frozen, norm, cfg, objective)
+                loss, info, c, a = micro_batch_loss(
+                    model, mb, batch, *frozen, norm, cfg, objective, first=u == 0
+                )
                 accelerator.backward(loss if k == i else loss * 0.0)
             if k != i:  # a repeat: no stats
                 continue
@@ -465,17 +475,27 @@ def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tok
     return z
 
 
-def micro_batch_loss(model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, cfg, objective):
+def micro_batch_loss(
+    model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, cfg, objective, first=True
+):
     """Log-probs with grad, the objective and the loss of one micro-batch (backward is the
-    caller's); also its stats and the coefficients the cancellation diagnostic needs."""
+    caller's); also its stats and the coefficients the cancellation diagnostic needs. On the
+    first update after the rollout (`first`) the trainer's log-probs are compared with the
+    rollout's behaviour log-probs (mismatch.py): the frozen old ones when they were computed,
+    else this forward's, so the check costs no forward of its own."""
     tr, G = cfg.train, cfg.rollout.group_size
     with offloaded_activations(cfg.model.offload_activations):
         logp, ent = sequence_logprobs(model, mb, tr.logprob_chunk_tokens, cfg.rollout.temperature)
     mask, a = mb.completion_mask, mb.take(batch.adv)
-    old_logp = logp.detach() if old is None else old
-    per_token, coef, info = objective.surrogate(
-        logp, old_logp, a, mask, mb.take(batch.seq_adv), G, **objective.kwargs
+    trainer_logp = logp.detach() if old is None else old  # the policy before this step's update
+    behaviour = None if batch.rollout.logprobs is None else mb.take(batch.rollout.logprobs)
+    old_logp, rho, info = behaviour_policy(trainer_logp, behaviour, mask, objective)
+    if first and behaviour is not None:
+        info.update(mismatch_stats(trainer_logp, behaviour, mask))
+    per_token, coef, stats = objective.surrogate(
+        logp, old_logp, a, mask, mb.take(batch.seq_adv), G, rho=rho, **objective.kwargs
     )
+    info.update(stats)
     if ref is not None:
         kl = objective.kl(logp, ref, old_logp)
         info["kl"] = ((kl * mask).sum() / mask.sum().clamp_min(1)).detach()
@@ -484,6 +504,34 @@ def micro_batch_loss(model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, 
     loss = aggregate(per_token, mask, objective.aggregation, norm)
     info["entropy"] = (ent * mask).sum() / mask.sum().clamp_min(1)
     return loss, info, coef * token_weights(mask, objective.aggregation), a
+
+
+def behaviour_policy(trainer_logp, behaviour, mask, objective):
+    """(old_logp for the ratios, importance weights or None, their stats) under
+    objective.behavior_policy and objective.importance_sampling (objectives.py's module doc)."""
+    correcting = objective.behavior_policy == "rollout" or objective.importance_sampling != "none"
+    if not correcting:
+        return trainer_logp, None, {}
+    if behaviour is None:
+        raise ConfigError(
+            "objective.behavior_policy=rollout and objective.importance_sampling need the "
+            "rollout's log-probs, which this generation backend did not report: set "
+            "objective.behavior_policy=trainer and objective.importance_sampling=none"
+        )
+    if objective.behavior_policy == "rollout":
+        return behaviour, None, {}
+    raw = importance_ratio(trainer_logp, behaviour, mask, objective.is_level)
+    rho = importance_weights(raw, objective.importance_sampling, objective.is_cap)
+    per_token, capped = (
+        (x.unsqueeze(-1).expand_as(mask) if x.dim() == 1 else x).to(mask.dtype)
+        for x in (rho, raw > objective.is_cap)
+    )
+    n = mask.sum().clamp_min(1)
+    stats = {
+        "is_weight_mean": ((per_token * mask).sum() / n).detach(),
+        "is_capped_fraction": ((capped * mask).sum() / n).detach(),
+    }
+    return trainer_logp, rho, stats
 
 
 def update_is_finite(accelerator, losses: list[Tensor], grad_norm: float) -> bool:
@@ -520,8 +568,11 @@ def read_stats(stats: dict[str, list[Tensor]], cancel: dict[str, Tensor]):
 # --- 9. metrics ----------------------------------------------------------------------------------
 
 
-# Per-micro-batch statistics that are rates over groups; the others are rates over tokens.
+# Per-micro-batch statistics that are rates over groups; maxima; the others are rates over
+# tokens. The mismatch statistics exist for the first update's micro-batches only, which come
+# first in every list (their weights are the first ones).
 PER_GROUP = frozenset({"weight_mean"})
+PER_MAX = frozenset({"mismatch_abs_max", "mismatch_worst_sequence"})
 
 
 def step_metrics(batch, upd, lr: float) -> dict[str, float]:
@@ -536,7 +587,10 @@ def step_metrics(batch, upd, lr: float) -> dict[str, float]:
     weights = {"tokens": stats.pop("trained_tokens"), "groups": stats.pop("groups")}
     metrics = {}
     for key, values in stats.items():
-        w = weights["groups" if key in PER_GROUP else "tokens"]
+        if key in PER_MAX:
+            metrics[key] = max(values)
+            continue
+        w = weights["groups" if key in PER_GROUP else "tokens"][: len(values)]
         metrics[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
     metrics["loss"] = sum(stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)

@@ -41,6 +41,7 @@ from ibpo.evaluation.evaluate import evaluate_accuracy
 from ibpo.hub import push as hub_push
 from ibpo.modeling import (
     load_policy,
+    use_dequantized_base,
 )
 from ibpo.objectives import (
     ResolvedObjective,
@@ -50,6 +51,7 @@ from ibpo.rewards import REWARDS
 from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
+from ibpo.run.alarm import MismatchAlarm
 from ibpo.run.log import log_eval, log_step
 from ibpo.step import StepParts, generating, rl_step
 from ibpo.vllm_rollout import VLLMEngine
@@ -291,6 +293,9 @@ class Run:
         self.state = ckpt.TrainerState()
         self.start = time.time()
         self.prior = 0.0  # wall seconds of earlier sessions of this run
+        device = accelerator.device
+        folded = use_dequantized_base(cfg.model, device, parts.model)
+        self.alarm = MismatchAlarm.for_run(cfg, device.type, folded)
 
     def held_out(self) -> dict | None:
         """Greedy accuracy on the held-out set (None without one)."""
@@ -326,7 +331,8 @@ class Run:
 
     def loop(self) -> Ending:
         """The steps, with their metrics, periodic evaluations and checkpoints, until the last
-        step, a signal, too many non-finite steps, running out of memory or a full disk."""
+        step, a signal, too many non-finite steps, a rollout mismatch over its stop threshold,
+        running out of memory or a full disk."""
         from tqdm.auto import tqdm
 
         cfg, state, acc = self.cfg, self.state, self.accelerator
@@ -350,6 +356,11 @@ class Run:
                     log_step(m, state.step, bar, metrics, acc, run.log_with)
                     if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
                         end.status = "nonfinite"
+                        break
+                    # the same verdict on every process: the metrics are gathered ones
+                    stop_message = self.alarm.check(m, state.step, self.main)
+                    if stop_message:
+                        end.status, end.message = "mismatch", stop_message
                         break
                     if stop.requested(acc):
                         end.status, end.signum = "interrupted", stop.signum

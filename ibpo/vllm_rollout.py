@@ -20,8 +20,12 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
   the sampling settings asked for apply (as in rollout.generate, not the model's own defaults).
 
 vLLM samples with its own kernels, so its sampling distribution differs slightly from the
-policy's in the update (the usual mismatch of vLLM rollouts); with updates_per_rollout=1 the
-update treats the rollouts as on-policy, as every vLLM-backed trainer does by default.
+policy's in the update (the usual mismatch of vLLM rollouts). Behaviour log-probs: the engine is
+started with logprobs_mode="processed_logprobs" and each sampled request asks for logprobs=0, so
+every completion token comes with its log-prob after temperature, top-k and top-p, the
+distribution vLLM drew it from (the hf backend's `Rollout.logprobs`, rollout.py). The step measures
+the mismatch against the trainer's log-probs and can correct for it (objective.behavior_policy,
+objective.importance_sampling).
 
 Not here: several processes (one engine per GPU beside DDP/FSDP replicas is refused by
 distributed.check_launch: use the hf backend there), or full fine-tuning (the policy is always a
@@ -89,7 +93,22 @@ def engine_kwargs(vllm, quantization: str, lora_rank: int | None) -> dict:
         kwargs["quantization"] = "bitsandbytes"
     if lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=vllm_slot_rank(lora_rank), max_loras=1)
+    # sampled tokens' log-probs after temperature / top-k / top-p: the sampling distribution
+    kwargs["logprobs_mode"] = "processed_logprobs"
     return kwargs
+
+
+def sampled_logprobs(completion) -> torch.Tensor:
+    """[1, t] float32: a vLLM completion's log-prob of each of its tokens (the engine reports, per
+    position, a mapping from token id to a Logprob that always holds the sampled token)."""
+    steps = completion.logprobs
+    if steps is None or len(steps) != len(completion.token_ids):
+        raise RuntimeError(
+            "the vLLM engine returned no log-prob per sampled token: SamplingParams(logprobs=0) "
+            "and logprobs_mode='processed_logprobs' need vLLM >= 0.11 (pip install 'ibpo[vllm]')"
+        )
+    values = [step[token].logprob for step, token in zip(steps, completion.token_ids)]
+    return torch.tensor([values], dtype=torch.float32, device="cpu")
 
 
 class VLLMEngine:
@@ -228,9 +247,16 @@ class VLLMEngine:
                 for i in range(len(rows))
             ]
         # detokenize=False: the texts come from rollout.assemble, as for the hf backend
+        # logprobs=0: each sampled token's own log-prob (and no alternatives)
+        logprobs = 0 if do_sample else None
         params = [
             vllm.SamplingParams(
-                n=n, max_tokens=max_new_tokens, stop_token_ids=self.eos, detokenize=False, **kw
+                n=n,
+                max_tokens=max_new_tokens,
+                stop_token_ids=self.eos,
+                detokenize=False,
+                logprobs=logprobs,
+                **kw,
             )
             for kw in sampling
         ]
@@ -238,12 +264,16 @@ class VLLMEngine:
             [{"prompt_token_ids": r} for r in rows], params, lora_request=lora, use_tqdm=False
         )
         # token ids end with the EOS / stop token that ended a completion (vLLM keeps it)
-        completions = [
-            torch.tensor([list(c.token_ids)], dtype=torch.long, device="cpu")
+        samples = [
+            c
             for out in outputs
             for c in sorted(out.outputs, key=lambda c: c.index) * (num_samples // n)
         ]
-        return assemble(prompt_ids, prompt_mask, completions, tokenizer, self.eos)
+        completions = [
+            torch.tensor([list(c.token_ids)], dtype=torch.long, device="cpu") for c in samples
+        ]
+        behaviour = [sampled_logprobs(c) for c in samples] if do_sample else None
+        return assemble(prompt_ids, prompt_mask, completions, tokenizer, self.eos, behaviour)
 
     def close(self) -> None:
         """Shut the engine down (its process and GPU memory) and delete the saved adapters."""

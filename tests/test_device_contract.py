@@ -17,6 +17,7 @@ raise on mixing; the one FakeTensorMode test below checks the objectives against
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -50,6 +51,7 @@ def device_rollout(rows: list[list[int]], texts: list[str], width: int | None = 
         [list(r) for r in rows],
         [P] * n,
         [len(r) == T and r[-1] != EOS for r in rows],
+        torch.zeros(n, T, device=DEVICE),  # behaviour log-probs, as a sampling backend reports
     )
 
 
@@ -146,7 +148,16 @@ def test_update_stages_read_no_device_value(case):
     cancellation diagnostic, the statistics stack and the step's metrics, on the device batch."""
     from ibpo.batching import micro_batches
     from ibpo.diagnostics import cancellation_residual
-    from ibpo.step import UpdateResult, global_normaliser, stack_stats, step_metrics
+    from ibpo.mismatch import mismatch_stats
+    from ibpo.step import (
+        UpdateResult,
+        behaviour_policy,
+        global_normaliser,
+        stack_stats,
+        step_metrics,
+    )
+
+    CORRECTIONS = [("rollout", "none"), ("trainer", "truncate"), ("trainer", "mask")]
 
     class OneProcess:
         num_processes = 1
@@ -163,9 +174,18 @@ def test_update_stages_read_no_device_value(case):
             logp = torch.randn(mask.shape, device=DEVICE, requires_grad=True)
             ref = torch.randn(mask.shape, device=DEVICE)
             a, seq_adv = mb.take(batch.adv), mb.take(batch.seq_adv)
+            behaviour = mb.take(batch.rollout.logprobs)
+            for policy, weights in CORRECTIONS:  # each correction on the device too
+                corrected = dataclasses.replace(
+                    obj, behavior_policy=policy, importance_sampling=weights
+                )
+                old, rho, is_info = behaviour_policy(logp.detach(), behaviour, mask, corrected)
+                out = obj.surrogate(logp, old, a, mask, seq_adv, G, rho=rho, **obj.kwargs)
+                assert {t.device for t in [*out[:2], *is_info.values()]} == {DEVICE}
             per_token, coef, info = obj.surrogate(
                 logp, logp.detach(), a, mask, seq_adv, G, **obj.kwargs
             )
+            info.update(mismatch_stats(logp.detach(), behaviour, mask))
             for kl in KL_ESTIMATORS.values():
                 per_token = per_token + 0.1 * kl(logp, ref, logp.detach())
             loss = aggregate(per_token, mask, obj.aggregation, norm)

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module imports only from its own layer or below):
   config                      imports nothing of the package
-  math                        advantages, diagnostics, objectives: torch and config only
+  math                        advantages, diagnostics, mismatch, objectives: torch and config only
   core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
                               distributed, repair, sizes (shapes and byte counts, which the
                               planner and the vLLM engine share), rewards/, sandbox/
@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ibpo"
 
 LAYERS = {
     "config": 0,
-    "advantages": 1, "diagnostics": 1, "objectives": 1,
+    "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
     "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
     "step": 3,

@@ -146,6 +146,29 @@ def test_sampled_rows_are_grouped_prompt_major(fake_vllm, tiny_model_dir):
     assert len(set(greedy)) == len(PROMPTS)
 
 
+def test_sampled_rollouts_carry_the_engines_log_probs(fake_vllm, tiny_model_dir):
+    """The engine's per-token log-probs (processed: at the sampling temperature) become the
+    rollout's behaviour log-probs; here the stand-in runs the policy's own fp32 weights, so they
+    equal the trainer's log-probs. Greedy requests ask for none."""
+    from ibpo.logprobs import completion_logprobs
+    from ibpo.vllm_rollout import VLLMEngine
+
+    cfg, model, tok = _policy(tiny_model_dir)
+    engine = VLLMEngine.start(cfg, model, tok)
+    with engine.serving(model) as gen:
+        ro = gen(tok, PROMPTS, 2, 6, 4, temperature=0.8)
+        greedy = gen(tok, PROMPTS, 1, 6, 4, do_sample=False)
+    assert greedy.logprobs is None
+    assert ro.logprobs.shape == ro.completion_mask.shape
+    assert fake_vllm.ENGINES[-1].last_params[0].logprobs is None  # the greedy call, last
+    model.eval()
+    trainer, _ = completion_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask, 64, 0.8
+    )
+    torch.testing.assert_close(ro.logprobs, trainer * ro.completion_mask, atol=1e-4, rtol=0)
+    assert (ro.logprobs[ro.completion_mask > 0] < 0).all()
+
+
 def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     """NF4 base through bitsandbytes, a LoRA slot for the rank, sleep mode, a fixed KV budget;
     a vLLM without bitsandbytes is refused with the fix."""
@@ -155,8 +178,11 @@ def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     from ibpo.vllm_rollout import VLLMEngine, engine_kwargs
 
     kw = engine_kwargs(fake_vllm, "nf4", 12)
-    assert kw == dict(quantization="bitsandbytes", enable_lora=True, max_lora_rank=16, max_loras=1)
-    assert engine_kwargs(fake_vllm, "none", None) == {}
+    processed = {"logprobs_mode": "processed_logprobs"}
+    assert kw == dict(
+        quantization="bitsandbytes", enable_lora=True, max_lora_rank=16, max_loras=1, **processed
+    )
+    assert engine_kwargs(fake_vllm, "none", None) == processed
     cfg, model, tok = _policy(tiny_model_dir, "rollout.generation_batch_size=3")
     VLLMEngine.start(cfg, model, tok)
     args = fake_vllm.ENGINES[-1].kwargs

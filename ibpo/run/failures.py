@@ -5,7 +5,8 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
 * `is_oom` and the `*_message` helpers: the advice the trainer prints and writes to summary.json.
 * `exit_code`: how `ibpo train` exits, by how the run ended (summary.json's status and
   exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
-  of memory 3, non-finite steps 4, interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
+  of memory 3, non-finite steps 4, rollout mismatch over rollout.mismatch_stop_kl 5 (run/alarm.py),
+  interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
 * `StoppedEarly`: Ctrl-C before the loop (loading, the first held-out evaluation): one line.
 
 Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (ibpo/trainer.py).
@@ -25,7 +26,14 @@ import torch
 from ibpo.config import Config
 from ibpo.run.checkpoint import TrainerState
 
-EXIT_CODES = {"completed": 0, "failed": 1, "out_of_memory": 3, "nonfinite": 4, "interrupted": 130}
+EXIT_CODES = {
+    "completed": 0,
+    "failed": 1,
+    "out_of_memory": 3,
+    "nonfinite": 4,
+    "mismatch": 5,
+    "interrupted": 130,
+}
 
 
 def exit_code(status: str, signum: int | None = None) -> int:

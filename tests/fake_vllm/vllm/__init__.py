@@ -4,7 +4,9 @@ backend end to end without a GPU. What the tests rely on behaves as vLLM's does:
 read from disk once per lora_int_id and then kept (a changed adapter under an old id is served
 stale), nothing is generated while the engine sleeps, a completion's token_ids end with the
 stop token that ended it, sample j of a request is drawn with seed + j, and greedy requests must
-have n=1. Decoding is a plain loop (no KV cache).
+have n=1, and with logprobs=0 each completion carries per token {token id: Logprob} of the
+sampled token under the distribution it was drawn from (the engine must be started with
+logprobs_mode="processed_logprobs", as ibpo starts it). Decoding is a plain loop (no KV cache).
 """
 
 import copy
@@ -26,18 +28,25 @@ class SamplingParams:
         seed=None,
         stop_token_ids=None,
         detokenize=True,
+        logprobs=None,
     ):
         if temperature == 0 and n > 1:
             raise ValueError("n must be 1 when using greedy sampling")
         self.n, self.temperature, self.top_p, self.top_k = n, temperature, top_p, top_k
         self.max_tokens, self.seed, self.stop_token_ids = max_tokens, seed, stop_token_ids or []
-        self.detokenize = detokenize
+        self.detokenize, self.logprobs = detokenize, logprobs
+
+
+class Logprob:
+    def __init__(self, logprob):
+        self.logprob, self.rank, self.decoded_token = logprob, None, None
 
 
 class _Completion:
     def __init__(self, index, token_ids, finish_reason, stop_reason):
         self.index, self.token_ids = index, token_ids
         self.finish_reason, self.stop_reason, self.text = finish_reason, stop_reason, None
+        self.logprobs = None
 
 
 class _RequestOutput:
@@ -46,10 +55,10 @@ class _RequestOutput:
 
 
 class LLM:
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, logprobs_mode="raw_logprobs", **kwargs):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.kwargs = kwargs
+        self.kwargs, self.logprobs_mode = kwargs, logprobs_mode
         self.base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.adapters: dict[int, torch.nn.Module] = {}
@@ -84,6 +93,7 @@ class LLM:
             params = [params] * len(prompts)
         model = self._model(lora_request)
         self.requests.append((len(prompts), lora_request))
+        self.last_params = params
         outs = []
         for prompt, p in zip(prompts, params):
             ids, seed = prompt["prompt_token_ids"], p.seed or 0
@@ -95,13 +105,20 @@ class LLM:
     def _one(self, model, prompt, p, seed, index):
         gen = torch.Generator().manual_seed(seed)
         tokens: list[int] = []
+        logprobs = []
         for _ in range(p.max_tokens):
             logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
             if p.temperature == 0:
                 token = int(logits.argmax())
+                scores = logits
             else:
-                probs = torch.softmax(logits / p.temperature, -1)
+                scores = logits / p.temperature
+                probs = torch.softmax(scores, -1)
                 token = int(torch.multinomial(probs, 1, generator=gen))
+            # processed: after temperature (this stand-in applies no top-k / top-p)
+            raw = self.logprobs_mode == "raw_logprobs"
+            lp = torch.log_softmax(logits if raw else scores, -1)[token]
+            logprobs.append({token: Logprob(float(lp))})
             tokens.append(token)
             if token in p.stop_token_ids or token == self.tokenizer.eos_token_id:
                 break
@@ -109,4 +126,5 @@ class LLM:
         reason = None if tokens[-1] == self.tokenizer.eos_token_id else tokens[-1]
         out = _Completion(index, tokens, "stop" if done else "length", reason if done else None)
         out.text = self.tokenizer.decode(tokens, skip_special_tokens=True) if p.detokenize else ""
+        out.logprobs = logprobs if p.logprobs is not None else None
         return out
