@@ -32,6 +32,7 @@ from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
 from ibpo.hub.push import main as push_main
 from ibpo.plan.fit import estimate, format_plan
+from ibpo.quiet import quiet_third_party
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
 from ibpo.trainer import train
@@ -64,6 +65,7 @@ def summary_line(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_third_party()  # known harmless third-party noise (ibpo/quiet.py); -W shows it
     if argv[:1] == ["eval"]:  # `ibpo eval BENCHMARK [options]` = scripts/eval_<BENCHMARK>.py
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)

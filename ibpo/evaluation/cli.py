@@ -30,6 +30,7 @@ from ibpo.evaluation.evaluate import (
     summarize,
 )
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
+from ibpo.quiet import quiet_third_party
 from ibpo.rollout import generate
 from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
@@ -303,6 +304,7 @@ def markdown_row(s: dict, header: bool = False) -> str:
 
 def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
     """`eval_<benchmark>.py [options]`: prints the markdown row and the output folder."""
+    quiet_third_party()  # known harmless third-party noise (ibpo/quiet.py); -W shows it
     args = build_parser(benchmark).parse_args(argv)
     if benchmark is not None:
         args.benchmark = benchmark
