@@ -265,11 +265,10 @@ def check_shared_output(accelerator, out: Path) -> None:
 # Rates over tokens: across processes they are weighted by each process's trained tokens; the
 # other rates (reward, accuracy, lengths...) by its sequences, since dynamic sampling and the
 # no-signal fallback leave processes with different numbers of groups.
-TOKEN_RATES = frozenset(
-    {"entropy", "kl", "clip_fraction", "gate_fraction", "residual", "shared_token_fraction",
-     "mismatch_kl", "mismatch_abs_mean", "mismatch_share", "is_weight_mean",
-     "is_capped_fraction"}  # fmt: skip
-)
+TOKEN_RATES = frozenset({
+    "entropy", "kl", "clip_fraction", "gate_fraction", "residual", "shared_token_fraction",
+    "mismatch_kl", "mismatch_abs_mean", "mismatch_share", "is_weight_mean", "is_capped_fraction",
+})  # fmt: skip
 MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb", "mismatch_abs_max",
           "mismatch_worst_sequence")  # fmt: skip
 SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
