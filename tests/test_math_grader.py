@@ -385,6 +385,21 @@ def test_overrun_kills_the_worker_and_a_fresh_one_takes_over():
 
 
 @posix_only
+def test_a_worker_killed_while_idle_is_replaced_not_taken_for_a_wrong_answer():
+    """Killed from outside between two questions (an OOM killer, a stray kill): the next
+    question goes to a fresh worker and gets its true verdict, and closing the dead worker
+    (bytes buffered for a closed pipe) raises nothing."""
+    assert grader._compare_in_worker("2", "1+1", 60.0)
+    worker = grader._pool.idle[-1]
+    worker.proc.kill()
+    worker.proc.wait()
+    worker.proc.stdin.write(b"x" * 100)  # unflushed: a close() would flush into a dead pipe
+    assert grader._compare_in_worker("\\sqrt{8}", "2\\sqrt{2}", 60.0) is True
+    assert worker not in grader._pool.idle and grader._pool.idle[-1] is not worker
+    worker.close()  # again: still nothing raised
+
+
+@posix_only
 def test_worker_cpu_limit_holds_when_nobody_waits(monkeypatch):
     monkeypatch.setattr(grader, "WORKER_CPU_S", 1)
     worker = grader._Worker()

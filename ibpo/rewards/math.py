@@ -43,6 +43,7 @@ execution (sandbox), format rewards, dataset-specific gold parsing (data.py).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -480,11 +481,14 @@ class _Worker:
         return line
 
     def ask(self, gold: str, pred: str, timeout: float) -> bool | None:
+        """The verdict; None when the comparison overran or killed the worker. Raises
+        _WorkerGone when the worker was already dead (killed from outside while idle): the
+        question never reached it."""
         try:
             self.proc.stdin.write(json.dumps([gold, pred]).encode() + b"\n")
             self.proc.stdin.flush()
-        except OSError:  # it died (CPU or memory limit) since its last answer
-            return None
+        except OSError:
+            raise _WorkerGone from None
         line = self._read_line(timeout)
         return None if line is None else line == b"1"
 
@@ -492,7 +496,12 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+            with contextlib.suppress(OSError):  # unflushed bytes to a dead worker
+                f.close()
+
+
+class _WorkerGone(Exception):
+    """A pooled worker died while idle (never because of the question now being asked)."""
 
 
 class _Pool:
@@ -530,6 +539,10 @@ def _compare_in_worker(gold: str, pred: str, timeout: float) -> bool:
             return _verify(gold, pred)
         try:
             verdict = worker.ask(gold, pred, timeout)
+        except _WorkerGone:  # ask a fresh worker instead: this question did not kill it
+            worker.close()
+            worker = _Worker()
+            verdict = _ask_or_close(worker, gold, pred, timeout)
         except BaseException:
             worker.close()
             raise
@@ -539,6 +552,14 @@ def _compare_in_worker(gold: str, pred: str, timeout: float) -> bool:
         with pool.lock:
             pool.idle.append(worker)
         return verdict
+
+
+def _ask_or_close(worker: _Worker, gold: str, pred: str, timeout: float) -> bool | None:
+    try:
+        return worker.ask(gold, pred, timeout)
+    except BaseException:
+        worker.close()
+        raise
 
 
 @functools.lru_cache(maxsize=4096)
