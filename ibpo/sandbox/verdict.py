@@ -1,10 +1,13 @@
 """A finished sandboxed test's verdict: its exit status and output turned into (status, reason).
 
-The child (child.py) reports on a result channel, one record per line: "D" (the program
-ran to its end), "V <json>" (a call test's return value), "R <repr>" (a return value that is not
-JSON), "E <exception>" and "X <code>" (an exit before the end). Limits are judged before the
-answer: over the CPU or wall-clock limit is a timeout whatever was printed. Stdin tests compare
-stdout with `stdout_matches`; call tests compare decoded JSON values exactly.
+The child (child.py) reports on a result channel, one record per line, the last one counting:
+"D" (the program, or a check test's harness, ran to its end), "V <json>" (a call test's return
+value), "R <repr>" (a return value that is not JSON), "E <exception>" and "X <code>" (an exit
+before the end). Limits are judged before the answer: over the CPU or wall-clock limit is a
+timeout whatever was printed. Stdin tests pass on exit status 0 and a matching stdout
+(`stdout_matches`); call tests compare the decoded JSON value with the expected one, which
+never entered the sandbox; a check test passes on its harness's "D", a channel only the harness
+holds. Only in a script test can the tested code write a passing record (run.py's threat model).
 
 Not here: running the test (sandbox.py), grading policy (rewards/code.py).
 """
@@ -64,7 +67,7 @@ def classify(
     if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
         return "error", f"output limit {cap} bytes exceeded"
     if last.startswith("E "):
-        failed = test.kind == "script" and last.startswith("E AssertionError")
+        failed = test.kind in ("script", "check") and last.startswith("E AssertionError")
         return ("failed" if failed else "error"), last[2:]
     code = os.WEXITSTATUS(status)
     if last.startswith("X ") or code != 0:
@@ -75,7 +78,7 @@ def classify(
 
 
 def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
-    if test.kind == "script":
+    if test.kind in ("script", "check"):
         return ("passed", "") if last == "D" else ("failed", "program stopped before the end")
     if test.kind == "stdin":
         got = out.decode("utf-8", "replace")
