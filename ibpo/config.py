@@ -295,7 +295,7 @@ class RolloutConfig:
     # between the log-probs the backend sampled with and the trainer's. Above mismatch_warn_kl a
     # warning names the backend and the likely causes (adapter not applied, stale weights, dtype
     # or kernels); above mismatch_stop_kl the run saves and stops (exit code 5).
-    mismatch_warn_kl: float = at_least(0.0, 0.02, "0 = never warn")
+    mismatch_warn_kl: float = at_least(0.0, 0.005, "0 = never warn")
     mismatch_stop_kl: float | None = positive(None, null="never stop")
 
 

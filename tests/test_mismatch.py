@@ -244,7 +244,7 @@ def test_a_generation_path_that_drops_the_adapter_is_caught(
     # step 1: LoRA B = 0, the base is the policy; the first update moves the adapter, and the
     # next steps' rollouts (from the bare base) no longer match the trained policy
     assert rows[0]["mismatch_kl"] < 1e-8
-    assert min(r["mismatch_kl"] for r in rows[1:]) > 0.02  # the default warning threshold
+    assert min(r["mismatch_kl"] for r in rows[1:]) > 0.005  # the default warning threshold
     err = capsys.readouterr().err
     assert "ibpo: warning: step 2: rollout-vs-trainer mismatch" in err
     assert summary["status"] == "completed"  # warned, not stopped (no stop threshold)
