@@ -104,3 +104,31 @@ def test_bench_vs_trl_smoke(tiny_model_dir, capsys):
         assert r["peak_memory_scope"] == "timed steps" and r["peak_memory_gb"] > 0.05
     ratio = res["summary"]["ratio"]["step_times"]
     assert ratio == pytest.approx(runs[1]["step_times"][0] / runs[0]["step_times"][0])
+
+
+def test_bench_mismatch_smoke(tiny_model_dir, capsys):
+    """Each CPU path on the tiny model: honest paths agree to rounding; with the adapter dropped
+    the first step still matches (LoRA B = 0 before any update)."""
+    bench = _script("bench_mismatch")
+    paths = "fp32,nf4 dropped"
+    assert bench.main(["--smoke", "--model", tiny_model_dir, "--paths", paths]) == 0
+    report = _json_line(capsys.readouterr().out)
+    assert set(report["paths"]) == {"fp32", "nf4 dropped"}
+    assert report["paths"]["fp32"]["max"]["mismatch_kl"] < 1e-8
+    assert report["paths"]["nf4 dropped"]["kl_per_step"][0] < 1e-6
+    assert bench.main(["--smoke", "--paths", "bf16"]) == 2
+
+
+def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path):
+    """Two seeds of a tiny `ibpo train`, each in its own process, with the range printed."""
+    bench = _script("bench_demo")
+    out = tmp_path / "demo"
+    assert (
+        bench.main(["--smoke", "--model", tiny_model_dir, "--seeds", "0,1", "--out", str(out)]) == 0
+    )
+    text = capsys.readouterr().out
+    report = _json_line(text)
+    assert [r["seed"] for r in report["runs"]] == [0, 1]
+    assert all(r["n"] == 4 and 0 <= r["after"] <= 1 for r in report["runs"])
+    assert "range over 2 seeds" in text
+    assert (out / "seed-1" / "run" / "summary.json").is_file()
