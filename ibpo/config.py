@@ -42,6 +42,7 @@ class ConfigError(ValueError):
 
 OBJECTIVE_NAMES = ("ibpo", "dfpo", "grpo", "dr_grpo", "dapo", "gspo")  # objectives.OBJECTIVES
 COUNTERFACTUAL_OBJECTIVES = ("ibpo",)  # IBPO.md Part 2 shaped rewards: repairs on by default
+DYNAMIC_SAMPLING_OBJECTIVES = ("dapo",)  # rollout.dynamic_sampling on by default (DAPO's recipe)
 REWARD_NAMES = ("math", "code")  # ibpo.rewards.REWARDS as shipped
 WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
 GATES = ("none", "group", "token")  # objectives.GATES
@@ -277,7 +278,9 @@ class RolloutConfig:
     eval_batch_size: int = positive(100)
     # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
-    dynamic_sampling: bool = False
+    # None: the objective's default (on for DYNAMIC_SAMPLING_OBJECTIVES: 'dapo', which is DAPO
+    # only with it; off for the others); filled in by resolve. Any objective may set it.
+    dynamic_sampling: bool | None = None
     max_resample_rounds: int = at_least(0, 3)
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
     # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
@@ -587,15 +590,18 @@ def resolve(cfg: Config) -> Config:
     """A copy of a validated `cfg` with every None-means-inherit field set to what it inherits:
     the fields declared with `inherits` / `inherit=` (repair.max_new_tokens, temperature,
     batch_size from the rollout's; data.eval_question_column, eval_answer_column and
-    eval_answer_format from training's), repair.enabled (on for COUNTERFACTUAL_OBJECTIVES) and
-    the objective's parameters (resolve_objective). Idempotent. Other None fields (a Hub
-    revision, vllm_kv_cache_gb sized at run time, data.eval_dataset / eval_subset: "the same
-    source", not a copy...) mean something else and stay None."""
+    eval_answer_format from training's), repair.enabled (on for COUNTERFACTUAL_OBJECTIVES),
+    rollout.dynamic_sampling (on for DYNAMIC_SAMPLING_OBJECTIVES) and the objective's parameters
+    (resolve_objective). Idempotent. Other None fields (a Hub revision, vllm_kv_cache_gb sized at
+    run time, data.eval_dataset / eval_subset: "the same source", not a copy...) mean something
+    else and stay None."""
     before = cfg.to_dict(recipe=True)
     cfg = copy.deepcopy(cfg)
     cfg.objective = resolve_objective(cfg.objective)
     if cfg.repair.enabled is None:
         cfg.repair.enabled = cfg.objective.name in COUNTERFACTUAL_OBJECTIVES
+    if cfg.rollout.dynamic_sampling is None:
+        cfg.rollout.dynamic_sampling = cfg.objective.name in DYNAMIC_SAMPLING_OBJECTIVES
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):

@@ -246,3 +246,19 @@ def test_an_older_checkpoint_with_the_run_keys_under_train_still_resumes(tmp_pat
     assert resume_changes(tmp_path, cfg) == []  # output_dir: a run setting, free to change
     changed = resume_changes(tmp_path, load_config(None, ["train.seed=1", "run.save_every=1"]))
     assert changed == ["train.seed: 0 -> 1"]
+
+
+@pytest.mark.parametrize("name", config.OBJECTIVE_NAMES)
+def test_dynamic_sampling_is_dapos_default_and_any_objective_may_set_it(name, tmp_path):
+    cfg = load_config(None, [f"objective.name={name}"])
+    assert cfg.rollout.dynamic_sampling is (name == "dapo")
+    assert "rollout.dynamic_sampling" in cfg.inherited  # the recipe form leaves it to the objective
+    for value in (False, True):
+        own = load_config(None, [f"objective.name={name}", f"rollout.dynamic_sampling={value}"])
+        assert own.rollout.dynamic_sampling is value
+        assert "rollout.dynamic_sampling" not in own.inherited
+    # a dapo run's config.yaml, rerun as another objective, takes that objective's default
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(load_config(None, ["objective.name=dapo"]).to_dict(recipe=True)))
+    rerun = load_config(path, [f"objective.name={name}"])
+    assert rerun.rollout.dynamic_sampling is (name == "dapo")

@@ -232,15 +232,18 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
         )
         return _collect(cfg)[0]
 
-    b = collect([])
+    b = collect(["rollout.dynamic_sampling=false"])
     if objective == "dapo":
         assert b.seq_adv[0] > 0 > b.seq_adv[1]
         assert b.stats["overlong_penalty"] == pytest.approx(-0.25)  # (0 - 0.5) / 2
+        # by default dapo samples dynamically, as DAPO does: the flat group is dropped
+        b = collect(["rollout.max_resample_rounds=0"])
+        assert b.stats["dropped_groups"] == 1 and (b.seq_adv == 0).all()
     else:
         assert (b.seq_adv == 0).all() and b.stats["overlong_penalty"] == 0
     assert (collect(["objective.overlong_buffer=0"]).seq_adv == 0).all()
     on = ["objective.overlong_buffer=0.5", "objective.overlong_penalty=1.0"]
-    b = collect(on)  # any objective can use it
+    b = collect([*on, "rollout.dynamic_sampling=false"])  # any objective can use it
     assert b.seq_adv[0] > 0 > b.seq_adv[1]
     # dynamic sampling judges task rewards: an all-correct group is flat, and dropped
     dynamic = [*on, "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=0"]

@@ -1,0 +1,756 @@
+"""The objective study: does IBPO learn better than the GRPO family? (issue 21)
+
+    python scripts/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
+    python scripts/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
+    python scripts/study.py --report-only                   # rebuild study.json/.md/.png
+    python scripts/study.py --smoke --model PATH            # tiny 2-step check (CI)
+
+Defaults (each a command-line option, passed to every run as an override): the embedded
+SmolLM2-135M-Instruct + LoRA with an fp32 base (model.quantization=none: bitsandbytes' CPU 4-bit
+kernels make generation several times slower), `builtin:mixed` (arithmetic and one-step word
+problems: builtin:arithmetic holds only 158 held-out problems, under the study's 200), 200
+held-out problems answered greedily at step 0, every 5 steps and at the end, 20 steps of 2
+prompts x G = 8, 16 new tokens, learning rate 5e-4, seeds 0-4, and the KL to the reference logged
+every step. Each run gets OMP_NUM_THREADS = cores / workers.
+
+The grid is data (`grid`): arms of (name, regime, overrides). Regime "on-policy" takes one update
+per rollout (ibpo, dfpo, grpo, dr_grpo); "off-policy" takes `--off-updates` (default 2) updates
+per rollout, where clipping and ratios act (ibpo, dfpo, grpo, gspo, dapo, whose dynamic sampling
+is its default); the ablations of Part 2 are on-policy IBPO with shaping only
+(repair.unchanged_weight=1), the mask only (repair.shaping_lambda=0) and K = 3 references
+(repair.references=2); the equal-compute arm is on-policy dfpo with `--equal-factor` (default
+1.5, IBPO's measured token ratio in the 6-step comparison) times the group size, or the steps
+with `--equal-by steps`. The report prints the measured token ratios, so whether the budget
+really matched is read from the results, not assumed. `--sweep` runs grpo and dfpo at one seed
+over `--lrs` instead.
+
+Every run is its own `python -m ibpo.cli train` process (in `--smoke` they share this one); the
+budget is command-line options passed as overrides, and trailing `section.key=value` overrides
+apply to every run; `--arms` picks some arms. `--workers N` starts N worker threads, each of
+which claims the next unclaimed run (a `.claimed` file with this process's pid; a claim whose
+process has died is taken over) and runs it in its own process; several invocations may share
+one --out the same way. A run is done when its summary.json holds the final
+held-out evaluation; a run started again resumes from its last checkpoint (run.resume_from=
+latest). Each run's folder <out>/runs/<arm>-s<seed> (<out>/sweep/... for the sweep) holds
+study_run.json (arm, regime, seed, command line), the claim, train.log and train/ (the trainer's
+output_dir), so the report is built from the folders alone.
+
+Writes <out>/study.json (every finished run's curves and figures), <out>/study.md (per arm:
+mean and 95% t-interval over seeds of the final held-out accuracy and of its gain; paired
+per-seed differences with an exact sign test and a bootstrap interval; accuracy against
+generated tokens; the sweep; every command line) and accuracy.png, dynamics.png (sweep.png after
+a sweep). It does not choose the learning rate (read the sweep and pass --lr), does not judge
+results beyond the 0.05 tests it prints, and needs no scipy (math, statistics, random).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ON, OFF, ABLATION, EQUAL, SWEEP = "on-policy", "off-policy", "ablation", "equal-compute", "sweep"
+REGIME_ORDER = (ON, OFF, ABLATION, EQUAL, SWEEP)
+# (label, arm a, arm b): paired per-seed differences a - b of the final held-out accuracy.
+COMPARISONS = [
+    ("on-policy ibpo - dfpo (Part 2: repairs)", "on-ibpo", "on-dfpo"),
+    ("on-policy dfpo - grpo (Part 1: the objective)", "on-dfpo", "on-grpo"),
+    ("off-policy ibpo - dfpo (Part 2: repairs)", "off-ibpo", "off-dfpo"),
+    ("off-policy dfpo - grpo (Part 1: the objective)", "off-dfpo", "off-grpo"),
+    ("ibpo - dfpo at equal tokens", "on-ibpo", "equal-dfpo"),
+    ("shaping only - ibpo", "ablation-shaping-only", "on-ibpo"),
+    ("mask only - ibpo", "ablation-mask-only", "on-ibpo"),
+    ("K=3 references - ibpo", "ablation-k3", "on-ibpo"),
+]
+SMOKE_ARMS = ("on-ibpo", "off-dfpo", "ablation-mask-only")
+# The budget options --smoke sets: seconds per run on the test suite's tiny model.
+SMOKE = {
+    "dataset": "builtin:arithmetic",
+    "eval_size": 4,
+    "steps": 2,
+    "eval_every": 1,
+    "prompts": 2,
+    "group_size": 2,
+    "max_new_tokens": 4,
+    "seeds": "0,1",
+}
+BOOTSTRAP_SEED, BOOTSTRAP_REPS = 20261201, 10_000
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str  # unique, also the run folders' prefix
+    regime: str
+    overrides: tuple[str, ...]
+
+
+@dataclass
+class Run:
+    arm: Arm
+    seed: int
+    dir: Path
+    args: list[str] = field(default_factory=list)  # the `ibpo train` overrides
+
+    def command(self, threads: int) -> str:
+        cli = ["python", "-m", "ibpo.cli", "train", *self.args]
+        return f"HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} {shlex.join(cli)}"
+
+
+# --- the grid ------------------------------------------------------------------------------------
+
+
+def _arm(regime: str, name: str, objective: str, updates: int, *extra: str) -> Arm:
+    prefix = {ON: "on", OFF: "off", ABLATION: "ablation", EQUAL: "equal", SWEEP: "sweep"}[regime]
+    overrides = (f"objective.name={objective}", f"train.updates_per_rollout={updates}", *extra)
+    return Arm(f"{prefix}-{name}", regime, overrides)
+
+
+def grid(ns: argparse.Namespace) -> list[Arm]:
+    """Every arm of the main study, in the order the workers take them within a seed."""
+    arms = [_arm(ON, o, o, 1) for o in ("ibpo", "dfpo", "grpo", "dr_grpo")]
+    arms += [_arm(OFF, o, o, ns.off_updates) for o in ("ibpo", "dfpo", "grpo", "gspo", "dapo")]
+    arms += [
+        _arm(ABLATION, "shaping-only", "ibpo", 1, "repair.unchanged_weight=1"),
+        _arm(ABLATION, "mask-only", "ibpo", 1, "repair.shaping_lambda=0"),
+        _arm(ABLATION, "k3", "ibpo", 1, "repair.references=2"),  # K - 1 references
+    ]
+    if ns.equal_by == "group":
+        equal = f"rollout.group_size={round(ns.group_size * ns.equal_factor)}"
+    else:
+        equal = f"train.steps={round(ns.steps * ns.equal_factor)}"
+    arms.append(_arm(EQUAL, "dfpo", "dfpo", 1, equal))
+    return arms
+
+
+def sweep_arms(ns: argparse.Namespace) -> list[Arm]:
+    return [
+        _arm(SWEEP, f"{o}-lr{lr}", o, 1, f"train.learning_rate={lr}")
+        for lr in _list(ns.lrs, str)
+        for o in ("grpo", "dfpo")
+    ]
+
+
+def budget(ns: argparse.Namespace) -> list[str]:
+    """The settings every run shares, from the command-line options."""
+    shared = [
+        f"model.quantization={ns.quantization}",
+        f"data.dataset={ns.dataset}",
+        f"data.eval_size={ns.eval_size}",
+        f"train.steps={ns.steps}",
+        f"train.eval_every={ns.eval_every}",
+        "train.eval_before=true",
+        f"train.prompts_per_step={ns.prompts}",
+        f"rollout.group_size={ns.group_size}",
+        f"rollout.max_new_tokens={ns.max_new_tokens}",
+        f"rollout.eval_max_new_tokens={ns.max_new_tokens}",
+        f"train.learning_rate={ns.lr}",
+        "train.log_reference_kl=true",  # the KL to the reference is a reported figure
+        "run.save_every=0",  # a checkpoint at the end and on SIGINT/SIGTERM, for resuming
+        "run.plots=false",  # the study draws its own
+        "run.progress=false",
+    ]
+    if ns.model:
+        shared.append(f"model.name={ns.model}")
+    return shared
+
+
+def plan(ns: argparse.Namespace, out: Path) -> list[Run]:
+    """The runs of this invocation, seeds as the outer loop (so that a drift of the machine's
+    speed spreads over all arms), each with its full list of overrides."""
+    if ns.sweep:
+        arms, seeds, folder = sweep_arms(ns), [ns.sweep_seed], out / "sweep"
+    else:
+        arms, seeds, folder = grid(ns), _list(ns.seeds, int), out / "runs"
+    smoke = SMOKE_ARMS if ns.smoke and not ns.sweep else ()
+    chosen = _list(ns.arms, str) if ns.arms else smoke
+    if chosen:
+        unknown = sorted(set(chosen) - {a.name for a in arms})
+        if unknown:
+            raise SystemExit(f"unknown arms {unknown}; arms: {', '.join(a.name for a in arms)}")
+        arms = [a for a in arms if a.name in chosen]
+    shared = budget(ns) + list(ns.overrides)
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            run_dir = folder / f"{arm.name}-s{seed}"
+            train_dir = run_dir / "train"  # the trainer's own folder: it moves what it finds there
+            args = [*shared, *arm.overrides, f"train.seed={seed}", f"run.output_dir={train_dir}"]
+            runs.append(Run(arm, seed, run_dir, args + ["run.resume_from=latest"]))
+    return runs
+
+
+def check(runs: list[Run]) -> None:
+    """Every run's configuration, before any starts: a bad override fails now, not hours in."""
+    from ibpo.config import ConfigError, load_config
+
+    for run in runs:
+        try:
+            load_config(None, run.args)
+        except ConfigError as e:
+            raise SystemExit(f"{run.dir.name}: {e}") from None
+
+
+def _list(text: str, kind):
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+def claim(run_dir: Path) -> bool:
+    """Each run is claimed once, by writing this process's pid; a claim whose process has died
+    (an interrupted study) is taken over. Threads of one process never share a run: creating
+    the marker is atomic."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / ".claimed"
+    for _ in range(2):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(marker.read_text() or "0"), 0)
+                return False  # its owner is alive
+            except (ProcessLookupError, ValueError):
+                marker.unlink(missing_ok=True)
+                continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def is_done(run_dir: Path) -> bool:
+    """summary.json is written before the final evaluation too: done means it holds that."""
+    try:
+        summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(summary.get("eval_after"))
+
+
+def execute(run: Run, in_process: bool, threads: int) -> str:
+    """Run one study run unless it is done or claimed elsewhere; -> what happened."""
+    if is_done(run.dir):
+        print(f"[skip] {run.dir.name} is done", flush=True)
+        return "done"
+    if not claim(run.dir):
+        print(f"[skip] {run.dir.name} is claimed by another worker", flush=True)
+        return "claimed"
+    meta = {"arm": run.arm.name, "regime": run.arm.regime, "seed": run.seed}
+    meta["command"] = run.command(threads)
+    (run.dir / "study_run.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"[run] {run.dir.name}", flush=True)
+    try:
+        if in_process:  # smoke mode: no interpreter start-up per run
+            _train_here(run.args, threads)
+        else:
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+            cmd = [sys.executable, "-m", "ibpo.cli", "train", *run.args]
+            log = (run.dir / "train.log").open("a")
+            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    except subprocess.CalledProcessError as e:  # the others go on; a rerun retries this one
+        print(f"[fail] {run.dir.name}: {e} (see {run.dir / 'train.log'})", flush=True)
+        return "failed"
+    finally:
+        (run.dir / ".claimed").unlink(missing_ok=True)
+    return "ran"
+
+
+def _train_here(args: list[str], threads: int) -> None:
+    """One run in this process, on `threads` threads like a run's own process (restored after:
+    oversubscribed threads on a busy machine make tiny matmuls spin)."""
+    import torch
+
+    from ibpo.config import load_config
+    from ibpo.trainer import train
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        train(load_config(None, args))
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_all(runs: list[Run], workers: int, in_process: bool, threads: int) -> dict[str, int]:
+    """`workers` threads take runs in order, each run in its own process; -> outcome counts."""
+    queue, lock, outcomes = list(runs), threading.Lock(), {}
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                run = queue.pop(0)
+            what = execute(run, in_process, threads)
+            with lock:
+                outcomes[what] = outcomes.get(what, 0) + 1
+
+    if in_process or workers == 1:
+        work()
+    else:
+        pool = [threading.Thread(target=work) for _ in range(workers)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    return outcomes
+
+
+# --- statistics (pure Python) --------------------------------------------------------------------
+
+# Student's t, two-sided 95%, for 1..10 degrees of freedom; above that a Cornish-Fisher expansion
+# around the normal quantile is within 1e-3.
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def t_critical(df: int) -> float:
+    if df < 1:
+        return math.nan
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean; one value gives an interval of NaN."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t_critical(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def sign_test(diffs: list[float]) -> float:
+    """Exact two-sided sign test of median 0; ties (zero differences) are left out."""
+    pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    n = pos + neg
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(pos, neg) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def bootstrap_ci(diffs: list[float], reps: int = BOOTSTRAP_REPS, seed: int = BOOTSTRAP_SEED):
+    """Percentile bootstrap 95% interval of the mean, from a fixed RNG seed (reproducible)."""
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(reps))
+    return means[int(0.025 * reps)], means[min(reps - 1, int(0.975 * reps))]
+
+
+# --- reading finished runs -----------------------------------------------------------------------
+
+STEP_KEYS = ("reward", "entropy", "kl", "residual", "repair_success_rate", "repair_tokens")
+
+
+def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(training rows, periodic evaluation rows) of metrics.jsonl, one per step (a resumed run
+    may repeat steps: the last line wins)."""
+    train, evals = {}, {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        is_eval = all(k == "step" or k.startswith("eval_") for k in row)
+        (evals if is_eval else train)[row["step"]] = row
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+
+
+def read_run(run_dir: Path) -> dict:
+    """One finished run's figures for study.json."""
+    meta = json.loads((run_dir / "study_run.json").read_text())
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    steps, evals = _rows(run_dir / "train")
+    before = (summary.get("eval_before") or {}).get("accuracy")
+    after = summary["eval_after"]["accuracy"]
+    curve = ([(0, before)] if before is not None else []) + [
+        (e["step"], e["eval_accuracy"]) for e in evals
+    ]
+    curve.append((summary["steps"], after))
+    cumulative, total = {0: 0.0}, 0.0
+    for row in steps:
+        total += row.get("generated_tokens") or 0.0
+        cumulative[row["step"]] = total
+    col = {k: [row.get(k) for row in steps] for k in STEP_KEYS}
+    return {
+        **{k: meta[k] for k in ("arm", "regime", "seed", "command")},
+        "dir": str(run_dir),
+        "n_eval": summary["eval_after"]["n"],
+        "before": before,
+        "after": after,
+        "gain": None if before is None else after - before,
+        "curve": curve,
+        "token_curve": [(cumulative.get(s, total), acc) for s, acc in curve],
+        **col,
+        "generated_tokens": total,  # rollouts + repairs (+ dynamic sampling's extra rounds)
+        "repair_tokens_total": sum(x or 0.0 for x in col["repair_tokens"]),
+        "wall": summary.get("wall_seconds"),
+    }
+
+
+def collect(out: Path) -> tuple[list[dict], list[str]]:
+    """(every finished run under <out>, the folders not finished) from the folders alone."""
+    done, pending = [], []
+    for meta in sorted(out.glob("*/*/study_run.json")):
+        (done if is_done(meta.parent) else pending).append(meta.parent)
+    records = [read_run(d) for d in done]
+    order = {r: i for i, r in enumerate(REGIME_ORDER)}
+    records.sort(key=lambda r: (order.get(r["regime"], 99), r["arm"], r["seed"]))
+    return records, [str(d) for d in pending]
+
+
+def by_arm(records: list[dict]) -> dict[str, list[dict]]:
+    arms: dict[str, list[dict]] = {}
+    for r in records:
+        arms.setdefault(r["arm"], []).append(r)
+    return arms
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _f(x, fmt: str = ".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:{fmt}}"
+
+
+def _ci(values: list[float], fmt: str = "+.3f") -> str:
+    mean, low, high = mean_ci(values)
+    return f"{_f(mean, fmt)} [{_f(low, fmt)}, {_f(high, fmt)}]"
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else math.nan
+
+
+def arm_table(arms: dict[str, list[dict]]) -> str:
+    lines = [
+        "| arm | regime | seeds | final held-out acc. [95% CI] | gain [95% CI] | generated tokens "
+        "| repair success | final entropy | mean KL | mean residual | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in arms.items():
+        gains = [r["gain"] for r in runs if r["gain"] is not None]
+        after = _ci([r["after"] for r in runs], ".3f")
+        lines.append(
+            f"| {name} | {runs[0]['regime']} | {len(runs)} | {after} "
+            f"| {_ci(gains) if gains else 'n/a'} "
+            f"| {_mean(r['generated_tokens'] for r in runs):,.0f} "
+            f"| {_f(_mean(_mean(r['repair_success_rate']) for r in runs))} "
+            f"| {_f(_mean(r['entropy'][-1] for r in runs if r['entropy']))} "
+            f"| {_f(_mean(_mean(r['kl']) for r in runs), '.4f')} "
+            f"| {_f(_mean(_mean(r['residual']) for r in runs), '.4f')} "
+            f"| {_f(_mean(r['wall'] for r in runs), '.0f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
+    """Paired per-seed differences a - b of the final held-out accuracy (seeds in both)."""
+    if a not in arms or b not in arms:
+        return None
+    left, right = ({r["seed"]: r["after"] for r in arms[x]} for x in (a, b))
+    seeds = sorted(set(left) & set(right))
+    if not seeds:
+        return None
+    diffs = [left[s] - right[s] for s in seeds]
+    low, high = bootstrap_ci(diffs)
+    return {
+        "a": a,
+        "b": b,
+        "seeds": seeds,
+        "diffs": diffs,
+        "mean": statistics.fmean(diffs),
+        "bootstrap_ci": [low, high],
+        "wins": sum(d > 0 for d in diffs),
+        "losses": sum(d < 0 for d in diffs),
+        "ties": sum(d == 0 for d in diffs),
+        "sign_p": sign_test(diffs),
+    }
+
+
+def sentence(label: str, c: dict) -> str:
+    """One plain sentence: the difference, its intervals and whether it is significant."""
+    n, (low, high) = len(c["seeds"]), c["bootstrap_ci"]
+    sig = c["sign_p"] < 0.05
+    floor = min(1.0, 2 / 2**n)  # the sign test's smallest p: every seed on one side
+    why = "" if sig or floor < 0.05 else f" (with {n} seeds its p cannot go below {floor:.4f})"
+    return (
+        f"**{label}**: mean difference {c['mean']:+.3f} over {n} seeds ({c['wins']} higher, "
+        f"{c['losses']} lower, {c['ties']} tied); sign test p = {c['sign_p']:.3f}, so it is "
+        f"{'' if sig else 'not '}significant at 0.05{why}; the bootstrap 95% CI "
+        f"[{low:+.3f}, {high:+.3f}] {'includes' if low <= 0 <= high else 'excludes'} 0."
+    )
+
+
+def comparisons_md(comps: list[tuple[str, dict]]) -> str:
+    if not comps:
+        return "No comparison has finished runs in both arms yet.\n"
+    lines = [
+        "| comparison | seeds | mean diff. | bootstrap 95% CI | higher / lower / tied | sign p |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, c in comps:
+        lo, hi = c["bootstrap_ci"]
+        lines.append(
+            f"| {label} | {len(c['seeds'])} | {c['mean']:+.3f} | [{lo:+.3f}, {hi:+.3f}] "
+            f"| {c['wins']} / {c['losses']} / {c['ties']} | {c['sign_p']:.3f} |"
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(f"* {sentence(lb, c)}" for lb, c in comps) + "\n"
+
+
+def tokens_md(arms: dict[str, list[dict]]) -> str:
+    """Accuracy against generated tokens: the budget each arm really spent."""
+    ref = (
+        _mean(r["generated_tokens"] for r in arms.get("on-dfpo", [])) if "on-dfpo" in arms else None
+    )
+    lines = [
+        "| arm | generated tokens per run | x on-dfpo | repair tokens | final acc. | gain "
+        "| gain per 100k tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in arms.items():
+        tokens = _mean(r["generated_tokens"] for r in runs)
+        gain = _mean(r["gain"] for r in runs)
+        ratio = tokens / ref if ref else math.nan
+        lines.append(
+            f"| {name} | {tokens:,.0f} | {_f(ratio, '.2f')} "
+            f"| {_mean(r['repair_tokens_total'] for r in runs):,.0f} "
+            f"| {_f(_mean(r['after'] for r in runs))} | {_f(gain, '+.3f')} "
+            f"| {_f(gain / tokens * 1e5 if tokens else math.nan, '+.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def sweep_md(arms: dict[str, list[dict]]) -> str:
+    lines = [
+        "| arm | seed | before | after | gain | min held-out acc. | final entropy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in arms.items():
+        for r in runs:
+            lines.append(
+                f"| {name} | {r['seed']} | {_f(r['before'])} | {_f(r['after'])} "
+                f"| {_f(r['gain'], '+.3f')} | {_f(min(acc for _, acc in r['curve']))} "
+                f"| {_f(r['entropy'][-1] if r['entropy'] else None)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
+    """(study.json's content, study.md's text) from the finished runs."""
+    main_runs = [r for r in records if r["regime"] != SWEEP]
+    arms, sweep = by_arm(main_runs), by_arm([r for r in records if r["regime"] == SWEEP])
+    comps = [(lb, c) for lb, a, b in COMPARISONS if (c := compare(arms, a, b))]
+    before = sorted({r["before"] for r in records if r["before"] is not None})
+    n_eval = sorted({r["n_eval"] for r in records})
+    md = ["# IBPO study\n"]
+    md.append(
+        f"Held-out problems per evaluation: {', '.join(map(str, n_eval)) or 'n/a'} (greedy); "
+        f"accuracy before training: {', '.join(f'{b:.3f}' for b in before) or 'n/a'}. "
+        "Intervals over seeds are 95% t-intervals of the mean; paired differences are of the "
+        f"final held-out accuracy, seed by seed, with an exact two-sided sign test and a "
+        f"percentile bootstrap ({BOOTSTRAP_REPS:,} resamples, RNG seed {BOOTSTRAP_SEED}).\n"
+    )
+    if pending:
+        md.append(
+            f"**{len(pending)} runs are not finished** and are left out: "
+            + ", ".join(Path(p).name for p in pending)
+            + "\n"
+        )
+    if arms:
+        md += ["## Per arm\n", arm_table(arms)]
+        md += ["## Paired differences\n", comparisons_md(comps)]
+        md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
+        md.append(
+            "![held-out accuracy per step and per generated token](accuracy.png)\n\n"
+            "![entropy and KL to the reference per step](dynamics.png)\n"
+        )
+    if sweep:
+        md += ["## Learning-rate sweep\n", sweep_md(sweep), "![sweep](sweep.png)\n"]
+    md.append(
+        "## Command lines\n\n```bash\n" + "\n".join(r["command"] for r in records) + "\n```\n"
+    )
+    data = {"runs": main_runs, "sweep": [r for r in records if r["regime"] == SWEEP]}
+    data["comparisons"] = [{"label": lb, **c} for lb, c in comps]
+    data["pending"] = pending
+    return data, "\n".join(md)
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+
+def _mean_curve(runs: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """Mean over seeds at the points every seed has (index-aligned: one schedule per arm)."""
+    curves = [r[key] for r in runs]
+    n = min(len(c) for c in curves)
+    xs = [statistics.fmean(c[i][0] for c in curves) for i in range(n)]
+    ys = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
+    return xs, ys
+
+
+def _step_mean(runs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    n = min(len(r[key]) for r in runs)
+    ys = [_mean(r[key][i] for r in runs) for i in range(n)]
+    return list(range(1, n + 1)), ys
+
+
+def _panels(arms: dict[str, list[dict]]) -> list[tuple[str, dict[str, list[dict]]]]:
+    """On-policy with its ablations and equal-compute arm; off-policy on its own."""
+    on = {k: v for k, v in arms.items() if v[0]["regime"] in (ON, ABLATION, EQUAL)}
+    off = {k: v for k, v in arms.items() if v[0]["regime"] == OFF}
+    return [(t, p) for t, p in (("on-policy", on), ("off-policy", off)) if p]
+
+
+def plot(arms: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(arms)
+    specs = {
+        "accuracy.png": [
+            ("curve", "held-out accuracy", "step"),
+            ("token_curve", "held-out accuracy", "generated tokens"),
+        ],
+        "dynamics.png": [("entropy", "entropy", "step"), ("kl", "KL to the reference", "step")],
+    }
+    for name, cols in specs.items():
+        fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.8 * len(panels)), squeeze=False)
+        for row, (title, group) in zip(axes, panels):
+            for ax, (key, ylabel, xlabel) in zip(row, cols):
+                for arm, runs in group.items():
+                    pick = _mean_curve if key in ("curve", "token_curve") else _step_mean
+                    xs, ys = pick(runs, key)
+                    style = "-" if arm.endswith("ibpo") else "--"
+                    ax.plot(xs, ys, style, marker=".", label=f"{arm} ({len(runs)})")
+                ax.set_title(f"{title}: {ylabel} (mean over seeds)", fontsize=10)
+                ax.set_xlabel(xlabel)
+            row[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+
+def plot_sweep(sweep: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for objective in ("grpo", "dfpo"):
+        points = sorted(
+            (float(name.split("-lr", 1)[1]), r["after"])
+            for name, runs in sweep.items()
+            if name.startswith(f"sweep-{objective}-lr")
+            for r in runs
+        )
+        if points:
+            ax.plot(*zip(*points), marker="o", label=objective)
+    before = [r["before"] for runs in sweep.values() for r in runs if r["before"] is not None]
+    if before:
+        ax.axhline(before[0], color="grey", lw=0.8, label="before training")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final held-out accuracy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(out: Path) -> str:
+    """Rebuild study.json, study.md and the plots from the finished run folders under `out`."""
+    records, pending = collect(out)
+    data, md = build_report(records, pending)
+    (out / "study.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "study.md").write_text(md)
+    main_arms = by_arm(data["runs"])
+    if main_arms:
+        plot(main_arms, out)
+    if data["sweep"]:
+        plot_sweep(by_arm(data["sweep"]), out / "sweep.png")
+    return md
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("--out", default="outputs/study")
+    add("--seeds", default="0,1,2,3,4")
+    add("--steps", type=int, default=20)
+    add("--eval-every", type=int, default=5, help="held-out evaluation every N steps")
+    add("--eval-size", type=int, default=200, help="held-out problems (>= 200 for the study)")
+    add(
+        "--dataset",
+        default="builtin:mixed",
+        help="builtin:arithmetic holds only 158 held-out problems; mixed holds 720",
+    )
+    add("--prompts", type=int, default=2, help="prompts per step")
+    add("--group-size", type=int, default=8)
+    add("--max-new-tokens", type=int, default=16, help="rollout and held-out answers")
+    add("--lr", default="5e-4", help="learning rate of the main grid (choose it by --sweep)")
+    add("--off-updates", type=int, default=2, help="updates per rollout, off-policy regime")
+    add(
+        "--equal-by",
+        choices=("group", "steps"),
+        default="group",
+        help="how the equal-compute dfpo arm gets IBPO's token budget",
+    )
+    add("--equal-factor", type=float, default=1.5, help="its group size (or steps) x this")
+    add("--quantization", default="none", help="model.quantization (fp32 base: CPU speed)")
+    add("--model", default=None, help="model.name (default: the embedded SmolLM2-135M)")
+    add("--arms", default=None, help="only these arms (comma-separated names; default all)")
+    add("--workers", type=int, default=1, help="runs at once, each in its own process")
+    add("--threads", type=int, default=None, help="OMP_NUM_THREADS per run (cores / workers)")
+    add("--sweep", action="store_true", help="the learning-rate sweep instead of the grid")
+    add("--lrs", default="1e-4,2e-4,5e-4,1e-3")
+    add("--sweep-seed", type=int, default=0)
+    add("--report-only", action="store_true", help="rebuild the report from finished runs")
+    add(
+        "--smoke",
+        action="store_true",
+        help="tiny: 2 steps, 2 seeds, 3 arms, in this process (CI; pass --model)",
+    )
+    add("overrides", nargs="*", help="section.key=value applied to every run")
+    ns = p.parse_args(argv)
+    if ns.smoke:  # the tiny shapes, where an option was left at its default
+        for key, value in SMOKE.items():
+            if getattr(ns, key) == p.get_default(key):
+                setattr(ns, key, value)
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(argv)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not ns.report_only:
+        threads = ns.threads or max(1, (os.cpu_count() or 1) // max(1, ns.workers))
+        runs = plan(ns, out)
+        check(runs)
+        outcomes = run_all(runs, ns.workers, ns.smoke, threads)
+        print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
+    md = report(out)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

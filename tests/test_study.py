@@ -1,0 +1,171 @@
+"""The study script: its statistics against hand-computed values, its report from synthetic
+runs, and its smoke mode end to end on the tiny model (json, md, plots; a rerun skips)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("study", ROOT / "scripts/study.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["study"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("study", None)
+
+
+def test_sign_test_is_exact_and_two_sided(study):
+    assert study.sign_test([0.1] * 5) == pytest.approx(2 / 32)  # 5 of 5: the floor at 5 seeds
+    assert study.sign_test([-0.1] * 6) == pytest.approx(2 / 64)
+    assert study.sign_test([1] * 8 + [-1] * 2) == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert study.sign_test([1, -1, 0, 0]) == 1.0  # ties are left out; 1 vs 1 caps at 1
+    assert study.sign_test([0, 0]) == 1.0
+
+
+def test_t_interval_of_a_known_list(study):
+    mean, low, high = study.mean_ci([1, 2, 3, 4, 5])
+    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)  # t(0.975, 4) x sd / sqrt(n)
+    assert mean == 3 and low == pytest.approx(3 - half) and high == pytest.approx(3 + half)
+    assert study.t_critical(30) == pytest.approx(2.042, abs=1e-3)
+    assert study.t_critical(100) == pytest.approx(1.984, abs=1e-3)
+    assert math.isnan(study.mean_ci([0.5])[1])
+
+
+def test_bootstrap_is_reproducible_and_bounded(study):
+    diffs = [0.1, -0.05, 0.2, 0.0, 0.15]
+    low, high = study.bootstrap_ci(diffs)
+    assert (low, high) == study.bootstrap_ci(diffs)  # fixed RNG seed
+    assert min(diffs) <= low < sum(diffs) / 5 < high <= max(diffs)
+    assert study.bootstrap_ci([0.1] * 5) == pytest.approx((0.1, 0.1))
+
+
+def _record(arm, regime, seed, after):
+    return {
+        "arm": arm, "regime": regime, "seed": seed, "command": f"train {arm} {seed}",
+        "n_eval": 200, "before": 0.4, "after": after, "gain": after - 0.4,
+        "curve": [(0, 0.4), (2, after)], "token_curve": [(0, 0.4), (100.0, after)],
+        "reward": [0.1, 0.2], "entropy": [1.0, 0.9], "kl": [0.0, 0.01], "residual": [0.0, 0.0],
+        "repair_success_rate": [0.2, 0.3], "repair_tokens": [5.0, 5.0],
+        "generated_tokens": 100.0, "repair_tokens_total": 10.0, "wall": 1.0,
+    }  # fmt: skip
+
+
+def test_report_pairs_seeds_and_says_what_is_significant(study):
+    seeds = range(6)
+    records = [_record("on-ibpo", study.ON, s, 0.6) for s in seeds]
+    records += [_record("on-dfpo", study.ON, s, 0.5) for s in seeds]
+    records += [_record("on-grpo", study.ON, s, 0.5 + (0.1 if s % 2 else -0.1)) for s in seeds]
+    data, md = study.build_report(records, pending=[])
+    comps = {c["label"]: c for c in data["comparisons"]}
+    ibpo = comps["on-policy ibpo - dfpo (Part 2: repairs)"]
+    assert ibpo["wins"] == 6 and ibpo["sign_p"] == pytest.approx(2 / 64)
+    assert ibpo["mean"] == pytest.approx(0.1)
+    grpo = comps["on-policy dfpo - grpo (Part 1: the objective)"]
+    assert (grpo["wins"], grpo["losses"]) == (3, 3) and grpo["sign_p"] == 1.0
+    assert "so it is significant at 0.05" in md and "so it is not significant at 0.05" in md
+    assert (
+        "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
+        and "train on-grpo 5" in md
+    )
+
+
+def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["--smoke", "--model", str(tiny_model_dir), "--out", str(out), "--threads", "1"]
+    assert study.main(argv) == 0
+    data = json.loads((out / "study.json").read_text())
+    assert {r["arm"] for r in data["runs"]} == set(study.SMOKE_ARMS)
+    assert len(data["runs"]) == 2 * len(study.SMOKE_ARMS) and not data["pending"]
+    for run in data["runs"]:
+        assert [s for s, _ in run["curve"]] == [0, 1, 2]  # start, every step, end
+        assert run["n_eval"] == 4 and run["generated_tokens"] > 0 and len(run["kl"]) == 2
+        assert run["token_curve"][-1][0] == run["generated_tokens"]
+    ibpo = [r for r in data["runs"] if r["arm"] == "on-ibpo"]
+    assert all(r["repair_tokens_total"] > 0 for r in ibpo)  # repairs count as generated tokens
+    md = (out / "study.md").read_text()
+    assert "| on-ibpo | on-policy | 2 |" in md and "train.updates_per_rollout=2" in md
+    assert md.count("python -m ibpo.cli train") == 6
+    for png in ("accuracy.png", "dynamics.png"):
+        assert (out / png).stat().st_size > 10_000
+    capsys.readouterr()
+    assert study.main(argv) == 0  # every run is found done and skipped
+    assert capsys.readouterr().out.count("[skip]") == 6
+    (out / "study.md").unlink()
+    assert study.main([*argv, "--report-only"]) == 0 and (out / "study.md").read_text() == md
+
+
+def test_every_planned_run_is_a_valid_config(study, tmp_path):
+    from ibpo.config import load_config
+
+    runs = study.plan(study.parse([]), tmp_path)
+    assert len(runs) == 13 * 5 and len({r.dir for r in runs}) == len(runs)
+    assert [r.seed for r in runs[:13]] == [0] * 13  # seeds are the outer loop
+    cfgs = {r.arm.name: load_config(None, r.args) for r in runs if r.seed == 0}
+    for name, cfg in cfgs.items():
+        assert cfg.train.steps == 20 and cfg.data.eval_size >= 200 and cfg.train.eval_every == 5
+        assert cfg.model.quantization == "none" and cfg.train.log_reference_kl
+        assert cfg.train.updates_per_rollout == (2 if name.startswith("off-") else 1)
+        assert cfg.rollout.dynamic_sampling is (name == "off-dapo")  # DAPO's own default
+        assert cfg.repair.enabled is ("ibpo" in name or name.startswith("ablation"))
+    assert cfgs["equal-dfpo"].rollout.group_size == 12 and cfgs["on-dfpo"].rollout.group_size == 8
+    assert cfgs["ablation-shaping-only"].repair.unchanged_weight == 1
+    assert cfgs["ablation-mask-only"].repair.shaping_lambda == 0
+    assert cfgs["ablation-k3"].repair.references == 2
+    steps = study.plan(study.parse(["--equal-by", "steps", "objective.kl_coef=0.01"]), tmp_path)
+    equal = next(r for r in steps if r.arm.name == "equal-dfpo")
+    assert load_config(None, equal.args).train.steps == 30
+    assert all(load_config(None, r.args).objective.kl_coef == 0.01 for r in steps[:2])
+    sweep = study.plan(study.parse(["--sweep", "--lrs", "1e-4,1e-3"]), tmp_path)
+    lrs = sorted((r.arm.name, load_config(None, r.args).train.learning_rate) for r in sweep)
+    assert lrs == [("sweep-dfpo-lr1e-3", 1e-3), ("sweep-dfpo-lr1e-4", 1e-4),
+                   ("sweep-grpo-lr1e-3", 1e-3), ("sweep-grpo-lr1e-4", 1e-4)]  # fmt: skip
+    assert {r.seed for r in sweep} == {0} and all("sweep" in str(r.dir) for r in sweep)
+
+
+def test_claims_and_unfinished_runs(study, tmp_path):
+    run = tmp_path / "run"
+    assert study.claim(run) and not study.claim(run)  # this process holds it
+    (run / ".claimed").write_text("999999999")  # a process that is gone: taken over
+    assert study.claim(run) and (run / ".claimed").read_text() == str(__import__("os").getpid())
+    (run / "train").mkdir()
+    (run / "train/summary.json").write_text(json.dumps({"eval_after": None}))
+    assert not study.is_done(run)  # written before the final evaluation: not done
+    (run / "train/summary.json").write_text(json.dumps({"eval_after": {"accuracy": 0.5}}))
+    assert study.is_done(run)
+
+
+def test_workers_run_each_run_once_in_its_own_process(study, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "study"
+    tiny = ["--steps", "1", "--eval-every", "0", "--eval-size", "4", "--group-size", "2"]
+    tiny += ["--max-new-tokens", "4", "--dataset", "builtin:arithmetic", "--prompts", "1"]
+    argv = ["--model", str(tiny_model_dir), "--out", str(out), "--arms", "on-dfpo,on-grpo"]
+    assert study.main([*argv, *tiny, "--seeds", "0", "--workers", "2", "--threads", "1"]) == 0
+    assert capsys.readouterr().out.count("[run]") == 2
+    data = json.loads((out / "study.json").read_text())
+    assert sorted(r["arm"] for r in data["runs"]) == ["on-dfpo", "on-grpo"]
+    assert all((Path(r["dir"]) / "train.log").is_file() for r in data["runs"])
+
+
+def test_a_bad_override_stops_the_study_before_any_run(study, tmp_path):
+    with pytest.raises(SystemExit, match="unknown key 'train.kl_coef'"):
+        study.main(["--out", str(tmp_path), "train.kl_coef=0.1"])
+    assert not list(tmp_path.glob("runs/*"))
+
+
+def test_smoke_sweep_is_its_own_table(study, tiny_model_dir, tmp_path):
+    out = tmp_path / "study"
+    argv = ["--smoke", "--sweep", "--lrs", "1e-4,1e-3", "--model", str(tiny_model_dir)]
+    assert study.main([*argv, "--out", str(out), "--threads", "1"]) == 0
+    data = json.loads((out / "study.json").read_text())
+    assert not data["runs"] and len(data["sweep"]) == 4
+    md = (out / "study.md").read_text()
+    assert "## Learning-rate sweep" in md and "| sweep-grpo-lr1e-3 | 0 |" in md
+    assert "## Per arm" not in md and (out / "sweep.png").stat().st_size > 10_000
