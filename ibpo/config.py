@@ -267,7 +267,7 @@ class DataConfig:
 class RolloutConfig:
     # G completions per prompt
     group_size: int = at_least(2, 8, "advantages compare members of a group")
-    max_new_tokens: int = positive(24)
+    max_new_tokens: int = positive(16)
     temperature: float = positive(1.0, "rollouts are sampled")
     # top_p < 1 or top_k > 0 sample from a truncated distribution, while log-probs (and KL,
     # entropy) use the full one: the update is then slightly off-policy
@@ -318,7 +318,7 @@ class ObjectiveConfig:
     scale_rewards: bool | None = None  # divide group-centred rewards by the group std
     aggregation: str | None = choice(*AGGREGATIONS, default=None, null=_OWN)
     # k3 KL to the reference (the base with the adapter disabled)
-    kl_coef: float = at_least(0.0, 0.0, "0 = no KL term")
+    kl_coef: float = at_least(0.0, 0.1, "0 = no KL term")
     # k3: the per-token k3 estimate as the loss term | k3_ratio: k3 times the token's ratio to the
     # rollout policy (differentiable), whose gradient is the unbiased reverse-KL gradient, also
     # on-policy (TRL's GRPOTrainer default since 1.x: use_bias_correction_kl)
@@ -392,7 +392,7 @@ class TrainConfig:
     """What is learned and how (the run's length, batching, optimiser, seed, evaluation); where
     and how the job runs is RunConfig's."""
 
-    steps: int = at_least(0, 14)
+    steps: int = at_least(0, 12)
     prompts_per_step: int = positive(4)  # B prompts; each step trains on B * G sequences
     # whole groups per forward/backward (group transforms need them)
     micro_batch_groups: int = positive(4)

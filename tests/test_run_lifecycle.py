@@ -92,12 +92,12 @@ def test_resume_applies_a_new_learning_rate_and_names_other_changes(
     old = json.loads((step1 / "config.json").read_text())
     old["train"].update(old.pop("run"))
     (step1 / "config.json").write_text(json.dumps(old))
-    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.1", "run.keep_checkpoints=5"]
+    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.3", "run.keep_checkpoints=5"]
     _run(tiny_model_dir, out, 2, "train.warmup_steps=2", f"run.resume_from={step1}", *changed)
     said = capsys.readouterr().out
     assert "train.learning_rate: 0.001 -> 1e-05" in said
-    assert "objective.kl_coef: 0.0 -> 0.1" in said and "train.steps" not in said
-    assert "continues with the new ones: objective.kl_coef: 0.0 -> 0.1\n" in said
+    assert "objective.kl_coef: 0.1 -> 0.3" in said and "train.steps" not in said
+    assert "continues with the new ones: objective.kl_coef: 0.1 -> 0.3\n" in said
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-5])
     # resumed from step 1: its first save removed step-3 of the abandoned history
     names = [p.name for p in ckpt.list_checkpoints(out / "checkpoints")]
