@@ -248,8 +248,8 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
                     )
                 if not mod.disable_adapters and not mod.merged:
                     for name in mod.active_adapters:
-                        if name in mod.lora_A:
-                            w = w + mod.get_delta_weight(name).to(w.dtype)
+                        if name in mod.lora_A:  # in place: w is this phase's own copy
+                            w.add_(mod.get_delta_weight(name).to(w.dtype))
                 mod.forward = _merged_forward(mod, w, base.bias)
                 patched.append(mod)
             elif isinstance(mod, bnb.nn.Linear4bit) and id(mod) not in inside:

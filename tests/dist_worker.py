@@ -120,6 +120,7 @@ def make_policy(model_dir: str, objective: str, device):
             "train.learning_rate=0.01",
             "train.micro_batch_groups=1",
             "train.log_reference_kl=false",
+            "objective.kl_coef=0.0",  # no reference forward, as log_reference_kl=false says
             "rollout.max_new_tokens=12",
         ],
     )

@@ -71,6 +71,7 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         "model.gradient_checkpointing=true",
         "train.optimizer=auto",
         "objective.name=ibpo",
+        "objective.kl_coef=0.0",  # as the GPU recipes set it
         # bitsandbytes keeps 8-bit optimizer state only for tensors of >= 4096 elements: at rank
         # 64 the larger LoRA matrices of this model have that many (the smaller stay 32-bit)
         "model.lora_r=64",
