@@ -54,6 +54,7 @@ SMOKE = [
     "repair.max_new_tokens=4",
     "model.quantization=none",
     "train.log_reference_kl=false",
+    "objective.kl_coef=0.0",  # no reference forward
 ]
 PHASES = ["generate", "repair", "score", "frozen", "update", "forward", "backward", "optimizer",
           "other"]  # fmt: skip

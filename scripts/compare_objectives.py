@@ -40,6 +40,7 @@ BUDGET = [
     "data.eval_size=60",
     "train.learning_rate=1e-3",
     "train.log_reference_kl=false",
+    "objective.kl_coef=0.0",  # as when it ran: no reference model
 ]
 
 SMOKE = [

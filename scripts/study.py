@@ -153,6 +153,7 @@ def budget(ns: argparse.Namespace) -> list[str]:
         f"rollout.max_new_tokens={ns.max_new_tokens}",
         f"rollout.eval_max_new_tokens={ns.max_new_tokens}",
         f"train.learning_rate={ns.lr}",
+        f"objective.kl_coef={ns.kl_coef}",
         "train.log_reference_kl=true",  # the KL to the reference is a reported figure
         "run.save_every=0",  # a checkpoint at the end and on SIGINT/SIGTERM, for resuming
         "run.plots=false",  # the study draws its own
@@ -706,6 +707,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--group-size", type=int, default=8)
     add("--max-new-tokens", type=int, default=16, help="rollout and held-out answers")
     add("--lr", default="5e-4", help="learning rate of the main grid (choose it by --sweep)")
+    add("--kl-coef", default="0.0", help="objective.kl_coef of every run (0: no KL term)")
     add("--off-updates", type=int, default=2, help="updates per rollout, off-policy regime")
     add(
         "--equal-by",
