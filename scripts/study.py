@@ -706,7 +706,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--prompts", type=int, default=2, help="prompts per step")
     add("--group-size", type=int, default=8)
     add("--max-new-tokens", type=int, default=16, help="rollout and held-out answers")
-    add("--lr", default="5e-4", help="learning rate of the main grid (choose it by --sweep)")
+    add("--lr", default="2e-4", help="main-grid learning rate (the sweep's best, docs/study.md)")
     add("--kl-coef", default="0.0", help="objective.kl_coef of every run (0: no KL term)")
     add("--off-updates", type=int, default=2, help="updates per rollout, off-policy regime")
     add(
