@@ -204,29 +204,12 @@ def _list(text: str, kind):
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+# The claim of a run folder is compare_objectives' (one pid marker per run, created atomically, a
+# dead owner's taken over), so both scripts may share an --out and its claims.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_objectives import claim  # noqa: E402
+
 # --- running -------------------------------------------------------------------------------------
-
-
-def claim(run_dir: Path) -> bool:
-    """Each run is claimed once, by writing this process's pid; a claim whose process has died
-    (an interrupted study) is taken over. Threads of one process never share a run: creating
-    the marker is atomic."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    marker = run_dir / ".claimed"
-    for _ in range(2):
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                os.kill(int(marker.read_text() or "0"), 0)
-                return False  # its owner is alive
-            except (ProcessLookupError, ValueError):
-                marker.unlink(missing_ok=True)
-                continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return True
-    return False
 
 
 def is_done(run_dir: Path) -> bool:
