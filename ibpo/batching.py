@@ -81,6 +81,7 @@ class MicroBatch:
     completion_mask: Tensor  # [n, t]
     prompt_len: int  # p <= the rollout's P
     tokens: list[list[int]]  # host: each row's completion ids (up to its length)
+    group_size: int = 1  # rows are whole groups of this many, one prompt each (logprobs packing)
 
     @property
     def completion_ids(self) -> Tensor:  # [n, t]
@@ -96,7 +97,7 @@ class MicroBatch:
         return t[:, : self.width] if t.dim() == 2 else t
 
 
-def cut(rollout: Rollout, rows: list[int]) -> MicroBatch:
+def cut(rollout: Rollout, rows: list[int], group_size: int = 1) -> MicroBatch:
     """The rows of a micro-batch, without the columns that are padding in all of them."""
     idx = torch.tensor(rows, dtype=torch.long, device=rollout.input_ids.device)
     P = rollout.prompt_len
@@ -113,6 +114,7 @@ def cut(rollout: Rollout, rows: list[int]) -> MicroBatch:
         cmask[:, :t],
         p,
         [tokens[i] for i in rows],
+        group_size,
     )
 
 
@@ -121,4 +123,4 @@ def micro_batches(
 ) -> list[MicroBatch]:
     prompt, completion = rollout.host_prompt_lengths(), rollout.lengths
     plan = plan_micro_batches(prompt, completion, group_size, max_groups, max_tokens)
-    return [cut(rollout, rows) for rows in plan]
+    return [cut(rollout, rows, group_size) for rows in plan]

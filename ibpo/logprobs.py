@@ -248,9 +248,17 @@ def completion_hidden(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int
 ) -> Tensor:
     """Decoder hidden states at the positions that predict completion tokens: [N, T, H]."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    hidden = _decoder_hidden(model, input_ids, attention_mask, position_ids)
+    return hidden[:, prompt_len - 1 : -1]
+
+
+def _decoder_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> Tensor:
+    """The decoder's last hidden states [rows, L, H] (attention_mask 2-D, or a prepared 4-D)."""
     base = unwrap(model)
     _check_supported(base)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -273,8 +281,117 @@ def completion_hidden(
         out = found[-1]
     else:
         out = base.get_decoder()(**kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[:, prompt_len - 1 : -1]
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+# --- shared prompts: a group's prompt computed once ------------------------------------------
+
+# The dense [L, L] masks of one packed forward stay under this many bytes (bool, all groups).
+SHARED_PROMPT_MASK_BYTES = 64 * 2**20
+
+
+def _layer_costs(config) -> tuple[float, float] | None:
+    """FLOPs per token of one layer's linear maps and per (query, key) pair of its attention, for
+    a dense decoder with full attention; None for anything else (sliding windows, MoE, unknown
+    shapes), which then never packs."""
+    if getattr(config, "use_sliding_window", False) or any(
+        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or [])
+    ):
+        return None
+    if getattr(config, "sliding_window", None) and not hasattr(config, "use_sliding_window"):
+        return None  # Mistral-style: a window whenever one is set
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        return None
+    try:
+        h, heads = config.hidden_size, config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or h // heads
+        inter = config.intermediate_size
+    except AttributeError:
+        return None
+    linear = 2 * (2 * h * heads * d + 2 * h * kv * d + 3 * h * inter)
+    return float(linear), float(4 * heads * d)
+
+
+def shared_prompt_packing(
+    model: nn.Module, rows: int, prompt_len: int, width: int, group_size: int
+) -> bool:
+    """Whether `completion_hidden` should run each group as one packed row (see below): only with
+    SDPA attention (it takes the boolean mask as it is) on a dense full-attention decoder, when the
+    estimated FLOPs of the packed rows are lower and their masks stay under
+    SHARED_PROMPT_MASK_BYTES. Flash-attention kernels take no such mask: never with them."""
+    if group_size < 2 or rows % group_size or prompt_len < 1:
+        return False
+    config = unwrap(model).config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    costs = _layer_costs(config)
+    if costs is None:
+        return False
+    linear, pair = costs
+    g, p, t = group_size, prompt_len, width
+    packed_len = p + g * t
+    if (rows // g) * packed_len**2 > SHARED_PROMPT_MASK_BYTES:
+        return False
+    separate = g * (p + t) * linear + g * (p + t) ** 2 * pair
+    packed = packed_len * linear + packed_len**2 * pair
+    return packed < separate
+
+
+def pack_shared_prompts(
+    input_ids: Tensor, attention_mask: Tensor, prompt_len: int, group_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One row per group: [prompt, completion 1, ..., completion G], L = P + G * T columns.
+
+    The G members of a group share their prompt token for token (they were sampled from it), so
+    the decoder computes it once instead of G times. The 4-D boolean mask [B', 1, L, L] lets each
+    completion attend to the prompt and, causally, to its own tokens only; position ids are the
+    unpacked rows' own, so every completion token sees exactly the context and positions it has
+    in its own row, and its log-prob is the same computation. Every query also attends to itself,
+    so a left-padding position is never a row with nothing to attend (NaN in SDPA). -> (ids
+    [B', L], mask, position ids [B', L], index [G, T] of the positions whose hidden states predict
+    each member's completion tokens)."""
+    n, width = input_ids.shape
+    g, p = group_size, prompt_len
+    t, groups, device = width - p, n // group_size, input_ids.device
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+    def packed(x: Tensor) -> Tensor:
+        x = x.view(groups, g, width)
+        return torch.cat([x[:, 0, :p], x[:, :, p:].reshape(groups, g * t)], dim=1)
+
+    ids, valid, pos = packed(input_ids), packed(attention_mask).bool(), packed(positions)
+    length = p + g * t
+    block = torch.cat(
+        [
+            torch.zeros(p, dtype=torch.long, device=device),
+            torch.arange(1, g + 1, device=device).repeat_interleave(t),
+        ]
+    )  # [L]: 0 for the prompt, i for member i's completion
+    idx = torch.arange(length, device=device)
+    allowed = (idx[None, :] <= idx[:, None]) & (
+        (block[None, :] == 0) | (block[None, :] == block[:, None])
+    )  # [L query, L key]
+    mask = (allowed[None] & valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
+    starts = p + t * torch.arange(g, device=device)  # [G]: each completion's first column
+    index = torch.cat(
+        [
+            torch.full((g, 1), p - 1, dtype=torch.long, device=device),
+            starts[:, None] + torch.arange(t - 1, device=device)[None, :],
+        ],
+        dim=1,
+    )  # [G, T]: the last prompt position, then the member's own positions
+    return ids, mask[:, None], pos, index
+
+
+def packed_completion_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, group_size: int
+) -> Tensor:
+    """`completion_hidden` with each group's prompt computed once: [N, T, H]."""
+    ids, mask, pos, index = pack_shared_prompts(input_ids, attention_mask, prompt_len, group_size)
+    hidden = _decoder_hidden(model, ids, mask, pos)  # [B', L, H]
+    groups, g, t = ids.shape[0], index.shape[0], index.shape[1]
+    return hidden[:, index.reshape(-1)].reshape(groups * g, t, hidden.shape[-1])
 
 
 def completion_logprobs(
@@ -285,13 +402,20 @@ def completion_logprobs(
     completion_mask: Tensor,
     chunk_tokens: int = 1024,
     temperature: float = 1.0,
+    group_size: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropies of completion tokens, [N, T] each (zero where mask is 0).
 
     input_ids/attention_mask: [N, P + T], prompts left-padded to P, completions right-padded to T.
     Gradients flow to the log-probs when grad is enabled; entropies are always detached.
+    `group_size` > 1 says the rows are whole groups of that many consecutive rows with one
+    prompt each: where `shared_prompt_packing` finds it cheaper, each prompt is computed once.
     """
-    hidden = completion_hidden(model, input_ids, attention_mask, prompt_len)
+    width = input_ids.shape[1] - prompt_len
+    if shared_prompt_packing(model, input_ids.shape[0], prompt_len, width, group_size):
+        hidden = packed_completion_hidden(model, input_ids, attention_mask, prompt_len, group_size)
+    else:
+        hidden = completion_hidden(model, input_ids, attention_mask, prompt_len)
     head = unwrap(model).get_output_embeddings()
     sel = completion_mask.bool()
     # [M, H] and [M]: completion positions only

@@ -217,6 +217,73 @@ def _merged_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     return forward
 
 
+class _LoraLinear(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T with a frozen W, as one node of the autograd graph.
+
+    PEFT computes the same sum as base(x) + lora_B(lora_A(x)) * s: four [tokens, out] tensors
+    per layer and call (base output, B's output, the scaled copy, the sum), each freshly
+    allocated, again in the recomputation under gradient checkpointing and again in backward.
+    Here the update is accumulated into the base output in place (addmm_), backward forms dx the
+    same way, and only x and the rank-r product x A^T are saved. On CPU, where every fresh
+    allocation of a few MB costs page faults, this is most of the training forward's overhead
+    outside the matmuls. Gradients: dx = dy W + s (dy B) A, dA = s (dy B)^T x, dB = s dy^T (x A^T).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, in]
+        xa = x2 @ lora_a.t()  # [M, r]
+        out = x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())
+        out.addmm_(xa, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(x2, xa, weight, lora_a, lora_b)
+        ctx.scaling, ctx.shape = scaling, shape
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xa, weight, lora_a, lora_b = ctx.saved_tensors
+        s = ctx.scaling
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [M, out]
+        g = dy2 @ lora_b  # [M, r]
+        dx = d_a = d_b = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ weight).addmm_(g, lora_a, alpha=s).view(ctx.shape)
+        if ctx.needs_input_grad[3]:
+            d_a = (g.t() @ x2).mul_(s)
+        if ctx.needs_input_grad[4]:
+            d_b = (dy2.t() @ xa).mul_(s)
+        return dx, None, None, d_a, d_b, None
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A PEFT LoRA layer whose forward is exactly base(x) + s B A x: one active plain adapter,
+    no dropout, no bias on B, not merged (anything else keeps PEFT's own forward)."""
+    names = [n for n in layer.active_adapters if n in layer.lora_A]
+    if len(names) != 1 or layer.merged or getattr(layer, "lora_variant", None):
+        return False
+    name = names[0]
+    if getattr(layer, "use_dora", {}).get(name):
+        return False
+    drop = layer.lora_dropout[name]
+    no_dropout = isinstance(drop, nn.Identity) or getattr(drop, "p", 1.0) == 0.0
+    return no_dropout and layer.lora_B[name].bias is None
+
+
+def _fused_lora_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+    name = next(n for n in layer.active_adapters if n in layer.lora_A)
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    scaling = float(layer.scaling[name])
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        same = x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype
+        if layer.disable_adapters or args or kwargs or not same or layer.merged:
+            return type(layer).forward(layer, x, *args, **kwargs)  # PEFT's own path
+        return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+
+    return forward
+
+
 @contextlib.contextmanager
 def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int]:
     """CPU speed: every 4-bit linear layer computes with a weight dequantised once, on entry.
@@ -230,11 +297,14 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
     copy of every quantised weight while inside (the planner's GPU paths never use this).
     Under gradient checkpointing the backward pass recomputes layers, so it must run inside the
     context too. In bf16 the folded LoRA update is rounded to bf16 (CPU computes in fp32 by
-    default). Yields the number of layers switched.
+    default). Without `merge_lora` (training) a plain LoRA layer computes base and update as one
+    fused autograd node (`_LoraLinear`); the adapter's gradients are those of PEFT's forward.
+    Yields the number of 4-bit layers switched.
     """
     import bitsandbytes as bnb
 
-    patched, inside = [], set()  # inside: 4-bit layers already folded into their LoRA layer
+    patched, inside = [], set()  # inside: 4-bit layers already handled with their LoRA layer
+    fused = []  # LoRA layers computing base + update as one node (training)
     try:
         for mod in model.modules():  # parents come before their children
             base = getattr(mod, "base_layer", None)
@@ -252,12 +322,20 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
                             w.add_(mod.get_delta_weight(name).to(w.dtype))
                 mod.forward = _merged_forward(mod, w, base.bias)
                 patched.append(mod)
+            elif not merge_lora and isinstance(base, bnb.nn.Linear4bit) and hasattr(mod, "lora_A"):
+                inside.add(id(base))
+                w = _dequantize(base)
+                base.forward = _linear_forward(w, base.bias)  # reference mode, PEFT's fallbacks
+                patched.append(base)
+                if _fusable(mod):
+                    mod.forward = _fused_lora_forward(mod, w, base.bias)
+                    fused.append(mod)
             elif isinstance(mod, bnb.nn.Linear4bit) and id(mod) not in inside:
                 mod.forward = _linear_forward(_dequantize(mod), mod.bias)
                 patched.append(mod)
         yield len(patched)
     finally:
-        for mod in patched:
+        for mod in patched + fused:
             del mod.forward  # the class's forward shows again; the copy is freed
 
 

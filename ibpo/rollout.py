@@ -3,7 +3,8 @@
 Prompts are left-padded to one length P so that completions start at the same column; the policy
 is put in eval mode (dropout off, KV cache on, no gradient checkpointing) and restored afterwards.
 Completions are right-padded to T; a completion's mask covers its tokens up to and including the
-first EOS. Large rollouts are generated in slices of `batch_size` sequences.
+first EOS. Large rollouts are generated in slices of `batch_size` sequences. The G copies of a
+prompt share one prompt forward (`prefill`): its KV cache is computed once and repeated.
 
 Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
 here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor, nn
 
 from ibpo.logprobs import unwrap
@@ -201,15 +204,31 @@ def top_p_filter(scores: Tensor, p: float) -> Tensor:
     return torch.empty_like(scores).scatter_(-1, order, ordered)
 
 
+def draw(scores: Tensor, lse: Tensor) -> Tensor:
+    """One token per row from softmax(scores), [n, V] -> [n, 1], by inverting the cumulative
+    distribution at one uniform draw per row. The cumulative sum is in float64, so a token's
+    interval is its probability to ~1e-16 (in float32 a token below ~6e-8 would get an interval of
+    0 or 6e-8). Only tokens of non-zero probability can come out: the draw u is kept strictly
+    below the total, and the first index whose cumulative sum exceeds u has p > 0. Costs one
+    uniform per row where torch.multinomial draws an exponential per vocabulary entry."""
+    cdf = (scores - lse).double().exp_().cumsum_(-1)  # [n, V]
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)
+
+
 class SampledLogprobs:
     """The last logits processor of a sampled `generate`: applies temperature, top-k and top-p
-    (generate's own are off) and records log-probs of the drawn tokens under the result.
+    (generate's own are off), draws each row's token itself (`draw`) and records log-probs of the
+    drawn tokens under the processed scores.
 
-    transformers samples from softmax of what this returns, so log_softmax of it at the drawn
-    token is exactly the sampling distribution's log-prob. The drawn token is only known at the
-    next call (the last column of input_ids), so the previous call's scores and log-normaliser
-    are kept until then (one [n, V] tensor that transformers would free a step later); `finish`
-    reads the last token from the output."""
+    It returns 0 at the drawn token and -inf elsewhere, and generate runs greedy, so the token
+    taken is the one drawn here from softmax of the processed scores: log_softmax of those at the
+    drawn token is exactly the sampling distribution's log-prob. The drawn token is only known at
+    the next call (the last column of input_ids), so the previous call's scores and
+    log-normaliser are kept until then (one [n, V] tensor); `finish` reads the last token from the
+    output."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -225,8 +244,10 @@ class SampledLogprobs:
             self._record(input_ids[:, -1])
         scores = scores / self.temperature if self.temperature != 1.0 else scores
         scores = top_p_filter(top_k_filter(scores, self.top_k), self.top_p)
-        self.previous = (scores, scores.logsumexp(-1, keepdim=True))
-        return scores
+        lse = scores.logsumexp(-1, keepdim=True)
+        self.previous = (scores, lse)
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(1, draw(scores, lse), 0.0)
 
     def finish(self, completions: Tensor) -> Tensor:
         """completions [n, t] as generate returned them -> their log-probs [n, t] (float32)."""
@@ -239,6 +260,44 @@ class SampledLogprobs:
                 "tokens: another logits processor ran after ibpo's sampling transforms"
             )
         return torch.stack(self.columns, 1).float()
+
+
+# generate()'s name for a cache it is handed (transformers 5.24 renamed past_key_values)
+CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
+def shares_prefill(model: nn.Module, shape: torch.Size, num_samples: int) -> bool:
+    """Whether a generate() call over `shape` = [rows, P] prompt ids, whole groups of
+    `num_samples` copies of a prompt, can take its prompts' cache from `prefill`: only with the
+    dynamic cache (a static one is allocated by generate itself) and a prompt of 2+ tokens."""
+    rows, width = shape
+    config = unwrap(model).generation_config
+    return (
+        num_samples > 1
+        and rows % num_samples == 0
+        and width >= 2
+        and getattr(config, "cache_implementation", None) is None
+    )
+
+
+def prefill(model: nn.Module, ids: Tensor, mask: Tensor, num_samples: int):
+    """The KV cache of every prompt but its last token, computed once per group and repeated to
+    its `num_samples` rows: generate() then starts from the last prompt token, and the prompt's
+    forward costs 1/G of what it does on G identical rows. Position ids are generate's own
+    (cumulative sum of the mask, 1 on padding), so the cache is what generate would build."""
+    unique, unique_mask = ids[::num_samples, :-1], mask[::num_samples, :-1]
+    positions = unique_mask.long().cumsum(-1) - 1
+    positions.masked_fill_(unique_mask == 0, 1)
+    out = model(
+        input_ids=unique,
+        attention_mask=unique_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_repeat_interleave(num_samples)
+    return cache
 
 
 @torch.no_grad()
@@ -261,8 +320,6 @@ def generate(
     device = next(p for p in model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, device)
     eos = eos_ids(tokenizer, model)
-    # sampling: temperature, top-k and top-p are applied by SampledLogprobs, generate's own off
-    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=None)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
@@ -281,11 +338,12 @@ def generate(
             for k in ("num_beams", "num_beam_groups")
             if hasattr(unwrap(model).generation_config, k)
         },
-        **(
-            sampling
-            if do_sample
-            else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        ),
+        # always greedy for generate: when sampling, SampledLogprobs applies temperature, top-k
+        # and top-p and draws the token itself (generate's own warpers stay off)
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
     )
     was_training = model.training
     model.eval()
@@ -299,10 +357,13 @@ def generate(
             vars(unwrap(model)).pop("_previous_max_cache_length", None)
             processors = list(logits_processor or [])
             recorder = SampledLogprobs(temperature, top_k, top_p) if do_sample else None
+            ids, mask = prompt_ids[s : s + batch_size], prompt_mask[s : s + batch_size]
+            shared = shares_prefill(gen_model, ids.shape, num_samples)
             out = gen_model.generate(
-                input_ids=prompt_ids[s : s + batch_size],
-                attention_mask=prompt_mask[s : s + batch_size],
+                input_ids=ids,
+                attention_mask=mask,
                 logits_processor=processors + ([recorder] if recorder else []),
+                **({CACHE_KWARG: prefill(gen_model, ids, mask, num_samples)} if shared else {}),
                 **kwargs,
             )
             pieces.append(out[:, prompt_ids.shape[1] :])

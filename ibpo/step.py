@@ -443,6 +443,7 @@ def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
         mb.completion_mask,
         chunk,
         temperature,
+        mb.group_size,
     )
 
 

@@ -117,3 +117,20 @@ def test_recorder_refuses_a_processor_that_ran_after_it():
     rec(torch.zeros(2, 3, dtype=torch.long), scores)
     out = rec.finish(torch.tensor([[1], [4]]))
     torch.testing.assert_close(out, torch.full((2, 1), -math.log(5)))
+
+
+def test_draw_samples_the_processed_distribution_and_never_a_zero_probability_token():
+    from ibpo.rollout import draw
+
+    torch.manual_seed(0)
+    scores = torch.tensor([[0.0, 1.0, float("-inf"), 2.0, float("-inf")]]).repeat(20000, 1)
+    lse = scores.logsumexp(-1, keepdim=True)
+    tokens = draw(scores, lse).squeeze(1)
+    counts = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    expected = torch.softmax(scores[0], -1).double()
+    assert counts[2] == 0 and counts[4] == 0  # filtered tokens never come out
+    torch.testing.assert_close(counts, expected, atol=0.012, rtol=0)  # ~4 sigma at n = 20000
+    # a one-token distribution, and the top of the range: always that token
+    one = torch.full((3, 6), float("-inf"))
+    one[:, 5] = 0.0
+    assert draw(one, one.logsumexp(-1, keepdim=True)).eq(5).all()
