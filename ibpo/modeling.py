@@ -217,43 +217,60 @@ def _merged_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     return forward
 
 
-class _LoraLinear(torch.autograd.Function):
-    """y = x W^T + b + s (x A^T) B^T with a frozen W, as one node of the autograd graph.
+class _QLoraLinear(torch.autograd.Function):
+    """y = x W^T + b [+ s (x A^T) B^T] for a frozen 4-bit W, dequantised in forward and again in
+    backward, as one node of the autograd graph (A, B = None: the bare base layer).
 
-    PEFT computes the same sum as base(x) + lora_B(lora_A(x)) * s: four [tokens, out] tensors
-    per layer and call (base output, B's output, the scaled copy, the sum), each freshly
-    allocated, again in the recomputation under gradient checkpointing and again in backward.
-    Here the update is accumulated into the base output in place (addmm_), backward forms dx the
-    same way, and only x and the rank-r product x A^T are saved. On CPU, where every fresh
-    allocation of a few MB costs page faults, this is most of the training forward's overhead
-    outside the matmuls. Gradients: dx = dy W + s (dy B) A, dA = s (dy B)^T x, dB = s dy^T (x A^T).
+    PEFT computes the LoRA sum as base(x) + lora_B(lora_A(x)) * s: four [tokens, out] tensors per
+    layer and call (base output, B's output, the scaled copy, the sum), each freshly allocated,
+    again in the recomputation under gradient checkpointing and again in backward. Here the update
+    is accumulated into the base output in place (addmm_), backward forms dx the same way, and
+    only x and the rank-r product x A^T are saved: no dense W is kept between forward and
+    backward (dequantising costs ~0.1 ms per layer on CPU, against a copy of every weight).
+    Gradients: dx = dy W + s (dy B) A, dA = s (dy B)^T x, dB = s dy^T (x A^T); none for W or b.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+    def forward(ctx, x, base, lora_a, lora_b, scaling: float):
+        weight, bias = _dequantize(base), base.bias
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, in]
-        xa = x2 @ lora_a.t()  # [M, r]
         out = x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())
-        out.addmm_(xa, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(x2, xa, weight, lora_a, lora_b)
-        ctx.scaling, ctx.shape = scaling, shape
+        if lora_a is not None:
+            xa = x2 @ lora_a.t()  # [M, r]
+            out.addmm_(xa, lora_b.t(), alpha=scaling)
+            ctx.save_for_backward(x2, xa, lora_a, lora_b)
+        ctx.base, ctx.scaling, ctx.shape = base, scaling, shape
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, xa, weight, lora_a, lora_b = ctx.saved_tensors
-        s = ctx.scaling
         dy2 = dy.reshape(-1, dy.shape[-1])  # [M, out]
-        g = dy2 @ lora_b  # [M, r]
         dx = d_a = d_b = None
         if ctx.needs_input_grad[0]:
-            dx = (dy2 @ weight).addmm_(g, lora_a, alpha=s).view(ctx.shape)
-        if ctx.needs_input_grad[3]:
-            d_a = (g.t() @ x2).mul_(s)
-        if ctx.needs_input_grad[4]:
-            d_b = (dy2.t() @ xa).mul_(s)
-        return dx, None, None, d_a, d_b, None
+            dx = dy2 @ _dequantize(ctx.base)
+        saved = ctx.saved_tensors  # read once: checkpointing unpacks each only once
+        if saved:
+            x2, xa, lora_a, lora_b = saved
+            s = ctx.scaling
+            g = dy2 @ lora_b  # [M, r]
+            if dx is not None:
+                dx.addmm_(g, lora_a, alpha=s)
+            if ctx.needs_input_grad[2]:
+                d_a = (g.t() @ x2).mul_(s)
+            if ctx.needs_input_grad[3]:
+                d_b = (dy2.t() @ xa).mul_(s)
+        return None if dx is None else dx.view(ctx.shape), None, d_a, d_b, None
+
+
+def _base_forward(base: nn.Module):
+    """A bare 4-bit layer through `_QLoraLinear` (reference mode, PEFT's fallbacks)."""
+    dtype = base.compute_dtype or torch.float32
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return _QLoraLinear.apply(x.to(dtype), base, None, None, 1.0).to(x.dtype)
+
+    return forward
 
 
 def _fusable(layer: nn.Module) -> bool:
@@ -270,36 +287,37 @@ def _fusable(layer: nn.Module) -> bool:
     return no_dropout and layer.lora_B[name].bias is None
 
 
-def _fused_lora_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+def _fused_lora_forward(layer: nn.Module, base: nn.Module):
     name = next(n for n in layer.active_adapters if n in layer.lora_A)
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     scaling = float(layer.scaling[name])
+    dtype = base.compute_dtype or torch.float32
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        same = x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype
+        same = x.dtype == dtype == lora_a.dtype == lora_b.dtype
         if layer.disable_adapters or args or kwargs or not same or layer.merged:
             return type(layer).forward(layer, x, *args, **kwargs)  # PEFT's own path
-        return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+        return _QLoraLinear.apply(x, base, lora_a, lora_b, scaling)
 
     return forward
 
 
 @contextlib.contextmanager
 def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int]:
-    """CPU speed: every 4-bit linear layer computes with a weight dequantised once, on entry.
+    """CPU speed: the 4-bit linear layers without bitsandbytes' per-call CPU path.
 
-    bitsandbytes on CPU dequantises a 4-bit weight on every call (each generated token, and three
-    times per training micro-batch under gradient checkpointing); inside this context each layer
-    uses one dequantised copy, freed on exit. The results are the same computation: the layer's
-    own dequantised weight times the input. With `merge_lora` (no-grad generation) the LoRA update
-    B A * scaling of the active adapter is also folded into that copy, so a layer is one matmul;
-    use it only where the adapter cannot change and no gradient is taken. Memory: a compute-dtype
-    copy of every quantised weight while inside (the planner's GPU paths never use this).
-    Under gradient checkpointing the backward pass recomputes layers, so it must run inside the
-    context too. In bf16 the folded LoRA update is rounded to bf16 (CPU computes in fp32 by
-    default). Without `merge_lora` (training) a plain LoRA layer computes base and update as one
-    fused autograd node (`_LoraLinear`); the adapter's gradients are those of PEFT's forward.
-    Yields the number of 4-bit layers switched.
+    With `merge_lora` (no-grad generation: hundreds of calls per layer) each layer computes with a
+    weight dequantised once, on entry, with the active adapter's LoRA update B A * scaling folded
+    in, so a layer is one matmul; use it only where the adapter cannot change and no gradient is
+    taken. Memory: a compute-dtype copy of every quantised weight while inside, freed on exit. In
+    bf16 the folded update is rounded to bf16 (CPU computes in fp32 by default).
+
+    Without it (training: three calls per layer and micro-batch under gradient checkpointing)
+    every 4-bit layer dequantises its weight on each call and drops it (`_QLoraLinear`), and a
+    plain LoRA layer computes base and update as one fused autograd node; no dense copy is kept,
+    and the adapter's gradients are those of PEFT's forward. Under gradient checkpointing the
+    backward pass recomputes layers, so it must run inside the context too. The planner's GPU
+    paths never use this. Yields the number of 4-bit layers switched.
     """
     import bitsandbytes as bnb
 
@@ -324,19 +342,22 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
                 patched.append(mod)
             elif not merge_lora and isinstance(base, bnb.nn.Linear4bit) and hasattr(mod, "lora_A"):
                 inside.add(id(base))
-                w = _dequantize(base)
-                base.forward = _linear_forward(w, base.bias)  # reference mode, PEFT's fallbacks
+                base.forward = _base_forward(base)
                 patched.append(base)
                 if _fusable(mod):
-                    mod.forward = _fused_lora_forward(mod, w, base.bias)
+                    mod.forward = _fused_lora_forward(mod, base)
                     fused.append(mod)
             elif isinstance(mod, bnb.nn.Linear4bit) and id(mod) not in inside:
-                mod.forward = _linear_forward(_dequantize(mod), mod.bias)
+                mod.forward = (
+                    _linear_forward(_dequantize(mod), mod.bias)
+                    if merge_lora
+                    else _base_forward(mod)
+                )
                 patched.append(mod)
         yield len(patched)
     finally:
         for mod in patched + fused:
-            del mod.forward  # the class's forward shows again; the copy is freed
+            del mod.forward  # the class's forward shows again; any copy is freed
 
 
 # `cpu_dequantize: null` turns the copy on only while it stays this small (fp32: ~1B weights).
