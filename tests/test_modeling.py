@@ -130,6 +130,11 @@ def test_dequantized_base_generates_and_trains_like_the_4bit_layers(tiny_model_d
         model.train()
         model.zero_grad()
         with dequantized_base(model) if fast else contextlib.nullcontext():
+            if fast:  # every LoRA layer runs as one fused node (_QLoraLinear), none of PEFT's
+                fused = [
+                    m for m in model.modules() if hasattr(m, "lora_A") and "forward" in vars(m)
+                ]
+                assert len(fused) == 7 * 2
             _logp(model, ro).sum().backward()  # under gradient checkpointing
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
 
@@ -398,3 +403,43 @@ def test_offloaded_activations_copy_expanded_tensors_at_their_storage_size():
     assert off_peak - plain_peak <= 4 * (n + h) * 2, (off_peak, plain_peak)  # not 2 x n x h x 4
     for a, b in zip(plain, offloaded):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_qlora_node_gradients_match_autograd_in_float64(monkeypatch):
+    """_QLoraLinear's hand-written backward against autograd of the same sum (gradcheck)."""
+    import ibpo.modeling as modeling
+    from ibpo.modeling import _QLoraLinear
+
+    class FakeBase:  # what the node reads of a 4-bit layer: its bias, its weight via _dequantize
+        bias = None
+
+    torch.manual_seed(0)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    monkeypatch.setattr(modeling, "_dequantize", lambda layer: w)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, a, b: _QLoraLinear.apply(x, FakeBase(), a, b, 0.7), (x, a, b)
+    )
+    out = _QLoraLinear.apply(x, FakeBase(), a, b, 0.7)
+    torch.testing.assert_close(out, x @ w.t() + 0.7 * (x @ a.t()) @ b.t())
+    bare = _QLoraLinear.apply(x, FakeBase(), None, None, 1.0)
+    torch.testing.assert_close(bare, x @ w.t())
+    assert torch.autograd.gradcheck(
+        lambda x: _QLoraLinear.apply(x, FakeBase(), None, None, 1.0), (x,)
+    )
+
+
+def test_lora_dropout_keeps_peft_forward_under_dequantized_base(tiny_model_dir):
+    from ibpo.modeling import dequantized_base
+
+    torch.manual_seed(0)
+    model, _ = load_policy(
+        ModelConfig(name=tiny_model_dir, quantization="nf4", lora_dropout=0.1), torch.device("cpu")
+    )
+    model.train()
+    with dequantized_base(model) as n:
+        assert n == 7 * 2  # the 4-bit layers still skip bitsandbytes' per-call path ...
+        fused = [m for m in model.modules() if hasattr(m, "lora_A") and "forward" in vars(m)]
+        assert fused == []  # ... but dropout on x is PEFT's: no fused node
