@@ -392,7 +392,7 @@ class TrainConfig:
     """What is learned and how (the run's length, batching, optimiser, seed, evaluation); where
     and how the job runs is RunConfig's."""
 
-    steps: int = at_least(0, 12)
+    steps: int = at_least(0, 20)
     prompts_per_step: int = positive(4)  # B prompts; each step trains on B * G sequences
     # whole groups per forward/backward (group transforms need them)
     micro_batch_groups: int = positive(4)
