@@ -244,11 +244,17 @@ def head_logprobs(
 # --- from token ids -------------------------------------------------------------------------------
 
 
+def position_ids_from(attention_mask: Tensor) -> Tensor:
+    """Position ids of left-padded rows as generate counts them: the real tokens 0, 1, 2, ...
+    (padding gets 0; it is masked out anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 def completion_hidden(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int
 ) -> Tensor:
     """Decoder hidden states at the positions that predict completion tokens: [N, T, H]."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    position_ids = position_ids_from(attention_mask)
     hidden = _decoder_hidden(model, input_ids, attention_mask, position_ids)
     return hidden[:, prompt_len - 1 : -1]
 
@@ -354,7 +360,7 @@ def pack_shared_prompts(
     n, width = input_ids.shape
     g, p = group_size, prompt_len
     t, groups, device = width - p, n // group_size, input_ids.device
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    positions = position_ids_from(attention_mask)
 
     def packed(x: Tensor) -> Tensor:
         x = x.view(groups, g, width)
@@ -435,7 +441,7 @@ def naive_completion_logprobs(
     temperature: float = 1.0,
 ) -> Tensor:
     """Reference implementation through full [N, L, V] logits; for tests and benchmarks only."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    position_ids = position_ids_from(attention_mask)
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
