@@ -10,6 +10,8 @@
 * `token_advantages`: broadcast A_i over tokens, and where an edit mask is given, reduce the blame
   on tokens a successful repair left unchanged (negative A only; never increases |A|, never flips
   its sign; unchanged_weight = 1 is a no-op).
+* `lifted_blame_fraction`: the share of a step's completion tokens whose blame the edit mask
+  lowers (how often Part 2's mask acts at all, as opposed to its shaping term).
 
 No model calls here: everything is arithmetic on [B, G] rewards and [N, T] masks (N = B * G).
 """
@@ -96,3 +98,14 @@ def token_advantages(
     negative = (seq_adv < 0).unsqueeze(-1)
     factor = torch.where(negative & ~edited, unchanged_weight, 1.0).to(mask.dtype)
     return adv * factor * mask
+
+
+def lifted_blame_fraction(seq_adv: Tensor, mask: Tensor, edited: Tensor) -> Tensor:
+    """seq_adv [N], mask [N, T], edited [N, T] bool -> 0-dim share of the completion tokens that
+    `token_advantages` scales by unchanged_weight: kept by a successful repair, in a trajectory
+    whose advantage is still negative after shaping. 0 when no repair succeeded, or when every
+    repaired trajectory ended at or above its group's mean (then Part 2 acted through shaping
+    alone). Counted whatever unchanged_weight is, so a shaping-only run reports how often the
+    mask would have acted."""
+    kept = (seq_adv < 0).unsqueeze(-1) & ~edited & mask.bool()
+    return kept.sum() / mask.sum().clamp(min=1)

@@ -50,6 +50,7 @@ from torch import Tensor
 from ibpo.advantages import (
     flat_groups,
     group_advantages,
+    lifted_blame_fraction,
     overlong_penalty,
     shape_rewards,
     token_advantages,
@@ -357,6 +358,9 @@ def assemble_batch(
         edited = edited.to(device)
     adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
     stats = {"overlong_penalty": long.mean().item()}
+    if edited is not None:
+        lifted = lifted_blame_fraction(seq_adv, rollout.completion_mask, edited)
+        stats["lifted_blame_fraction"] = lifted.item()
     return ScoredBatch(rollout, rewards, seq_adv, adv, stats)
 
 

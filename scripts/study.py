@@ -10,8 +10,8 @@ SmolLM2-135M-Instruct + LoRA with an fp32 base (model.quantization=none: bitsand
 kernels make generation several times slower), `builtin:mixed` (arithmetic and one-step word
 problems: builtin:arithmetic holds only 158 held-out problems, under the study's 200), 200
 held-out problems answered greedily at step 0, every 5 steps and at the end, 20 steps of 2
-prompts x G = 8, 16 new tokens, learning rate 5e-4, seeds 0-4, and the KL to the reference logged
-every step. Each run gets OMP_NUM_THREADS = cores / workers.
+prompts x G = 8, 16 new tokens, learning rate 2e-4 (the sweep's choice), seeds 0-4, and the KL to
+the reference logged every step. Each run gets OMP_NUM_THREADS = cores / workers.
 
 The grid is data (`grid`): arms of (name, regime, overrides). Regime "on-policy" takes one update
 per rollout (ibpo, dfpo, grpo, dr_grpo); "off-policy" takes `--off-updates` (default 2) updates
@@ -38,7 +38,8 @@ output_dir), so the report is built from the folders alone.
 Writes <out>/study.json (every finished run's curves and figures), <out>/study.md (per arm:
 mean and 95% t-interval over seeds of the final held-out accuracy and of its gain; paired
 per-seed differences with an exact sign test and a bootstrap interval; accuracy against
-generated tokens; the sweep; every command line) and accuracy.png, dynamics.png (sweep.png after
+generated tokens; whether IBPO's edit mask acted; the sweep; the command lines, each run's exact
+one in study.json) and accuracy.png, dynamics.png (sweep.png after
 a sweep). It does not choose the learning rate (read the sweep and pass --lr), does not judge
 results beyond the 0.05 tests it prints, and needs no scipy (math, statistics, random).
 """
@@ -66,6 +67,8 @@ COMPARISONS = [
     ("on-policy dfpo - grpo (Part 1: the objective)", "on-dfpo", "on-grpo"),
     ("off-policy ibpo - dfpo (Part 2: repairs)", "off-ibpo", "off-dfpo"),
     ("off-policy dfpo - grpo (Part 1: the objective)", "off-dfpo", "off-grpo"),
+    ("on-policy ibpo - grpo (both parts)", "on-ibpo", "on-grpo"),
+    ("off-policy ibpo - grpo (both parts)", "off-ibpo", "off-grpo"),
     ("ibpo - dfpo at equal tokens", "on-ibpo", "equal-dfpo"),
     ("shaping only - ibpo", "ablation-shaping-only", "on-ibpo"),
     ("mask only - ibpo", "ablation-mask-only", "on-ibpo"),
@@ -335,7 +338,17 @@ def bootstrap_ci(diffs: list[float], reps: int = BOOTSTRAP_REPS, seed: int = BOO
 
 # --- reading finished runs -----------------------------------------------------------------------
 
-STEP_KEYS = ("reward", "entropy", "kl", "residual", "repair_success_rate", "repair_tokens")
+STEP_KEYS = (
+    "reward",
+    "entropy",
+    "kl",
+    "residual",
+    "repair_success_rate",
+    "repair_tokens",
+    "truncated",
+    "loss",
+    "lifted_blame_fraction",  # logged by later versions of the step; None where absent
+)
 
 
 def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -421,8 +434,9 @@ def _mean(values) -> float:
 def arm_table(arms: dict[str, list[dict]]) -> str:
     lines = [
         "| arm | regime | seeds | final held-out acc. [95% CI] | gain [95% CI] | generated tokens "
-        "| repair success | final entropy | mean KL | mean residual | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| repair success | final entropy | mean KL | mean residual | truncated, step 1 -> 20 "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         gains = [r["gain"] for r in runs if r["gain"] is not None]
@@ -435,9 +449,18 @@ def arm_table(arms: dict[str, list[dict]]) -> str:
             f"| {_f(_mean(r['entropy'][-1] for r in runs if r['entropy']))} "
             f"| {_f(_mean(_mean(r['kl']) for r in runs), '.4f')} "
             f"| {_f(_mean(_mean(r['residual']) for r in runs), '.4f')} "
+            f"| {_truncated(runs)} "
             f"| {_f(_mean(r['wall'] for r in runs), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _truncated(runs: list[dict]) -> str:
+    """Share of training completions cut at the token limit, first step -> last, over seeds."""
+    cols = [r["truncated"] for r in runs if r.get("truncated") and None not in r["truncated"]]
+    if not cols:
+        return "n/a"
+    return f"{_mean(c[0] for c in cols):.2f} -> {_mean(c[-1] for c in cols):.2f}"
 
 
 def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
@@ -517,6 +540,72 @@ def tokens_md(arms: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def first_difference(a: dict, b: dict, keys=("loss", "entropy", "reward")) -> int | None:
+    """The first step at which two runs' logged figures differ (None: identical throughout). Runs
+    of one seed draw the same samples, so two arms that differ only in a term that never acts
+    produce identical logs, digit for digit. The loss shows a difference at the step it happens;
+    entropy and reward from the next."""
+    keys = [k for k in keys if a.get(k) and b.get(k) and None not in a[k] + b[k]]
+
+    def rows(r: dict) -> list[tuple]:
+        return list(zip(*(r[k] for k in keys)))
+
+    for step, (x, y) in enumerate(zip(rows(a), rows(b)), start=1):
+        if x != y:
+            return step
+    return None
+
+
+def mask_md(arms: dict[str, list[dict]]) -> str:
+    """Did Part 2's edit mask act? Per seed: the steps with a successful repair in `on-ibpo`, and
+    the first step at which it and shaping only (the same run with the mask off) part."""
+    ibpo = {r["seed"]: r for r in arms.get("on-ibpo", [])}
+    shaping = {r["seed"]: r for r in arms.get("ablation-shaping-only", [])}
+    seeds = sorted(set(ibpo) & set(shaping))
+    if not seeds:
+        return "Needs finished `on-ibpo` and `ablation-shaping-only` runs of one seed.\n"
+    lines = [
+        "| seed | steps with a successful repair | first step where ibpo and shaping only differ "
+        "| final acc. ibpo | final acc. shaping only |",
+        "|---|---|---|---|---|",
+    ]
+    for seed in seeds:
+        a, b = ibpo[seed], shaping[seed]
+        ok = sum(1 for x in a.get("repair_success_rate") or [] if x)
+        step = first_difference(a, b)
+        lines.append(
+            f"| {seed} | {ok} of {len(a.get('reward') or [])} "
+            f"| {'never: the mask did not act' if step is None else step} "
+            f"| {_f(a['after'])} | {_f(b['after'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def commands_md(records: list[dict]) -> str:
+    """The command lines, compactly: the part every run shares, then each arm's own overrides;
+    study.json keeps every run's exact line."""
+    if not records:
+        return ""
+    split = [shlex.split(r["command"]) for r in records]
+    shared = [t for t in split[0] if all(t in other for other in split[1:])]
+    per_run = ("train.seed=", "run.output_dir=", "run.resume_from=")
+    shared = [t for t in shared if not t.startswith(per_run)]
+    lines = ["Every run is one process:\n", "```bash", shlex.join(shared) + " \\"]
+    lines.append(
+        "    <arm's overrides> train.seed=<seed> "
+        "run.output_dir=<out>/<runs|sweep>/<arm>-s<seed>/train run.resume_from=latest"
+    )
+    lines += ["```\n", "| arm | its overrides |", "|---|---|"]
+    seen = set()
+    for r, tokens in zip(records, split):
+        if r["arm"] in seen:
+            continue
+        seen.add(r["arm"])
+        own = [t for t in tokens if t not in shared and not t.startswith(per_run)]
+        lines.append(f"| {r['arm']} | `{shlex.join(own)}` |")
+    return "\n".join(lines) + "\n"
+
+
 def sweep_md(arms: dict[str, list[dict]]) -> str:
     lines = [
         "| arm | seed | before | after | gain | min held-out acc. | final entropy |",
@@ -557,15 +646,14 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         md += ["## Per arm\n", arm_table(arms)]
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
+        md += ["## Did the edit mask act?\n", mask_md(arms)]
         md.append(
             "![held-out accuracy per step and per generated token](accuracy.png)\n\n"
             "![entropy and KL to the reference per step](dynamics.png)\n"
         )
     if sweep:
         md += ["## Learning-rate sweep\n", sweep_md(sweep), "![sweep](sweep.png)\n"]
-    md.append(
-        "## Command lines\n\n```bash\n" + "\n".join(r["command"] for r in records) + "\n```\n"
-    )
+    md += ["## Command lines\n", commands_md(records)]
     data = {"runs": main_runs, "sweep": [r for r in records if r["regime"] == SWEEP]}
     data["comparisons"] = [{"label": lb, **c} for lb, c in comps]
     data["pending"] = pending

@@ -6,7 +6,13 @@ import re
 import pytest
 import torch
 
-from ibpo.advantages import edited_tokens, group_advantages, shape_rewards, token_advantages
+from ibpo.advantages import (
+    edited_tokens,
+    group_advantages,
+    lifted_blame_fraction,
+    shape_rewards,
+    token_advantages,
+)
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.repair import (
     edit_masks,
@@ -131,6 +137,27 @@ def test_edit_mask_never_increases_blame_nor_flips_sign():
     assert torch.equal(token_advantages(seq_adv, mask, edited, 1.0), plain)
     with pytest.raises(ValueError):
         token_advantages(seq_adv, mask, edited, 1.5)
+
+
+def test_lifted_blame_counts_exactly_the_tokens_the_mask_scales():
+    seq_adv = torch.tensor([-1.0, -0.5, 0.7, 0.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    edited = torch.tensor(
+        [
+            [False, True, False, False],  # negative: 2 kept tokens inside the mask (col 3 is pad)
+            [True, True, True, True],  # negative, every token edited: nothing lifted
+            [False, False, False, False],  # positive advantage: never lifted
+            [False, True, True, True],  # zero advantage: never lifted
+        ]
+    )
+    frac = lifted_blame_fraction(seq_adv, mask, edited)
+    assert frac.item() == pytest.approx(2 / 10)
+    # the same tokens are the ones token_advantages changes when unchanged_weight < 1
+    changed = token_advantages(seq_adv, mask, edited, 0.0) != token_advantages(seq_adv, mask)
+    assert changed.sum().item() == 2
+    # all blame kept: nothing lifted, and an empty step divides by nothing
+    assert lifted_blame_fraction(seq_adv, mask, torch.ones_like(edited)).item() == 0.0
+    assert lifted_blame_fraction(seq_adv, torch.zeros_like(mask), edited).item() == 0.0
 
 
 def test_edit_masks_take_the_most_local_successful_repair():

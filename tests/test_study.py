@@ -49,11 +49,13 @@ def test_bootstrap_is_reproducible_and_bounded(study):
 
 def _record(arm, regime, seed, after):
     return {
-        "arm": arm, "regime": regime, "seed": seed, "command": f"train {arm} {seed}",
+        "arm": arm, "regime": regime, "seed": seed,
+        "command": f"python -m ibpo.cli train objective.name={arm} train.seed={seed}",
         "n_eval": 200, "before": 0.4, "after": after, "gain": after - 0.4,
         "curve": [(0, 0.4), (2, after)], "token_curve": [(0, 0.4), (100.0, after)],
         "reward": [0.1, 0.2], "entropy": [1.0, 0.9], "kl": [0.0, 0.01], "residual": [0.0, 0.0],
-        "repair_success_rate": [0.2, 0.3], "repair_tokens": [5.0, 5.0],
+        "repair_success_rate": [0.2, 0.3], "repair_tokens": [5.0, 5.0], "loss": [0.1, 0.2],
+        "truncated": [0.8, 0.5],
         "generated_tokens": 100.0, "repair_tokens_total": 10.0, "wall": 1.0,
     }  # fmt: skip
 
@@ -71,10 +73,23 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     grpo = comps["on-policy dfpo - grpo (Part 1: the objective)"]
     assert (grpo["wins"], grpo["losses"]) == (3, 3) and grpo["sign_p"] == 1.0
     assert "so it is significant at 0.05" in md and "so it is not significant at 0.05" in md
+    assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
+    assert "| 0.0000 | 0.80 -> 0.50 |" in md  # truncation, first step -> last
+    # the command lines: the shared part once, each arm's own overrides in a table
     assert (
-        "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
-        and "train on-grpo 5" in md
+        md.count("python -m ibpo.cli train") == 1 and "| on-grpo | `objective.name=on-grpo` |" in md
     )
+
+
+def test_the_report_tells_whether_the_edit_mask_acted(study):
+    ibpo = [_record("on-ibpo", study.ON, s, 0.6) for s in range(2)]
+    shaping = [_record("ablation-shaping-only", study.ABLATION, s, 0.6) for s in range(2)]
+    shaping[1] = {**shaping[1], "loss": [0.1, 0.25], "after": 0.55}  # parted at step 2
+    assert study.first_difference(ibpo[0], shaping[0]) is None
+    assert study.first_difference(ibpo[1], shaping[1]) == 2
+    _, md = study.build_report(ibpo + shaping, pending=[])
+    assert "| 0 | 2 of 2 | never: the mask did not act | 0.600 | 0.600 |" in md
+    assert "| 1 | 2 of 2 | 2 | 0.600 | 0.550 |" in md
 
 
 def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
@@ -92,7 +107,9 @@ def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
     assert all(r["repair_tokens_total"] > 0 for r in ibpo)  # repairs count as generated tokens
     md = (out / "study.md").read_text()
     assert "| on-ibpo | on-policy | 2 |" in md and "train.updates_per_rollout=2" in md
-    assert md.count("python -m ibpo.cli train") == 6
+    assert md.count("python -m ibpo.cli train") == 1  # the shared part; each run's line in json
+    assert all("python -m ibpo.cli train" in r["command"] for r in data["runs"])
+    assert "| ablation-mask-only | `objective.name=ibpo train.updates_per_rollout=1" in md
     for png in ("accuracy.png", "dynamics.png"):
         assert (out / png).stat().st_size > 10_000
     capsys.readouterr()
