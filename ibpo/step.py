@@ -353,14 +353,15 @@ def assemble_batch(
         long = torch.zeros_like(long)
     # host -> device, here only: the sequence advantages and the edit masks
     device = rollout.input_ids.device
-    seq_adv = group_advantages(shaped + long, objective.scale_rewards).flatten().to(device)
-    if edited is not None:
-        edited = edited.to(device)
-    adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
+    host_adv = group_advantages(shaped + long, objective.scale_rewards).flatten()
     stats = {"overlong_penalty": long.mean().item()}
-    if edited is not None:
-        lifted = lifted_blame_fraction(seq_adv, rollout.completion_mask, edited)
-        stats["lifted_blame_fraction"] = lifted.item()
+    if edited is not None:  # how often the edit mask acts, from host copies (no device read)
+        lengths = torch.tensor(rollout.lengths, device="cpu").unsqueeze(-1)
+        host_mask = torch.arange(edited.shape[1], device="cpu") < lengths
+        stats["lifted_blame_fraction"] = lifted_blame_fraction(host_adv, host_mask, edited).item()
+        edited = edited.to(device)
+    seq_adv = host_adv.to(device)
+    adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
     return ScoredBatch(rollout, rewards, seq_adv, adv, stats)
 
 

@@ -130,6 +130,7 @@ def test_scoring_keeps_every_tensor_on_the_rollout_device(case, dynamic):
     assert batch.adv.shape == batch.rollout.completion_mask.shape
     if case == "mixed" and not dynamic:
         assert batch.stats["repairs"] > 0
+    assert 0.0 <= batch.stats["lifted_blame_fraction"] <= 1.0  # counted on the host
 
 
 def test_repairs_and_overlong_penalty_join_rounds_on_the_device():
