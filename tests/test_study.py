@@ -73,6 +73,17 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     grpo = comps["on-policy dfpo - grpo (Part 1: the objective)"]
     assert (grpo["wins"], grpo["losses"]) == (3, 3) and grpo["sign_p"] == 1.0
     assert "so it is significant at 0.05" in md and "so it is not significant at 0.05" in md
+    assert ibpo["t_ci"] == pytest.approx([0.1, 0.1]) and study.significant(ibpo)
+    assert not study.significant(grpo)
+    # a consistent difference: both intervals exclude 0; a spread one: only the bootstrap does
+    close = study.compare(
+        {"a": [_record("a", study.ON, s, 0.5 + d) for s, d in enumerate([0.04, 0.1, 0.16, 0.08])],
+         "b": [_record("b", study.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
+    assert close["bootstrap_ci"][0] > 0 and study.significant(close)
+    wide = study.compare(
+        {"a": [_record("a", study.ON, s, 0.5 + d) for s, d in enumerate([0.01, 0.3, 0.02, 0.25])],
+         "b": [_record("b", study.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
+    assert wide["bootstrap_ci"][0] > 0 and not study.significant(wide)
     assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
     assert "| 0.0000 | 0.80 -> 0.50 |" in md  # truncation, first step -> last
     # the command lines: the shared part once, each arm's own overrides in a table
