@@ -1,6 +1,7 @@
-"""Head-to-head of the objectives on one model, data, seed set and budget.
+"""Head-to-head of the objectives on one model, data, seed set and budget: a quick look.
+The study with regimes, ablations, equal compute and statistics is scripts/study.py.
 
-    python scripts/compare_objectives.py                      # the README's CPU comparison
+    python scripts/compare_objectives.py                      # 6 steps, 3 seeds, all objectives
     python scripts/compare_objectives.py --seeds 0,1,2 --objectives ibpo,grpo train.steps=20
     python scripts/compare_objectives.py --smoke --model PATH  # tiny 2-step check (CI)
 
