@@ -622,6 +622,21 @@ def commands_md(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def spread_md(arms: dict[str, list[dict]], comps: list[tuple[str, dict]]) -> str:
+    """What the design can resolve: the spread over seeds per arm, and per comparison the
+    seeds a paired t-interval of half-width 0.05 would need (about (2 sd / 0.05)^2)."""
+    lines = ["| arm or comparison | sd over seeds | seeds for a +-0.05 interval |", "|---|---|---|"]
+    for name, runs in arms.items():
+        after = [r["after"] for r in runs]
+        sd = statistics.stdev(after) if len(after) > 1 else math.nan
+        lines.append(f"| {name} (final acc.) | {_f(sd)} | |")
+    for label, c in comps:
+        sd = statistics.stdev(c["diffs"]) if len(c["diffs"]) > 1 else math.nan
+        need = math.nan if math.isnan(sd) else (2 * sd / 0.05) ** 2
+        lines.append(f"| {label} | {_f(sd)} | {_f(need, '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def sweep_md(arms: dict[str, list[dict]]) -> str:
     lines = [
         "| arm | seed | before | after | gain | min held-out acc. | final entropy |",
@@ -665,6 +680,7 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
         md += ["## Did the edit mask act?\n", mask_md(arms)]
+        md += ["## What the design can resolve\n", spread_md(arms, comps)]
         md.append(
             "![held-out accuracy per step and per generated token](accuracy.png)\n\n"
             "![entropy and KL to the reference per step](dynamics.png)\n"

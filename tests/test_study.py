@@ -86,6 +86,8 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     assert wide["bootstrap_ci"][0] > 0 and not study.significant(wide)
     assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
     assert "| 0.0000 | 0.80 -> 0.50 |" in md  # truncation, first step -> last
+    # dfpo - grpo differs by +-0.1 per seed: sd 0.110, (2 x 0.110 / 0.05)^2 = 19 seeds
+    assert "| on-policy dfpo - grpo (Part 1: the objective) | 0.110 | 19 |" in md
     # the command lines: the shared part once, each arm's own overrides in a table
     assert (
         md.count("python -m ibpo.cli train") == 1 and "| on-grpo | `objective.name=on-grpo` |" in md
