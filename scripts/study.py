@@ -344,6 +344,7 @@ STEP_KEYS = (
     "entropy",
     "kl",
     "residual",
+    "repairs",
     "repair_success_rate",
     "repair_tokens",
     "truncated",
@@ -393,8 +394,18 @@ def read_run(run_dir: Path) -> dict:
         **col,
         "generated_tokens": total,  # rollouts + repairs (+ dynamic sampling's extra rounds)
         "repair_tokens_total": sum(x or 0.0 for x in col["repair_tokens"]),
+        "repair_success": pooled_repair_success(col["repairs"], col["repair_success_rate"]),
         "wall": summary.get("wall_seconds"),
     }
+
+
+def pooled_repair_success(repairs: list, rates: list) -> float | None:
+    """Successful repairs over attempted ones across a run's steps (None without repairs). Not
+    the mean of the per-step rates, which weighs a step with 2 attempts like one with 16."""
+    attempted = sum(n or 0.0 for n in repairs)
+    if not attempted:
+        return None
+    return sum((n or 0.0) * (r or 0.0) for n, r in zip(repairs, rates)) / attempted
 
 
 def collect(out: Path) -> tuple[list[dict], list[str]]:
@@ -446,7 +457,7 @@ def arm_table(arms: dict[str, list[dict]]) -> str:
             f"| {name} | {runs[0]['regime']} | {len(runs)} | {after} "
             f"| {_ci(gains) if gains else 'n/a'} "
             f"| {_mean(r['generated_tokens'] for r in runs):,.0f} "
-            f"| {_f(_mean(_mean(r['repair_success_rate']) for r in runs))} "
+            f"| {_f(_mean(r.get('repair_success') for r in runs))} "
             f"| {_f(_mean(r['entropy'][-1] for r in runs if r['entropy']))} "
             f"| {_f(_mean(_mean(r['kl']) for r in runs), '.4f')} "
             f"| {_f(_mean(_mean(r['residual']) for r in runs), '.4f')} "
@@ -676,7 +687,14 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
             + "\n"
         )
     if arms:
-        md += ["## Per arm\n", arm_table(arms)]
+        md += [
+            "## Per arm\n",
+            "Means over seeds. Repair success: successful repairs over attempted ones, pooled over"
+            " a run's steps. Entropy: the last step's; KL (to the reference) and the cancellation"
+            " residual: means over steps; truncated: the share of training completions cut at the"
+            " token limit.\n",
+            arm_table(arms),
+        ]
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
         md += ["## Did the edit mask act?\n", mask_md(arms)]

@@ -54,10 +54,25 @@ def _record(arm, regime, seed, after):
         "n_eval": 200, "before": 0.4, "after": after, "gain": after - 0.4,
         "curve": [(0, 0.4), (2, after)], "token_curve": [(0, 0.4), (100.0, after)],
         "reward": [0.1, 0.2], "entropy": [1.0, 0.9], "kl": [0.0, 0.01], "residual": [0.0, 0.0],
-        "repair_success_rate": [0.2, 0.3], "repair_tokens": [5.0, 5.0], "loss": [0.1, 0.2],
+        "repairs": [2.0, 8.0], "repair_success_rate": [0.5, 0.25], "repair_success": 0.3,
+        "repair_tokens": [5.0, 5.0], "loss": [0.1, 0.2],
         "truncated": [0.8, 0.5],
         "generated_tokens": 100.0, "repair_tokens_total": 10.0, "wall": 1.0,
     }  # fmt: skip
+
+
+def test_repair_success_is_pooled_over_attempts(study):
+    # 1 of 2 and 2 of 8: 3 of 10 attempts succeeded, though the per-step rates average 0.375
+    assert study.pooled_repair_success([2.0, 8.0], [0.5, 0.25]) == pytest.approx(0.3)
+    assert study.pooled_repair_success([0.0, 4.0], [0.0, 0.0]) == 0.0
+    assert study.pooled_repair_success([0.0, None], [0.0, None]) is None  # no repairs: no rate
+    runs = [_record("on-ibpo", study.ON, s, 0.6) for s in range(2)]
+    runs.append({**_record("on-dfpo", study.ON, 0, 0.5), "repair_success": None})
+    _, md = study.build_report(runs, pending=[])
+    table = md.split("## Per arm")[1].split("## Paired")[0]
+    cells = {r.split("|")[1].strip(): r.split("|") for r in table.splitlines() if r.startswith("|")}
+    assert "repair success" in cells["arm"][7]
+    assert cells["on-ibpo"][7].strip() == "0.300" and cells["on-dfpo"][7].strip() == "n/a"
 
 
 def test_report_pairs_seeds_and_says_what_is_significant(study):
