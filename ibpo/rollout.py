@@ -18,12 +18,21 @@ log_softmax of the very scores transformers samples from (generate's own warpers
 are the sampler's numbers: its kernels, KV cache, dtype and, on CPU, the dequantised base with the
 adapter folded in. Greedy calls (evaluation) report none.
 
+Sampling streams: a step draws its completions from random streams of its own, seeded from the
+run's seed, the process, the step, the phase (rollout or repair) and the round
+(`SamplingStreams`), and leaves the process's streams as they were. What a step samples then
+depends on the policy and on nothing else that drew random numbers before it: two runs that
+differ only in what they do with their samples (IBPO and DFPO, an ablation and its full method)
+draw from the same uniforms at every step, and a resumed run samples as an uninterrupted one.
+
 Not here: grading, advantages, or any gradient computation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -423,3 +432,51 @@ Generator = Callable[..., Rollout]
 def hf_generator(model: nn.Module) -> Generator:
     """The policy's own generate() as a Generator (rollout.backend=hf)."""
     return partial(generate, model)
+
+
+# --- sampling streams ----------------------------------------------------------------------------
+
+
+def stream_seed(*key: int | str) -> int:
+    """A 63-bit seed from a key (run seed, process, step, phase, round), the same in every
+    Python process and on every platform (unlike hash())."""
+    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@contextmanager
+def sampling_stream(device: torch.device, *key: int | str) -> Iterator[None]:
+    """Run a block on the CPU's and `device`'s generators seeded from `key`, then put the
+    process's own states back. A device without a generator (meta) has nothing to fork."""
+    seed = stream_seed(*key)
+    forked = device.type not in ("cpu", "meta")
+    module = torch.get_device_module(device.type) if forked else None
+    index = (
+        []
+        if not forked
+        else [device.index if device.index is not None else module.current_device()]
+    )
+    with torch.random.fork_rng(devices=index, device_type=device.type if forked else None):
+        torch.random.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(index[0]):
+                torch.cuda.manual_seed(seed)  # this device's generator only
+        elif forked:
+            module.manual_seed(seed)
+        yield
+
+
+@dataclass(frozen=True)
+class SamplingStreams:
+    """One step's sampling streams: `streams(phase, round)` is a context in which generation
+    draws from the stream of (seed, process, step, phase, round). Each dynamic-sampling round
+    and the repairs get their own, so a round's completions do not depend on how many random
+    numbers an earlier round or a repair drew."""
+
+    device: torch.device
+    seed: int
+    process: int
+    step: int
+
+    def __call__(self, phase: str, round_: int = 0):
+        return sampling_stream(self.device, self.seed, self.process, self.step, phase, round_)

@@ -79,7 +79,7 @@ from ibpo.objectives import (
 from ibpo.repair import run_repairs
 from ibpo.rewards import REWARDS
 from ibpo.rewards.math import as_graded
-from ibpo.rollout import Generator, Rollout, concat_rollouts, hf_generator
+from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
 # --- what the stages hand each other ------------------------------------------------------------
 
@@ -139,11 +139,20 @@ class UpdateResult:
 
 
 def rl_step(
-    parts: StepParts, tokenizer, accelerator, cfg: Config, objective: ResolvedObjective, engine=None
+    parts: StepParts,
+    tokenizer,
+    accelerator,
+    cfg: Config,
+    objective: ResolvedObjective,
+    engine=None,
+    *,
+    step: int,
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
-    engine that generates (rollout.backend=vllm), else the policy does."""
+    engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
+    before this one, which seeds this step's sampling streams (rollout.SamplingStreams)."""
     model, device = parts.model, accelerator.device
+    streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
     # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
@@ -157,6 +166,7 @@ def rl_step(
             objective,
             REWARDS[cfg.objective.reward],
             parts.rng,
+            streams,
         )
     t_gen = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
@@ -210,12 +220,14 @@ def collect_batch(
     objective: ResolvedObjective,
     reward_fn,
     rng: random.Random,
+    streams: SamplingStreams | None = None,
 ) -> ScoredBatch:
     """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
     batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
     dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
     rounds; if every group was dropped the last round is kept as is (zero advantages), so a step
-    never fails for lack of signal."""
+    never fails for lack of signal. `streams`: the step's sampling streams (None: the process's
+    own, for callers that drive this stage alone)."""
     G, B = cfg.rollout.group_size, cfg.train.prompts_per_step
     repairing = repairs_enabled(cfg, objective)
     kept: list[Round] = []
@@ -223,7 +235,9 @@ def collect_batch(
     stats: dict[str, float] = {}
     need, dropped, rounds = B, 0, 0
     while True:
-        r = score_round(generator, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng)
+        r = score_round(
+            generator, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng, streams, rounds
+        )
         _add(stats, r.stats)
         sampled.append(r.rewards)
         live = (~flat_groups(r.shaped)).tolist()
@@ -270,22 +284,27 @@ def score_round(
     repairing: bool,
     reward_fn,
     rng: random.Random,
+    streams: SamplingStreams | None = None,
+    round_: int = 0,
 ) -> Round:
     """One round: generate G completions per example, grade them, and (IBPO) repair the failed
-    ones, which shapes the rewards and gives the edit masks."""
+    ones, which shapes the rewards and gives the edit masks. The completions and the repairs
+    draw from their own streams of the round (`streams`), so repairs never shift what a later
+    round or step samples."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
     prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
-    rollout = generator(
-        tokenizer,
-        prompts,
-        G,
-        ro.max_new_tokens,
-        ro.generation_batch_size,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-    )
+    with _stream(streams, "rollout", round_):
+        rollout = generator(
+            tokenizer,
+            prompts,
+            G,
+            ro.max_new_tokens,
+            ro.generation_batch_size,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+        )
     t1 = time.perf_counter()
     answers = [ex.answer for ex in examples]
     flat = [
@@ -304,24 +323,29 @@ def score_round(
         "top_p": ro.top_p,
         "top_k": ro.top_k,
     }
-    out = run_repairs(
-        generator,
-        tokenizer,
-        [ex.question for ex in examples],
-        rollout,
-        rewards,
-        answers,
-        reward_fn,
-        rep,
-        cfg.data,
-        gen,
-        rng,
-    )
+    with _stream(streams, "repair", round_):
+        out = run_repairs(
+            generator,
+            tokenizer,
+            [ex.question for ex in examples],
+            rollout,
+            rewards,
+            answers,
+            reward_fn,
+            rep,
+            cfg.data,
+            gen,
+            rng,
+        )
     shaped = shape_rewards(rewards, out.phi, rep.shaping_lambda, rewards >= 1.0)
     stats.update(out.stats)
     stats["time_repair"] = time.perf_counter() - t1
     stats["generated_tokens"] += out.stats["repair_tokens"]
     return Round(rollout, rewards, shaped, out.edited, stats)
+
+
+def _stream(streams: SamplingStreams | None, phase: str, round_: int):
+    return nullcontext() if streams is None else streams(phase, round_)
 
 
 def _add(total: dict[str, float], part: dict[str, float]) -> None:

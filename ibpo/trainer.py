@@ -350,7 +350,15 @@ class Run:
             with failures.GracefulStop() as stop:
                 while state.step < tr.steps:
                     phase = "step"
-                    m = rl_step(self.parts, self.tokenizer, acc, cfg, self.objective, self.engine)
+                    m = rl_step(
+                        self.parts,
+                        self.tokenizer,
+                        acc,
+                        cfg,
+                        self.objective,
+                        self.engine,
+                        step=state.step,
+                    )
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
                     log_step(m, state.step, bar, metrics, acc, run.log_with)

@@ -214,9 +214,9 @@ def _run_steps(cfg, question, args, device, record) -> dict:
         model, optimizer, scheduler, PromptStream(examples, 0, False), random.Random(0)
     )
     try:
-        for _ in range(args.steps):  # the last step's numbers are reported
+        for i in range(args.steps):  # the last step's numbers are reported
             record["phase"] = "rollout"
-            m = step.rl_step(parts, tok, accelerator, cfg, objective)
+            m = step.rl_step(parts, tok, accelerator, cfg, objective, step=i)
     finally:
         accelerator.free_memory()
         del model, optimizer, scheduler, parts

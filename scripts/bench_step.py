@@ -227,8 +227,12 @@ def run_steps(run: Run, steps: int, warmup: int) -> dict:
 
     parts = StepParts(run.model, run.optimizer, run.scheduler, run.stream, run.rng)
 
+    done = iter(range(10**9))  # steps done so far: each step samples from its own streams
+
     def one_step() -> dict:
-        return rl_step(parts, run.tokenizer, run.accelerator, run.cfg, run.objective)
+        return rl_step(
+            parts, run.tokenizer, run.accelerator, run.cfg, run.objective, step=next(done)
+        )
 
     for _ in range(warmup):
         one_step()

@@ -332,10 +332,10 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, 
 def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, reward, error):
     real_step, calls = trainer_mod.rl_step, itertools.count()
 
-    def step(*args):
+    def step(*args, **kwargs):
         if next(calls) == 2:
             raise error
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     out = tmp_path / "run"
@@ -360,7 +360,7 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
 
 
 def test_other_errors_propagate(tiny_model_dir, tmp_path, monkeypatch, reward):
-    def step(*args):
+    def step(*args, **kwargs):
         raise ValueError("a bug")
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
@@ -374,8 +374,8 @@ def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
 ):
     real_step, calls = trainer_mod.rl_step, itertools.count()
 
-    def step(*args):
-        metrics = real_step(*args)
+    def step(*args, **kwargs):
+        metrics = real_step(*args, **kwargs)
         if next(calls) == 1:  # during step 2
             for _ in range(presses):
                 os.kill(os.getpid(), signal.SIGINT)

@@ -103,7 +103,7 @@ def _fake_rounds(monkeypatch, reward_rows):
 
     rows = iter(reward_rows)
 
-    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng):
+    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng, *streams):
         r = torch.tensor(next(rows)[: len(examples)], dtype=torch.float32)
         n, g = r.shape
         mask = torch.ones(n * g, 3)
@@ -199,7 +199,7 @@ def _lengths_round(monkeypatch, rewards, lengths, width=16):
     from ibpo.rollout import Rollout
     from ibpo.step import Round
 
-    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng):
+    def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng, *streams):
         r = torch.tensor(rewards[: len(examples)], dtype=torch.float32)
         n = r.numel()
         mask = (torch.arange(width) < torch.tensor(lengths).view(n, 1)).float()

@@ -42,8 +42,8 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     stream = PromptStream(builtin_examples("arithmetic", "train"), seed=0, shuffle=False)
     parts = StepParts(model, opt, sched, stream, random.Random(0))
-    for _ in range(2):
-        m = rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective))
+    for i in range(2):
+        m = rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective), step=i)
         assert 0.0 <= m["reward"] <= 1.0 and m["completion_length"] > 0
         # the embedded model repairs some of its wrong answers: IBPO's counterfactuals ran
         assert m["repairs"] > 0 and 0.0 <= m["repair_success_rate"] <= 1.0

@@ -96,9 +96,9 @@ def test_rerunning_an_interrupted_run_moves_its_checkpoints_aside(
     out = tmp_path / "run"
     real_step = trainer_mod.rl_step
 
-    def step(*args):
+    def step(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     assert _train(tiny_model_dir, out, 3) == 130
@@ -150,9 +150,9 @@ def _oom(*args, **kwargs):
 def _signal_in_step(sig):
     real_step = trainer_mod.rl_step
 
-    def step(*args):
+    def step(*args, **kwargs):
         os.kill(os.getpid(), sig)
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     return step
 
@@ -179,7 +179,7 @@ def test_the_exit_code_says_how_the_run_ended(
         monkeypatch.setattr(trainer_mod, "rl_step", _oom)
     elif ending == "nonfinite":
         monkeypatch.setattr(
-            trainer_mod, "rl_step", lambda *a: {**real_step(*a), "skipped_nonfinite": 1}
+            trainer_mod, "rl_step", lambda *a, **k: {**real_step(*a, **k), "skipped_nonfinite": 1}
         )
         extra = ["train.max_nonfinite_steps=1"]
     elif ending.startswith("SIG"):
@@ -220,8 +220,8 @@ def test_a_second_ctrl_c_keeps_the_last_checkpoints_adapter(
 ):
     real_step, calls = trainer_mod.rl_step, itertools.count()
 
-    def step(*args):
-        m = real_step(*args)  # the live adapter has moved on: step 3's update
+    def step(*args, **kwargs):
+        m = real_step(*args, **kwargs)  # the live adapter has moved on: step 3's update
         if next(calls) == 2:
             raise KeyboardInterrupt  # as the second Ctrl-C does, before step 3 is counted
         return m
@@ -239,7 +239,7 @@ def test_a_second_ctrl_c_keeps_the_last_checkpoints_adapter(
 def test_a_second_ctrl_c_before_any_checkpoint_saves_no_adapter(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
-    def step(*args):
+    def step(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)

@@ -57,7 +57,7 @@ def _examples():
 def _step(model, tok, opt, sched, acc, cfg):
     stream = PromptStream(_examples(), seed=0, shuffle=False)
     parts = StepParts(model, opt, sched, stream, random.Random(0))
-    return rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective))
+    return rl_step(parts, tok, acc, cfg, resolve_params(cfg.objective), step=0)
 
 
 def test_one_step_changes_lora_only(tiny_model_dir):

@@ -301,11 +301,12 @@ def _restore_cuda(state: dict, device: torch.device | None) -> None:
 
 
 def _cuda_rng_not_restored(why: str) -> None:
-    # a warning (shown once per process): sampling on the GPU differs from an uninterrupted run,
-    # everything else (adapter, optimizer, data order, CPU RNGs) resumes exactly
+    # a warning (shown once per process): sampling is unaffected (each step seeds its own
+    # streams, rollout.SamplingStreams); GPU draws outside it (LoRA dropout) differ from an
+    # uninterrupted run, everything else resumes exactly
     warnings.warn(
-        f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): CUDA "
-        "sampling continues from the run's seed (train.seed) instead",
+        f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): random draws on "
+        "the GPU outside sampling (LoRA dropout) continue from the run's seed (train.seed)",
         RuntimeWarning,
         stacklevel=3,
     )

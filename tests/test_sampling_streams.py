@@ -1,0 +1,94 @@
+"""Sampling streams: a step draws its completions and its repairs from streams of its own, seeded
+by (seed, process, step, phase, round), so what it samples depends on the policy alone."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from ibpo.config import load_config
+from ibpo.data import PromptStream, builtin_examples
+from ibpo.modeling import load_policy
+from ibpo.objectives import resolve_params
+from ibpo.rollout import SamplingStreams, hf_generator, sampling_stream, stream_seed
+from ibpo.step import collect_batch
+
+CPU = torch.device("cpu")
+KEY = (0, 0, 5, "rollout", 0)
+
+
+def test_stream_seeds_are_stable_and_differ_by_every_part_of_the_key():
+    keys = [KEY, (1, 0, 5, "rollout", 0), (0, 1, 5, "rollout", 0), (0, 0, 6, "rollout", 0),
+            (0, 0, 5, "repair", 0), (0, 0, 5, "rollout", 1)]  # fmt: skip
+    seeds = [stream_seed(*k) for k in keys]
+    assert len(set(seeds)) == len(keys) and all(0 <= s < 2**63 for s in seeds)
+    # the same in every process and release: a run resumed elsewhere samples the same
+    assert stream_seed(0, 0, 3, "rollout", 0) == 4536459807690527133
+
+
+def test_a_stream_repeats_itself_and_leaves_the_process_streams_alone():
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    with sampling_stream(CPU, *KEY):
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.rand(100)  # anything else drawing random numbers in between
+    state = torch.get_rng_state()
+    with sampling_stream(CPU, *KEY):
+        assert torch.equal(torch.rand(4), a)
+    with sampling_stream(CPU, 0, 0, 6, "rollout", 0):
+        assert not torch.equal(torch.rand(4), a)
+    with sampling_stream(torch.device("meta"), *KEY):  # no generator of its own to fork
+        assert torch.equal(torch.rand(4), a)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_stream_forks_the_cuda_generator_of_its_device():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(1)
+    state = torch.cuda.get_rng_state(dev)
+    with sampling_stream(dev, *KEY):
+        a = torch.rand(4, device=dev)
+    assert torch.equal(torch.cuda.get_rng_state(dev), state)
+    torch.rand(100, device=dev)
+    with sampling_stream(dev, *KEY):
+        assert torch.equal(torch.rand(4, device=dev), a)
+
+
+def _two_steps(model_dir, objective: str, streams: bool) -> tuple[list[list[str]], float]:
+    """Two steps' rollouts of one unchanged policy (the completions of each step), and how many
+    repairs the first step ran."""
+    cfg = load_config(
+        None,
+        [f"model.name={model_dir}", "rollout.max_new_tokens=8", "rollout.group_size=4",
+         "train.prompts_per_step=2", f"objective.name={objective}"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, tok = load_policy(cfg.model, CPU)
+    stream = PromptStream(builtin_examples("arithmetic", "train")[:8], seed=0, shuffle=False)
+    calls = itertools.count()
+    reward = lambda text, answer: float(next(calls) % 2)  # noqa: E731  half of each group right
+    texts, repairs = [], 0.0
+    for step in range(2):
+        batch = collect_batch(
+            hf_generator(model), tok, stream, cfg, resolve_params(cfg.objective), reward,
+            random.Random(0), SamplingStreams(CPU, cfg.train.seed, 0, step) if streams else None,
+        )  # fmt: skip
+        texts.append(batch.rollout.texts)
+        repairs = repairs or batch.stats.get("repairs", 0.0)
+    return texts, repairs
+
+
+def test_repairs_do_not_shift_what_later_steps_sample(tiny_model_dir):
+    ibpo, repairs = _two_steps(tiny_model_dir, "ibpo", streams=True)
+    dfpo, none = _two_steps(tiny_model_dir, "dfpo", streams=False)
+    assert repairs > 0 and none == 0  # ibpo's first step generated repairs, dfpo's did not
+    # on the process's own stream the repairs' draws shift the second step's samples...
+    shifted, _ = _two_steps(tiny_model_dir, "ibpo", streams=False)
+    assert shifted[0] == dfpo[0] and shifted[1] != dfpo[1]
+    # ...on the step's streams both methods sample the same completions at every step
+    with_streams, _ = _two_steps(tiny_model_dir, "dfpo", streams=True)
+    assert ibpo == with_streams and ibpo[0] != ibpo[1]
