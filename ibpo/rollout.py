@@ -451,12 +451,11 @@ def sampling_stream(device: torch.device, *key: int | str) -> Iterator[None]:
     seed = stream_seed(*key)
     forked = device.type not in ("cpu", "meta")
     module = torch.get_device_module(device.type) if forked else None
-    index = (
-        []
-        if not forked
-        else [device.index if device.index is not None else module.current_device()]
-    )
-    with torch.random.fork_rng(devices=index, device_type=device.type if forked else None):
+    index = []
+    if forked:  # mps has a single device and no current_device()
+        current = getattr(module, "current_device", lambda: 0)
+        index = [device.index if device.index is not None else current()]
+    with torch.random.fork_rng(devices=index, device_type=device.type if forked else "cpu"):
         torch.random.default_generator.manual_seed(seed)
         if device.type == "cuda":
             with torch.cuda.device(index[0]):

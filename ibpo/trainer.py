@@ -237,9 +237,10 @@ def train(cfg: Config) -> dict:
         _prepare_output_dir(out, cfg, resume)
     check_shared_output(accelerator, out)
     if accelerator.num_processes > 1:
-        # The same seed built the same LoRA init on every process; from here each process samples
-        # its own completions (torch, CUDA, numpy, random seeded with seed + process index), or
-        # every rank would draw the same random streams and generate correlated groups.
+        # The same seed built the same LoRA init on every process; from here each process has
+        # its own random streams (torch, CUDA, numpy, random seeded with seed + process index).
+        # What it samples comes from the step's streams, which also hold the process index
+        # (rollout.SamplingStreams), so ranks never draw correlated groups.
         set_seed(tr.seed, device_specific=True)
     engine = None
     try:

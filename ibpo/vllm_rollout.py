@@ -16,8 +16,9 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
   first Ctrl-C or SIGTERM instead of letting the trainer finish the step and save.
 * Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
   rollout.generate's (rollout.assemble), the completion ending at its first EOS. Sampling seeds are
-  drawn from torch's RNG, which checkpoints restore, so a resumed run draws the same seeds; only
-  the sampling settings asked for apply (as in rollout.generate, not the model's own defaults).
+  drawn from torch's RNG inside the step's sampling stream (rollout.SamplingStreams), so a
+  resumed run draws the same seeds; only the sampling settings asked for apply (as in
+  rollout.generate, not the model's own defaults).
 
 vLLM samples with its own kernels, so its sampling distribution differs slightly from the
 policy's in the update (the usual mismatch of vLLM rollouts). Behaviour log-probs: the engine is

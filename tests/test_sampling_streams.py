@@ -44,6 +44,21 @@ def test_a_stream_repeats_itself_and_leaves_the_process_streams_alone():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_an_accelerator_without_current_device_forks_its_one_generator(monkeypatch):
+    calls = []
+
+    class Module:  # the shape of torch.mps: one device, no current_device()
+        get_rng_state = staticmethod(lambda device: calls.append(("get", device)) or "state")
+        set_rng_state = staticmethod(lambda state, device: calls.append(("set", state, device)))
+        manual_seed = staticmethod(lambda seed: calls.append(("seed", seed)))
+
+    real = torch.get_device_module
+    monkeypatch.setattr(torch, "get_device_module", lambda t: Module if t == "mps" else real(t))
+    with sampling_stream(torch.device("mps"), *KEY):
+        assert calls == [("get", 0), ("seed", stream_seed(*KEY))]
+    assert calls[-1] == ("set", "state", 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_stream_forks_the_cuda_generator_of_its_device():
@@ -68,10 +83,12 @@ def _two_steps(model_dir, objective: str, streams: bool) -> tuple[list[list[str]
     )  # fmt: skip
     torch.manual_seed(0)
     model, tok = load_policy(cfg.model, CPU)
-    stream = PromptStream(builtin_examples("arithmetic", "train")[:8], seed=0, shuffle=False)
+    # the same two prompts at both steps: only the step's key tells their samples apart
+    stream = PromptStream(builtin_examples("arithmetic", "train")[:2] * 2, seed=0, shuffle=False)
     calls = itertools.count()
     reward = lambda text, answer: float(next(calls) % 2)  # noqa: E731  half of each group right
     texts, repairs = [], 0.0
+    state = torch.get_rng_state()
     for step in range(2):
         batch = collect_batch(
             hf_generator(model), tok, stream, cfg, resolve_params(cfg.objective), reward,
@@ -79,6 +96,8 @@ def _two_steps(model_dir, objective: str, streams: bool) -> tuple[list[list[str]
         )  # fmt: skip
         texts.append(batch.rollout.texts)
         repairs = repairs or batch.stats.get("repairs", 0.0)
+    # rollouts and repairs drew from the step's streams only
+    assert torch.equal(torch.get_rng_state(), state) == streams
     return texts, repairs
 
 
@@ -92,3 +111,24 @@ def test_repairs_do_not_shift_what_later_steps_sample(tiny_model_dir):
     # ...on the step's streams both methods sample the same completions at every step
     with_streams, _ = _two_steps(tiny_model_dir, "dfpo", streams=True)
     assert ibpo == with_streams and ibpo[0] != ibpo[1]
+
+
+def test_the_trainer_keys_each_step_by_the_steps_done_before_it(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import ibpo.trainer as trainer_mod
+
+    seen, real = [], trainer_mod.rl_step
+
+    def spy(*args, step, **kwargs):
+        seen.append(step)
+        return real(*args, step=step, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "rl_step", spy)
+    args = [f"model.name={tiny_model_dir}", "model.quantization=none", "train.prompts_per_step=1",
+            "rollout.group_size=2", "rollout.max_new_tokens=4", "data.eval_size=0",
+            "train.eval_before=false", f"run.output_dir={tmp_path / 'run'}", "run.plots=false",
+            "run.progress=false"]  # fmt: skip
+    trainer_mod.train(load_config(None, [*args, "train.steps=2"]))
+    trainer_mod.train(load_config(None, [*args, "train.steps=3", "run.resume_from=latest"]))
+    assert seen == [0, 1, 2]  # a resumed run goes on with the next step's streams

@@ -302,11 +302,12 @@ def _restore_cuda(state: dict, device: torch.device | None) -> None:
 
 def _cuda_rng_not_restored(why: str) -> None:
     # a warning (shown once per process): sampling is unaffected (each step seeds its own
-    # streams, rollout.SamplingStreams); GPU draws outside it (LoRA dropout) differ from an
-    # uninterrupted run, everything else resumes exactly
+    # streams, rollout.SamplingStreams); GPU draws outside it (LoRA dropout, when on) differ
+    # from an uninterrupted run, everything else resumes exactly
     warnings.warn(
-        f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): random draws on "
-        "the GPU outside sampling (LoRA dropout) continue from the run's seed (train.seed)",
+        f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): sampling resumes "
+        "exactly, but random draws on the GPU outside it (LoRA dropout, when "
+        "model.lora_dropout > 0) continue from the run's seed instead",
         RuntimeWarning,
         stacklevel=3,
     )
