@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -359,8 +359,11 @@ def generate(
     # DistributedDataParallel has no .generate; the PEFT model under it does (adapter included)
     gen_model = getattr(model, "module", model)
     pieces, logprobs = [], []
+    # slices after the first sample from streams of their own (sampling streams, below), so that
+    # what a slice draws does not depend on how long the slices before it decoded
+    key = stream_position(device) if do_sample else None
     try:
-        for s in range(0, prompt_ids.shape[0], batch_size):
+        for k, s in enumerate(range(0, prompt_ids.shape[0], batch_size)):
             # transformers sizes a static cache to the longest generate() call so far (to spare
             # recompilation); each call here gets its own length (a repair prompt is ~3x longer)
             vars(unwrap(model)).pop("_previous_max_cache_length", None)
@@ -368,13 +371,14 @@ def generate(
             recorder = SampledLogprobs(temperature, top_k, top_p) if do_sample else None
             ids, mask = prompt_ids[s : s + batch_size], prompt_mask[s : s + batch_size]
             shared = shares_prefill(gen_model, ids.shape, num_samples)
-            out = gen_model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                logits_processor=processors + ([recorder] if recorder else []),
-                **({CACHE_KWARG: prefill(gen_model, ids, mask, num_samples)} if shared else {}),
-                **kwargs,
-            )
+            with sampling_stream(device, key, k) if key and k else nullcontext():
+                out = gen_model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    logits_processor=processors + ([recorder] if recorder else []),
+                    **({CACHE_KWARG: prefill(gen_model, ids, mask, num_samples)} if shared else {}),
+                    **kwargs,
+                )
             pieces.append(out[:, prompt_ids.shape[1] :])
             if recorder is not None:
                 logprobs.append(recorder.finish(pieces[-1]))
@@ -444,24 +448,40 @@ def stream_seed(*key: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _own_generator(device: torch.device):
+    """(device module, index) of `device`'s own generator; None for the CPU and meta."""
+    if device.type in ("cpu", "meta"):
+        return None
+    module = torch.get_device_module(device.type)
+    current = getattr(module, "current_device", lambda: 0)  # mps: one device, no current_device
+    return module, device.index if device.index is not None else current()
+
+
+def stream_position(device: torch.device) -> str:
+    """Where the CPU's and `device`'s generators stand, read without drawing: a key for the
+    streams of a generate call's later slices. It moves whenever either generator has drawn, so
+    two calls never share those streams."""
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8)
+    own = _own_generator(device)
+    if own is not None:
+        digest.update(own[0].get_rng_state(own[1]).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 @contextmanager
 def sampling_stream(device: torch.device, *key: int | str) -> Iterator[None]:
     """Run a block on the CPU's and `device`'s generators seeded from `key`, then put the
     process's own states back. A device without a generator (meta) has nothing to fork."""
     seed = stream_seed(*key)
-    forked = device.type not in ("cpu", "meta")
-    module = torch.get_device_module(device.type) if forked else None
-    index = []
-    if forked:  # mps has a single device and no current_device()
-        current = getattr(module, "current_device", lambda: 0)
-        index = [device.index if device.index is not None else current()]
-    with torch.random.fork_rng(devices=index, device_type=device.type if forked else "cpu"):
+    own = _own_generator(device)
+    devices = [] if own is None else [own[1]]
+    with torch.random.fork_rng(devices=devices, device_type="cpu" if own is None else device.type):
         torch.random.default_generator.manual_seed(seed)
         if device.type == "cuda":
-            with torch.cuda.device(index[0]):
+            with torch.cuda.device(devices[0]):
                 torch.cuda.manual_seed(seed)  # this device's generator only
-        elif forked:
-            module.manual_seed(seed)
+        elif own is not None:
+            own[0].manual_seed(seed)
         yield
 
 

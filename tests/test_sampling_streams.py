@@ -132,3 +132,29 @@ def test_the_trainer_keys_each_step_by_the_steps_done_before_it(
     trainer_mod.train(load_config(None, [*args, "train.steps=2"]))
     trainer_mod.train(load_config(None, [*args, "train.steps=3", "run.resume_from=latest"]))
     assert seen == [0, 1, 2]  # a resumed run goes on with the next step's streams
+
+
+def test_a_later_slice_samples_the_same_however_long_the_first_decoded(tiny_model_dir, monkeypatch):
+    from ibpo import rollout
+    from ibpo.config import ModelConfig
+
+    model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"), CPU)
+    stop = tok.convert_tokens_to_ids("z")
+
+    def end_marked_rows(input_ids, scores):  # rows whose prompt holds "z" end at once
+        marked = (input_ids == stop).any(-1, keepdim=True)
+        eos_only = torch.full_like(scores, float("-inf"))
+        eos_only[:, tok.eos_token_id] = 0.0
+        return torch.where(marked, eos_only, scores)
+
+    def samples(first: str) -> tuple[list[int], list[list[int]]]:
+        torch.manual_seed(7)  # the same generators at the call's start
+        ro = rollout.generate(model, tok, [first, "bbbb"], 2, 8, batch_size=2,
+                              logits_processor=[end_marked_rows])  # fmt: skip
+        return ro.lengths[:2], ro.tokens[2:]  # the first slice's lengths, the second's tokens
+
+    (short, a), (long, b) = samples("zzzz"), samples("aaaa")
+    assert short == [1, 1] and min(long) > 1  # the first slices decoded 1 and several positions
+    assert a == b  # the second slice drew from its own stream
+    monkeypatch.setattr(rollout, "stream_position", lambda device: None)  # one stream per call
+    assert samples("zzzz")[1] != samples("aaaa")[1]
