@@ -462,9 +462,9 @@ def stream_position(device: torch.device) -> str:
     streams of a generate call's later slices. It moves whenever either generator has drawn, so
     two calls never share those streams."""
     digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8)
-    own = _own_generator(device)
-    if own is not None:
-        digest.update(own[0].get_rng_state(own[1]).cpu().numpy().tobytes())
+    module, index = _own_generator(device) or (None, None)
+    if module is not None:
+        digest.update(module.get_rng_state(index).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -473,15 +473,17 @@ def sampling_stream(device: torch.device, *key: int | str) -> Iterator[None]:
     """Run a block on the CPU's and `device`'s generators seeded from `key`, then put the
     process's own states back. A device without a generator (meta) has nothing to fork."""
     seed = stream_seed(*key)
-    own = _own_generator(device)
-    devices = [] if own is None else [own[1]]
-    with torch.random.fork_rng(devices=devices, device_type="cpu" if own is None else device.type):
+    module, index = _own_generator(device) or (None, None)
+    forked = [] if module is None else [index]
+    with torch.random.fork_rng(
+        devices=forked, device_type="cpu" if module is None else device.type
+    ):
         torch.random.default_generator.manual_seed(seed)
         if device.type == "cuda":
-            with torch.cuda.device(devices[0]):
+            with torch.cuda.device(index):
                 torch.cuda.manual_seed(seed)  # this device's generator only
-        elif own is not None:
-            own[0].manual_seed(seed)
+        elif module is not None:
+            module.manual_seed(seed)
         yield
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import random
 import re
@@ -227,7 +228,7 @@ def run_steps(run: Run, steps: int, warmup: int) -> dict:
 
     parts = StepParts(run.model, run.optimizer, run.scheduler, run.stream, run.rng)
 
-    done = iter(range(10**9))  # steps done so far: each step samples from its own streams
+    done = itertools.count()  # steps done so far: each step samples from its own streams
 
     def one_step() -> dict:
         return rl_step(

@@ -310,12 +310,17 @@ def t_critical(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
+def sd(values: list[float]) -> float:
+    """The sample standard deviation; NaN for fewer than two values."""
+    return statistics.stdev(values) if len(values) > 1 else math.nan
+
+
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
     """(mean, low, high): the 95% t-interval of the mean; one value gives an interval of NaN."""
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.nan, math.nan
-    half = t_critical(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    half = t_critical(len(values) - 1) * sd(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
 
 
@@ -638,13 +643,11 @@ def spread_md(arms: dict[str, list[dict]], comps: list[tuple[str, dict]]) -> str
     seeds a paired t-interval of half-width 0.05 would need (about (2 sd / 0.05)^2)."""
     lines = ["| arm or comparison | sd over seeds | seeds for a +-0.05 interval |", "|---|---|---|"]
     for name, runs in arms.items():
-        after = [r["after"] for r in runs]
-        sd = statistics.stdev(after) if len(after) > 1 else math.nan
-        lines.append(f"| {name} (final acc.) | {_f(sd)} | |")
+        lines.append(f"| {name} (final acc.) | {_f(sd([r['after'] for r in runs]))} | |")
     for label, c in comps:
-        sd = statistics.stdev(c["diffs"]) if len(c["diffs"]) > 1 else math.nan
-        need = math.nan if math.isnan(sd) else (2 * sd / 0.05) ** 2
-        lines.append(f"| {label} | {_f(sd)} | {_f(need, '.0f')} |")
+        spread = sd(c["diffs"])
+        need = (2 * spread / 0.05) ** 2  # NaN stays NaN
+        lines.append(f"| {label} | {_f(spread)} | {_f(need, '.0f')} |")
     return "\n".join(lines) + "\n"
 
 
