@@ -59,7 +59,20 @@ def run_seed(seed: int, overrides: list[str], out: Path) -> dict:
         "reward_first": steps[0]["reward"],
         "reward_last3": sum(r["reward"] for r in last) / len(last),
         "stderr_lines": len([x for x in done.stderr.splitlines() if x.strip()]),
+        # a step's mean time and its phases, the peak memory, and the worst step's mismatch
+        # and cancellation residual
+        **{k: _mean(steps, k) for k in STEP_TIMES},
+        "peak_memory_gb": max(r.get("peak_memory_gb", 0.0) for r in steps),
+        "mismatch_kl_max": max(r.get("mismatch_kl", 0.0) for r in steps),
+        "residual_max": max(r.get("residual", 0.0) for r in steps),
     }
+
+
+STEP_TIMES = ("step_time", "time_generate", "time_repair", "time_frozen_logprobs", "time_update")
+
+
+def _mean(steps: list[dict], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in steps) / len(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         f"after {span(lambda r: r['after'])}, entropy ratio "
         f"{span(lambda r: r['entropy_last3'] / r['entropy_first'])}, wall "
         f"{min(r['wall_s'] for r in results):.0f} to {max(r['wall_s'] for r in results):.0f} s"
+    )
+    print(
+        f"per step, mean: {span(lambda r: r['step_time'])} s (generate "
+        f"{span(lambda r: r['time_generate'])}, repairs {span(lambda r: r['time_repair'])}, "
+        f"frozen log-probs {span(lambda r: r['time_frozen_logprobs'])}, update "
+        f"{span(lambda r: r['time_update'])}); peak memory "
+        f"{span(lambda r: r['peak_memory_gb'])} GB; worst mismatch KL "
+        f"{max(r['mismatch_kl_max'] for r in results):.1e}; worst residual "
+        f"{max(r['residual_max'] for r in results):.1e}"
     )
     print(json.dumps({"overrides": overrides, "runs": results}))
     return 0

@@ -324,6 +324,46 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def _beta_fraction(x: float, a: float, b: float) -> float:
+    """The continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return h
+
+
+def incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x <= (a + 1) / (a + b + 2):
+        return math.exp(log_front) * _beta_fraction(x, a, b) / a
+    return 1 - incomplete_beta(1 - x, b, a)
+
+
+def f_test_greater(sd_a: float, n_a: int, sd_b: float, n_b: int) -> float:
+    """One-sided p that sample a's variance exceeds sample b's only by chance: P(F > s_a^2/s_b^2)
+    with (n_a - 1, n_b - 1) degrees of freedom (normal samples)."""
+    d1, d2 = n_a - 1, n_b - 1
+    f = (sd_a / sd_b) ** 2
+    return incomplete_beta(d2 / (d2 + d1 * f), d2 / 2, d1 / 2)
+
+
 def sign_test(diffs: list[float]) -> float:
     """Exact two-sided sign test of median 0; ties (zero differences) are left out."""
     pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
@@ -450,19 +490,20 @@ def _mean(values) -> float:
 
 def arm_table(arms: dict[str, list[dict]]) -> str:
     lines = [
-        "| arm | regime | seeds | final held-out acc. [95% CI] | gain [95% CI] | generated tokens "
-        "| repair success | final entropy | mean KL | mean residual | truncated, step 1 -> 20 "
-        "| wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | regime | seeds | final held-out acc. [95% CI] | held-out acc. per evaluation "
+        "| gain [95% CI] | generated tokens | repair success (runs' range) | final entropy "
+        "| mean KL | mean residual | truncated, step 1 -> 20 | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         gains = [r["gain"] for r in runs if r["gain"] is not None]
         after = _ci([r["after"] for r in runs], ".3f")
         lines.append(
             f"| {name} | {runs[0]['regime']} | {len(runs)} | {after} "
+            f"| {' -> '.join(f'{y:.3f}' for y in _mean_curve(runs, 'curve')[1])} "
             f"| {_ci(gains) if gains else 'n/a'} "
             f"| {_mean(r['generated_tokens'] for r in runs):,.0f} "
-            f"| {_f(_mean(r.get('repair_success') for r in runs))} "
+            f"| {_repair_success(runs)} "
             f"| {_f(_mean(r['entropy'][-1] for r in runs if r['entropy']))} "
             f"| {_f(_mean(_mean(r['kl']) for r in runs), '.4f')} "
             f"| {_f(_mean(_mean(r['residual']) for r in runs), '.4f')} "
@@ -472,12 +513,31 @@ def arm_table(arms: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _wall_line(runs: list[dict]) -> str:
+    """How long the runs took: minutes per run (each its own process) and their sum in hours."""
+    walls = sorted(r["wall"] / 60 for r in runs if r.get("wall") is not None)
+    if not walls:
+        return ""
+    return (
+        f"Wall time per run: {walls[0]:.1f}-{walls[-1]:.1f} min, median "
+        f"{statistics.median(walls):.1f}; {sum(walls) / 60:.1f} hours in all.\n"
+    )
+
+
+def _repair_success(runs: list[dict]) -> str:
+    """The mean over seeds of each run's pooled repair success, and the runs' lowest and highest."""
+    rates = [r["repair_success"] for r in runs if r.get("repair_success") is not None]
+    if not rates:
+        return "n/a"
+    return f"{_mean(rates):.3f} ({min(rates):.3f}-{max(rates):.3f})"
+
+
 def _truncated(runs: list[dict]) -> str:
     """Share of training completions cut at the token limit, first step -> last, over seeds."""
     cols = [r["truncated"] for r in runs if r.get("truncated") and None not in r["truncated"]]
     if not cols:
         return "n/a"
-    return f"{_mean(c[0] for c in cols):.2f} -> {_mean(c[-1] for c in cols):.2f}"
+    return f"{_mean(c[0] for c in cols):.1%} -> {_mean(c[-1] for c in cols):.1%}"
 
 
 def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
@@ -491,6 +551,8 @@ def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
     diffs = [left[s] - right[s] for s in seeds]
     low, high = bootstrap_ci(diffs)
     _, t_low, t_high = mean_ci(diffs)
+    rewards = [({r["seed"]: r["reward"] for r in arms[x]}) for x in (a, b)]
+    pairs = [list(zip(rewards[0][s], rewards[1][s])) for s in seeds]
     return {
         "a": a,
         "b": b,
@@ -503,6 +565,9 @@ def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
         "losses": sum(d < 0 for d in diffs),
         "ties": sum(d == 0 for d in diffs),
         "sign_p": sign_test(diffs),
+        # how closely the pair's runs tracked each other: their training rewards, step by step
+        "reward_gap": _mean(_mean(abs(x - y) for x, y in p[1:]) for p in pairs),
+        "equal_reward_steps": [sum(x == y for x, y in p) for p in pairs],
     }
 
 
@@ -641,13 +706,20 @@ def commands_md(records: list[dict]) -> str:
 def spread_md(arms: dict[str, list[dict]], comps: list[tuple[str, dict]]) -> str:
     """What the design can resolve: the spread over seeds per arm, and per comparison the
     seeds a paired t-interval of half-width 0.05 would need (about (2 sd / 0.05)^2)."""
-    lines = ["| arm or comparison | sd over seeds | seeds for a +-0.05 interval |", "|---|---|---|"]
+    lines = [
+        "| arm or comparison | sd over seeds | seeds for a +-0.05 interval "
+        "| training reward gap, steps 2+ | steps with equal training reward, per seed |",
+        "|---|---|---|---|---|",
+    ]
     for name, runs in arms.items():
-        lines.append(f"| {name} (final acc.) | {_f(sd([r['after'] for r in runs]))} | |")
+        lines.append(f"| {name} (final acc.) | {_f(sd([r['after'] for r in runs]))} | | | |")
     for label, c in comps:
         spread = sd(c["diffs"])
         need = (2 * spread / 0.05) ** 2  # NaN stays NaN
-        lines.append(f"| {label} | {_f(spread)} | {_f(need, '.0f')} |")
+        equal = " ".join(map(str, c.get("equal_reward_steps", [])))
+        lines.append(
+            f"| {label} | {_f(spread)} | {_f(need, '.0f')} | {_f(c.get('reward_gap'))} | {equal} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -697,6 +769,7 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
             " residual: means over steps; truncated: the share of training completions cut at the"
             " token limit.\n",
             arm_table(arms),
+            _wall_line(main_runs),
         ]
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
@@ -799,10 +872,41 @@ def plot_sweep(sweep: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(out: Path) -> str:
-    """Rebuild study.json, study.md and the plots from the finished run folders under `out`."""
+def against_md(here: list[dict], there: list[dict], name: str) -> str:
+    """The spread of each comparison's paired differences here and in another study (`there`,
+    its study.json comparisons): were the pairs tighter here? A one-sided F-test of the two
+    variances (5 pairs each side can only show a large ratio)."""
+    other = {c["label"]: c for c in there}
+    lines = [
+        f"Paired differences here against {name}.\n",
+        "| comparison | mean diff. here | there | sd here | sd there | variance ratio "
+        "(there / here) | one-sided F-test p | training reward gap here | there |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in here:
+        o = other.get(c["label"])
+        if o is None:
+            continue
+        a, b = sd(c["diffs"]), sd(o["diffs"])
+        p = f_test_greater(b, len(o["diffs"]), a, len(c["diffs"]))
+        lines.append(
+            f"| {c['label']} | {c['mean']:+.3f} | {o['mean']:+.3f} | {_f(a)} | {_f(b)} "
+            f"| {_f((b / a) ** 2, '.2f')} | {_f(p, '.2f')} | {_f(c.get('reward_gap'))} "
+            f"| {_f(o.get('reward_gap'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path, against: Path | None = None) -> str:
+    """Rebuild study.json, study.md and the plots from the finished run folders under `out`
+    (and, with `against`, a section comparing its paired spreads with that study's)."""
     records, pending = collect(out)
     data, md = build_report(records, pending)
+    if against is not None:
+        other = build_report(*collect(against))[0]["comparisons"]
+        md += "\n## Against another study\n\n" + against_md(
+            data["comparisons"], other, str(against)
+        )
     (out / "study.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / "study.md").write_text(md)
     main_arms = by_arm(data["runs"])
@@ -851,6 +955,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--lrs", default="1e-4,2e-4,5e-4,1e-3")
     add("--sweep-seed", type=int, default=0)
     add("--report-only", action="store_true", help="rebuild the report from finished runs")
+    add("--against", type=Path, help="another study's --out: compare the paired spreads")
     add(
         "--smoke",
         action="store_true",
@@ -875,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         check(runs)
         outcomes = run_all(runs, ns.workers, ns.smoke, threads)
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
-    md = report(out)
+    md = report(out, ns.against)
     print(md)
     return 0
 

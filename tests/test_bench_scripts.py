@@ -132,3 +132,7 @@ def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path):
     assert all(r["n"] == 4 and 0 <= r["after"] <= 1 for r in report["runs"])
     assert "range over 2 seeds" in text
     assert (out / "seed-1" / "run" / "summary.json").is_file()
+    for r in report["runs"]:  # the step figures docs/cpu.md quotes
+        assert r["step_time"] >= r["time_generate"] > 0 and r["peak_memory_gb"] > 0
+        assert r["residual_max"] == 0.0  # ibpo's default: the cancellation-safe objective
+    assert "per step, mean:" in text

@@ -71,8 +71,53 @@ def test_repair_success_is_pooled_over_attempts(study):
     _, md = study.build_report(runs, pending=[])
     table = md.split("## Per arm")[1].split("## Paired")[0]
     cells = {r.split("|")[1].strip(): r.split("|") for r in table.splitlines() if r.startswith("|")}
-    assert "repair success" in cells["arm"][7]
-    assert cells["on-ibpo"][7].strip() == "0.300" and cells["on-dfpo"][7].strip() == "n/a"
+    assert "repair success" in cells["arm"][8]
+    # the mean over seeds and the runs' lowest and highest
+    assert cells["on-ibpo"][8].strip() == "0.300 (0.300-0.300)"
+    assert cells["on-dfpo"][8].strip() == "n/a"
+
+
+def test_the_report_says_how_long_the_runs_took(study):
+    runs = [
+        {**_record("on-ibpo", study.ON, s, 0.5), "wall": w} for s, w in enumerate([60, 600, 120])
+    ]
+    _, md = study.build_report(runs, pending=[])
+    assert "Wall time per run: 1.0-10.0 min, median 2.0; 0.2 hours in all." in md
+
+
+def test_incomplete_beta_and_the_f_test_against_closed_forms(study):
+    for x in (0.1, 0.3, 0.7, 0.95):
+        assert study.incomplete_beta(x, 2, 2) == pytest.approx(3 * x**2 - 2 * x**3, abs=1e-12)
+        assert study.incomplete_beta(x, 1, 3) == pytest.approx(1 - (1 - x) ** 3, abs=1e-12)
+        assert study.incomplete_beta(x, 0.5, 0.5) == pytest.approx(
+            2 / math.pi * math.asin(math.sqrt(x)), abs=1e-10
+        )
+    # F(4, 4): P(F > f) = 1 - I_x(2, 2) with x = f / (1 + f)
+    f = 1.5**2
+    x = f / (1 + f)
+    assert study.f_test_greater(1.5, 5, 1.0, 5) == pytest.approx(1 - (3 * x**2 - 2 * x**3))
+    assert study.f_test_greater(1.0, 5, 1.0, 5) == pytest.approx(0.5)
+
+
+def test_pairs_are_compared_step_by_step_and_against_another_study(study):
+    def arm(name, rewards, after):
+        return [{**_record(name, study.ON, s, a), "reward": r} for s, (r, a) in
+                enumerate(zip(rewards, after))]  # fmt: skip
+
+    arms = {"a": arm("a", [[0.0, 0.5, 0.25], [0.0, 0.0, 0.0]], [0.6, 0.5]),
+            "b": arm("b", [[0.0, 0.25, 0.25], [0.0, 0.5, 0.5]], [0.5, 0.5])}  # fmt: skip
+    c = study.compare(arms, "a", "b")
+    # step 1 left out of the gap: seed 0 differs by 0.25 then 0, seed 1 by 0.5 twice
+    assert c["reward_gap"] == pytest.approx((0.125 + 0.5) / 2)
+    assert c["equal_reward_steps"] == [2, 1]
+    here = [{"label": "x", **c}]
+    there = [{"label": "x", **c, "diffs": [0.3, -0.1], "mean": 0.1, "reward_gap": 0.4}]
+    md = study.against_md(here, there, "old")
+    row = [r for r in md.splitlines() if r.startswith("| x |")][0].split("|")
+    sd_here, sd_there = study.sd([0.1, 0.0]), study.sd([0.3, -0.1])
+    assert float(row[6]) == pytest.approx((sd_there / sd_here) ** 2, abs=0.005)
+    assert float(row[7]) == pytest.approx(study.f_test_greater(sd_there, 2, sd_here, 2), abs=0.005)
+    assert row[8].strip() == "0.312" and row[9].strip() == "0.400"
 
 
 def test_report_pairs_seeds_and_says_what_is_significant(study):
@@ -99,8 +144,9 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
         {"a": [_record("a", study.ON, s, 0.5 + d) for s, d in enumerate([0.01, 0.3, 0.02, 0.25])],
          "b": [_record("b", study.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
     assert wide["bootstrap_ci"][0] > 0 and not study.significant(wide)
-    assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | +0.200" in md
-    assert "| 0.0000 | 0.80 -> 0.50 |" in md  # truncation, first step -> last
+    # final accuracy, then the mean curve over the evaluations
+    assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | 0.400 -> 0.600 | +0.200" in md
+    assert "| 0.0000 | 80.0% -> 50.0% |" in md  # truncation, first step -> last
     # dfpo - grpo differs by +-0.1 per seed: sd 0.110, (2 x 0.110 / 0.05)^2 = 19 seeds
     assert "| on-policy dfpo - grpo (Part 1: the objective) | 0.110 | 19 |" in md
     # the command lines: the shared part once, each arm's own overrides in a table
