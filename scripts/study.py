@@ -980,6 +980,10 @@ def main(argv: list[str] | None = None) -> int:
         check(runs)
         outcomes = run_all(runs, ns.workers, ns.smoke, threads)
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
+    if ns.against is not None and not any(ns.against.glob("*/*/study_run.json")):
+        raise SystemExit(
+            f"--against {ns.against}: no study runs there (give another study's --out)"
+        )
     md = report(out, ns.against)
     print(md)
     return 0

@@ -77,6 +77,11 @@ def test_repair_success_is_pooled_over_attempts(study):
     assert cells["on-dfpo"][8].strip() == "n/a"
 
 
+def test_against_a_folder_without_a_study_is_one_clear_error(study, tmp_path):
+    with pytest.raises(SystemExit, match="no study runs there"):
+        study.main(["--report-only", "--out", str(tmp_path / "s"), "--against", str(tmp_path)])
+
+
 def test_the_report_says_how_long_the_runs_took(study):
     runs = [
         {**_record("on-ibpo", study.ON, s, 0.5), "wall": w} for s, w in enumerate([60, 600, 120])
