@@ -78,6 +78,7 @@ from ibpo.objectives import (
 )
 from ibpo.repair import run_repairs
 from ibpo.rewards import REWARDS
+from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.math import as_graded
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
@@ -636,6 +637,7 @@ def step_metrics(batch, upd, lr: float) -> dict[str, float]:
         truncated=sum(truncated) / len(truncated),
         grad_norm=upd.grad_norm,
         skipped_nonfinite=float(upd.skipped),
+        grader_errors=float(sum(grader_errors.take().values())),  # graded 0, counted since last
         lr=lr,
     )
     return metrics

@@ -323,5 +323,11 @@ def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
             "use far longer generations",
             file=sys.stderr,
         )
+    if summary.get("grader_errors"):
+        print(
+            f"warning: the grader itself failed on {summary['grader_errors']} samples (scored 0; "
+            "each record's grader_error says why)",
+            file=sys.stderr,
+        )
     print(f"samples.jsonl, summary.json and results.md in {summary['output_dir']}")
     return 0

@@ -45,12 +45,14 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_prompt
+from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.math import answers_match, as_graded
 from ibpo.rollout import Generator
 
@@ -181,6 +183,7 @@ def summarize(problems, records: dict, n: int, vote: bool) -> dict:
         out[key] = _mean(maj) if vote else None
     out["mean_length"] = _mean([r["length"] for r in flat])
     out["truncated"] = _mean([float(r["truncated"]) for r in flat])
+    out["grader_errors"] = sum(bool(r.get("grader_error")) for r in flat)
     return out
 
 
@@ -282,7 +285,7 @@ def run_benchmark(
         seeds = [sample_seed(seed, p.id, i) for p, i in chunk]
         outs = sample([rendered[p.id] for p, _ in chunk], seeds)
         graded = [as_graded(rendered[p.id], o[0]) for (p, _), o in zip(chunk, outs)]
-        rewards = pool.map(grade, graded, [p.gold for p, _ in chunk])
+        rewards = pool.map(partial(grader_errors.graded, grade), graded, [p.gold for p, _ in chunk])
         new = [
             {
                 "problem_id": p.id,
@@ -292,8 +295,9 @@ def run_benchmark(
                 "reward": float(r),
                 "length": length,
                 "truncated": bool(cut),
+                **({"grader_error": why} if why else {}),  # the grader's own failure: scored 0
             }
-            for (p, i), (text, length, cut), g, r in zip(chunk, outs, graded, rewards)
+            for (p, i), (text, length, cut), g, (r, why) in zip(chunk, outs, graded, rewards)
         ]
         append_samples(path, new)
         records.update({(r["problem_id"], r["sample"]): r for r in new})

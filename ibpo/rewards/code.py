@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.math import strip_thinking
 from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
 
@@ -79,15 +80,31 @@ def extract_code(completion: str) -> str:
 
 
 def grade_code(completion: str, answer: str) -> dict[str, Any]:
-    """Grade one completion; per-test details for evaluation reports."""
+    """Grade one completion; per-test details for evaluation reports. Never raises for a
+    completion: a failure of the grader itself scores 0 with its reason and is counted
+    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError."""
     spec = _parse_spec(answer)
-    code = extract_code(completion)
     out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
-    out["isolation"] = isolation_mode()
-    if not code.strip():
-        out["reason"] = "no code found"
+    try:
+        out["isolation"] = isolation_mode()
+        code = extract_code(completion)
+        if not code.strip():
+            out["reason"] = "no code found"
+            return out
+        program, tests = _build(code, spec)
+    except ValueError:
+        raise  # the spec's own tests are malformed: the message names the fix
+    except Exception as e:
+        out["reason"] = grader_errors.record("code", e)
         return out
-    program, tests = _build(code, spec)
+    try:
+        return _grade(program, tests, spec, out)
+    except Exception as e:
+        out.update(reward=0.0, passed=0, results=[], reason=grader_errors.record("code", e))
+        return out
+
+
+def _grade(program: str, tests: list[TestCase], spec: dict, out: dict[str, Any]) -> dict:
     out["total"] = len(tests)
     limits = Limits(
         time_s=float(spec.get("time_s", Limits.time_s)),
@@ -105,7 +122,7 @@ def grade_code(completion: str, answer: str) -> dict[str, Any]:
 
 def code_reward(completion: str, answer: str) -> float:
     """1.0 when the extracted program passes every test (or the passed share in "fraction"
-    mode), else 0.0. Same signature as math_reward."""
+    mode), else 0.0. Same signature as math_reward; never raises for a completion."""
     return grade_code(completion, answer)["reward"]
 
 

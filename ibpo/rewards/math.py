@@ -56,6 +56,8 @@ import threading
 import time
 from fractions import Fraction
 
+from ibpo.rewards import errors as grader_errors
+
 # We turn math-verify's signal timeouts off on purpose (thread safety); silence its reminder.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 _log = logging.getLogger(__name__)
@@ -360,7 +362,7 @@ def _same_listing(pred: str, gold: str) -> bool:
     for x, y in zip(a, b):
         if x == y == "\\dots":
             continue
-        if _ELLIPSIS.search(x) or _ELLIPSIS.search(y) or not answers_match(x, y):
+        if _ELLIPSIS.search(x) or _ELLIPSIS.search(y) or not _answers_match(x, y):
             return False
     return True
 
@@ -370,7 +372,16 @@ def _squash(s: str) -> str:
 
 
 def answers_match(pred: str, gold: str) -> bool:
-    """Whether the extracted answer `pred` equals the gold answer (see the module docstring)."""
+    """Whether the extracted answer `pred` equals the gold answer (see the module docstring).
+    Never raises: a failure of the grader itself is counted (errors.record) and is no match."""
+    try:
+        return _answers_match(pred, gold)
+    except Exception as e:
+        grader_errors.record("math", e)
+        return False
+
+
+def _answers_match(pred: str, gold: str) -> bool:
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return _squash(pred) == _squash(gold)
     pred, gold = _normalize(pred), _normalize(gold)
@@ -394,11 +405,16 @@ def answers_match(pred: str, gold: str) -> bool:
 
 
 def math_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the gold answer, else 0.0."""
-    if not completion or answer is None:
+    """1.0 when the completion's final answer equals the gold answer, else 0.0. Never raises:
+    a failure of the grader itself scores 0 and is counted (ibpo.rewards.errors)."""
+    try:
+        if not completion or answer is None:
+            return 0.0
+        pred = extract_answer(completion)
+        return float(pred is not None and _answers_match(pred, str(answer)))
+    except Exception as e:
+        grader_errors.record("math", e)
         return 0.0
-    pred = extract_answer(completion)
-    return float(pred is not None and answers_match(pred, str(answer)))
 
 
 # ---------------------------------------------------------------------------- math-verify

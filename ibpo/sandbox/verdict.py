@@ -26,12 +26,51 @@ if TYPE_CHECKING:
 SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox (child.py)
 
 
+MAX_REASON_CHARS = 300  # a verdict's reason, whatever the tested program printed or returned
+
+
 def _short(value: Any, n: int = 80) -> str:
-    try:
-        s = repr(value) if isinstance(value, str) else json.dumps(value)
-    except (TypeError, ValueError):
-        s = repr(value)
+    """`value` (a string, or plain data decoded from the child) shown in at most n characters
+    and a few levels of nesting: the value may be nested a thousand levels deep or hold a
+    number of a million digits."""
+    s = repr(value[: n + 1]) if isinstance(value, str) else _plain(value, 4, n + 1)
     return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _plain(v: Any, depth: int, n: int) -> str:
+    # JSON-like; never recurses deeper than `depth`, never renders more than about n characters.
+    if isinstance(v, (list, tuple, dict)):
+        if depth <= 0:
+            return "[...]" if not isinstance(v, dict) else "{...}"
+        items = list(v.items() if isinstance(v, dict) else v)
+        parts, used = [], 0
+        for item in items:
+            if used > n:
+                parts.append("...")
+                break
+            if isinstance(v, dict):
+                part = f"{_plain(item[0], depth - 1, n)}: {_plain(item[1], depth - 1, n)}"
+            else:
+                part = _plain(item, depth - 1, n)
+            parts.append(part)
+            used += len(part) + 2
+        body = ", ".join(parts)
+        return "{" + body + "}" if isinstance(v, dict) else "[" + body + "]"
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 3 * n:
+        return f"<integer of about {int(v.bit_length() * 0.30103)} digits>"
+    try:
+        return (
+            json.dumps(v)[:n] if isinstance(v, (str, int, float, bool, type(None))) else repr(v)[:n]
+        )
+    except (TypeError, ValueError, RecursionError):
+        return f"<{type(v).__name__}>"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:  # real-time signals (SIGRTMIN+k) have no name in signal.Signals
+        return f"signal {num}"
 
 
 def _last_line(err: bytes) -> str:
@@ -50,7 +89,13 @@ def classify(
     res: bytes,
 ) -> tuple[str, str]:
     """(status, reason) of one finished test: its wait status, CPU seconds, whether the wall
-    clock killed it, and its capped stdout, stderr and result channel."""
+    clock killed it, and its capped stdout, stderr and result channel. The reason is at most
+    MAX_REASON_CHARS long."""
+    st, reason = _classify(test, limits, status, cpu, wall_killed, out, err, res)
+    return st, reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _classify(test, limits, status, cpu, wall_killed, out, err, res) -> tuple[str, str]:
     cap = limits.max_output_bytes
     records = res.decode("utf-8", "replace").splitlines()
     last = records[-1] if records else ""
@@ -63,7 +108,7 @@ def classify(
     if wall_killed:
         return "timeout", f"wall-clock limit {limits.wall_s:g}s"
     if os.WIFSIGNALED(status):
-        return "error", f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        return "error", f"killed by {_signal_name(os.WTERMSIG(status))}"
     if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
         return "error", f"output limit {cap} bytes exceeded"
     if last.startswith("E "):
@@ -92,11 +137,15 @@ def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
             got = json.loads(last[2:])
         except (ValueError, RecursionError):
             return "error", "unreadable return value"
-        if got == test.expected:
+        try:
+            same = got == test.expected
+        except RecursionError:  # both nested past the interpreter's limit: not comparable
+            return "error", "return value nested too deeply to compare"
+        if same:
             return "passed", ""
         return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
     if last.startswith("R "):
-        return "failed", f"wrong answer: expected {_short(test.expected)} got {last[2:]}"
+        return "failed", f"wrong answer: expected {_short(test.expected)} got {last[2:][:200]}"
     return "error", "no return value reported"
 
 
