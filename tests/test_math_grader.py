@@ -438,3 +438,68 @@ def test_without_a_worker_grading_runs_in_process(monkeypatch, caplog):
         assert not grader._compare_in_worker("\\sqrt{12}", "3\\sqrt{2}", 1.0)
     assert pool.in_process
     assert "without a time bound" in caplog.text
+
+
+# Hedges, several candidates, equations and near misses: none may score.
+HOLES = [
+    # a hedge or several candidates against one value
+    (r"\boxed{2 \lor 3}", "3", False),
+    (r"\boxed{3 \vee 2}", "3", False),
+    (r"\boxed{2 \text{ (or possibly } 3)}", "3", False),
+    (r"\boxed{3 \text{ probably}}", "3", False),
+    (r"\boxed{x = 2 \text{ or } x = 3}", "3", False),
+    (r"\boxed{\pm 3}", "3", False),
+    # ... while a complete solution set is one answer
+    (r"\boxed{x = 2 \text{ or } x = 3}", "2, 3", True),
+    (r"\boxed{x=2 \text{ and } x=3}", "2,3", True),
+    (r"\boxed{\pm 3}", r"\pm 3", True),
+    # an equation scores only with a variable on its left
+    (r"\boxed{1 = 2}", "2", False),
+    (r"\boxed{f(x) = 3}", "3", False),
+    (r"\boxed{9 + 7 = 16}", "16", False),
+    (r"\boxed{x=3}", "3", True),
+    (r"\boxed{AB = 5}", "5", True),
+    (r"\boxed{x_1 = 4}", "4", True),
+    (r"\boxed{x^2+y^2=1}", "x^2+y^2=1", True),
+    # relative tolerance: a tiny number is not 0, a near miss of a large one is wrong
+    (r"\boxed{0.0000004}", "0", False),
+    (r"\boxed{0}", "0.0000004", False),
+    (r"\boxed{\{0.0000004, 1\}}", r"\{0, 1\}", False),
+    (r"\boxed{1000000.5}", "1000000", False),
+    (r"\boxed{12.3456789}", "12.3456791", False),
+    (r"\boxed{0.3}", r"\frac{1}{3}", False),
+    (r"\boxed{1e-13}", "0", True),  # the only absolute tolerance: against an exact 0
+    (r"\boxed{0.30000000000000004}", "0.3", True),  # floating-point noise
+    (r"\boxed{0.333333}", r"\frac{1}{3}", True),  # rounded as written, 6 significant digits
+    (r"\boxed{0.142857}", r"\frac{1}{7}", True),
+    (r"\boxed{0.0123457}", r"\frac{1}{81}", True),
+    (r"\boxed{0.0123456}", r"\frac{1}{81}", False),  # truncated, not rounded
+    (r"\boxed{-0.666667}", r"-\frac{2}{3}", True),
+    (r"\boxed{(0.333333, 2)}", r"(\frac{1}{3}, 2)", True),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", HOLES)
+def test_hedges_equations_and_tolerance(completion, gold, expected):
+    assert math_reward(completion, gold) == float(expected), (completion, gold)
+
+
+def test_a_failing_grader_scores_zero_and_is_counted(monkeypatch, caplog):
+    from ibpo.rewards import errors
+
+    def broken(s):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    errors.take()
+    monkeypatch.setattr(errors, "_logged", set())
+    monkeypatch.setattr(grader, "_normalize", broken)
+    with caplog.at_level(logging.WARNING, logger="ibpo.rewards"):
+        assert math_reward("\\boxed{2}", "2") == 0.0
+        assert grader.answers_match("2", "2") is False
+        reward, why = errors.graded(math_reward, "\\boxed{3}", "3")
+    assert reward == 0.0 and why.startswith("grader error (math): RecursionError")
+    assert errors.take() == {"math": 3}
+    assert errors.take() == {}
+    assert sum("grader error (math)" in r.getMessage() for r in caplog.records) == 1  # once
+    monkeypatch.undo()
+    assert errors.graded(math_reward, "\\boxed{3}", "3") == (1.0, "")

@@ -16,13 +16,21 @@ trailing period and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `\varnothing`
 `\lfloor x\rfloor`, `\lceil x\rceil`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a pair); `(B)` -> B.
 Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
 
-Comparison: plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and
-sets, intervals and tuples of them, are compared in Python: integers exactly, others to 6
-decimals (math-verify's rounding), sets in any order, `[1,2)` is not `[1,2]`. Identical strings
-match. Sympy cannot tell what `\dots` stands for, so lists with an ellipsis (`1, 3, 5, \dots`)
-are compared here, item by item in order, the ellipsis in the same places, and any other
-answer with one as text only. Only the rest (radicals, matrices, expressions, symbolic
-factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through math-verify.
+Comparison: a hedge or several candidates for one value (`2 \lor 3`, `3 \text{ (or possibly
+2)}`, `\pm 3`, "3 probably") is wrong, unless the gold answer hedges alike or lists several
+values (`x = 2 \text{ or } x = 3` for `2, 3`); an equation counts only with a variable on its
+left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless the gold is an
+equation too. Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`),
+and sets, intervals and tuples of them, are compared in Python: integers exactly; others within
+a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
+or when one side, as written with at least ROUNDED_DIGITS significant digits, is the other
+rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and `\frac{1}{81}`;
+`0.3` is not `\frac{1}{3}`, `1000000.5` is not 1000000); sets in any order, `[1,2)` is not
+`[1,2]`. Identical strings match. Sympy cannot tell what `\dots` stands for, so lists with an
+ellipsis (`1, 3, 5, \dots`) are compared here, item by item in order, the ellipsis in the same
+places, and any other answer with one as text only. Only the rest (radicals, matrices,
+expressions, symbolic factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through
+math-verify.
 
 Time bound: math-verify's signal timeouts only work in the main thread, so they are off. Answers
 over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, and factorials sympy would
@@ -36,7 +44,9 @@ and after each kill) and a pipe round trip (well under 1 ms) per comparison. Ver
 timeouts included, so a repeated pathological answer costs one kill. Where no worker can start
 (non-POSIX, no subprocess), math-verify runs in-process behind the text guards, with a warning.
 
-Not here: partial credit, tolerance beyond 6 decimals, unit conversion (5 m vs 500 cm), code
+A failure of the grader itself (any exception) is no match, counted (ibpo.rewards.errors).
+
+Not here: partial credit, tolerance beyond the rules above, unit conversion (5 m vs 500 cm), code
 execution (sandbox), format rewards, dataset-specific gold parsing (data.py).
 """
 
@@ -47,6 +57,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -67,6 +78,9 @@ WORKER_CPU_S = 10  # kernel limit on the CPU seconds of one comparison inside a 
 MAX_ANSWER_CHARS = 400  # longer answers are compared as text only
 MAX_EXPONENT = 10_000  # a larger literal exponent is compared as text only
 MAX_FACTORIAL = 1_000  # likewise n! for larger n
+REL_TOL = 1e-9  # between non-integers: floating-point noise ("0.30000000000000004" is 0.3)
+ZERO_TOL = 1e-12  # the only absolute tolerance: against an exact 0
+ROUNDED_DIGITS = 6  # a decimal with this many significant digits may be the other side rounded
 _MAX_WORKERS = 4  # concurrent comparisons; more threads wait for a free worker
 _WORKER_MEMORY = 4 << 30  # address-space cap of a worker (bytes)
 
@@ -170,7 +184,15 @@ _UNIT_WORDS = re.compile(r"(?<=\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?$")
 _MATH_WORDS = {"pi", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "sqrt", "mod"}
 # Words that join a second answer or a condition, so what follows is no unit: "2 or x" is not 2.
 _MATH_WORDS |= {"or", "and", "nor", "not", "but", "if", "unless", "otherwise", "except"}
-_ASSIGN = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*")
+_ASSIGN = re.compile(r"^(?:[A-Za-z]{1,3}|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*")  # x, AB, x_1, \alpha
+_CANDIDATES = re.compile(r",|\\text\{[^{}]*\}|\\(?:lor|vee|quad)(?![A-Za-z])|\b(?:or|and)\b")
+_RELATION = re.compile(r"(?<![<>!=])=(?!=)")  # an equation's "=", not "<=", "!=", "=="
+# Several candidates or a hedge in one answer: "2 \lor 3", "3 \text{ (or possibly 2)}", "\pm 3".
+_HEDGE = re.compile(
+    r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\|\||±|∨"
+    r"|\b(?:or|possibly|maybe|perhaps|probably|likely|either|guess|unsure)\b",
+    re.I,
+)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d{1,3}(?: \d{3})+")
 _CHOICE = re.compile(r"\(?([A-J])\)?")
 _FRAC_ALIAS = re.compile(r"\\[dt]frac(?![A-Za-z])")
@@ -235,6 +257,7 @@ _SCIENTIFIC = re.compile(
 )
 _SEQUENCE = re.compile(r"(\\\{|[(\[])?([^()\[\]{}]*,[^()\[\]{}]*)(\\\}|[)\]])?")
 _ELLIPSIS = re.compile(r"\\dots(?![A-Za-z])")  # after _normalize, the one spelling of all
+_PLAIN_DECIMAL = re.compile(r"-?\d*\.\d+")
 _INFINITY = {"\\infty": float("inf"), "+\\infty": float("inf"), "-\\infty": float("-inf")}
 
 
@@ -251,39 +274,63 @@ def _as_number(s: str) -> Fraction | None:
     return None
 
 
-def _same_number(a: Fraction, b: Fraction) -> bool:
+def _same_number(a: Fraction, b: Fraction, text_a: str = "", text_b: str = "") -> bool:
+    """Integers exactly; otherwise within REL_TOL of each other (floating-point noise), within
+    ZERO_TOL of an exact 0, or one side, as written (text_a / text_b), is the other rounded to
+    its decimal places with at least ROUNDED_DIGITS significant digits ("0.333333" is 1/3)."""
     if a == b:
         return True
     if a.denominator == 1 and b.denominator == 1:
         return False  # integers are exact: 1000001 is not 1000000
-    return round(a, 6) == round(b, 6)
+    if a == 0 or b == 0:
+        return abs(a - b) <= ZERO_TOL  # 0.0000004 is not 0
+    if abs(a - b) <= REL_TOL * max(abs(a), abs(b)):
+        return True
+    return _rounded_as_written(a, b, text_b) or _rounded_as_written(b, a, text_a)
 
 
-def _as_sequence(s: str) -> tuple[str, str, list] | None:
-    r"""(open, close, items) of `\{1,2\}`, `[0,\infty)`, `(1, 2)` or `1, 2` with numeric items."""
+def _rounded_as_written(exact: Fraction, value: Fraction, written: str) -> bool:
+    if not _PLAIN_DECIMAL.fullmatch(written):
+        return False
+    places = len(written) - written.index(".") - 1
+    if len(written.replace("-", "").replace(".", "").lstrip("0")) < ROUNDED_DIGITS:
+        return False  # "0.3" is not 1/3: too few digits to be a rounding of it
+    scale = Fraction(10) ** places
+    half_up = math.floor(abs(exact) * scale + Fraction(1, 2)) / scale  # 0.1234565 -> 0.123457
+    return (half_up if exact > 0 else -half_up) == value
+
+
+def _as_sequence(s: str) -> tuple[str, str, list, list] | None:
+    r"""(open, close, items, their texts) of `\{1,2\}`, `[0,\infty)`, `(1, 2)` or `1, 2` with
+    numeric items."""
     m = _SEQUENCE.fullmatch(s)
     if m is None:
         return None
-    items = [_INFINITY.get(x.strip()) or _as_number(x.strip()) for x in m.group(2).split(",")]
-    return None if None in items else (m.group(1) or "", m.group(3) or "", items)
+    texts = [x.strip() for x in m.group(2).split(",")]
+    items = [_INFINITY.get(x) or _as_number(x) for x in texts]
+    return None if None in items else (m.group(1) or "", m.group(3) or "", items, texts)
 
 
-def _set_key(x: Fraction | float) -> Fraction | float:
-    return round(x, 6) if isinstance(x, Fraction) and x.denominator != 1 else x
+def _same_item(a: tuple, i: int, b: tuple, j: int) -> bool:
+    x, y = a[2][i], b[2][j]
+    if isinstance(x, Fraction) and isinstance(y, Fraction):
+        return _same_number(x, y, a[3][i], b[3][j])
+    return x == y
 
 
-def _same_sequence(a: tuple[str, str, list], b: tuple[str, str, list]) -> bool | None:
+def _same_sequence(a: tuple, b: tuple) -> bool | None:
     """Sets in any order; intervals and tuples item by item with the same brackets; else None."""
     if (a[0] == b[0] == "\\{" and a[1] == b[1] == "\\}") or not (a[0] + a[1] + b[0] + b[1]):
-        return set(map(_set_key, a[2])) == set(map(_set_key, b[2]))  # a bare list is a set too
+        # a bare list is a set too: every item of each side is an item of the other
+        n, m = range(len(a[2])), range(len(b[2]))
+        return all(any(_same_item(a, i, b, j) for j in m) for i in n) and all(
+            any(_same_item(a, i, b, j) for i in n) for j in m
+        )
     if not (a[0] and a[1] and b[0] and b[1]) or "\\{" in (a[0], b[0]):
         return None  # a set against a bracket, or an unbalanced side: math-verify decides
     if a[:2] != b[:2] or len(a[2]) != len(b[2]):
         return False  # [1,2) is not [1,2]
-    return all(
-        x == y or isinstance(x, Fraction) and isinstance(y, Fraction) and _same_number(x, y)
-        for x, y in zip(a[2], b[2])
-    )
+    return all(_same_item(a, i, b, i) for i in range(len(a[2])))
 
 
 def _too_costly(s: str) -> bool:
@@ -367,6 +414,15 @@ def _same_listing(pred: str, gold: str) -> bool:
     return True
 
 
+def _equations_assign(s: str) -> bool:
+    """Whether every equation in `s` (its parts between commas and "or"/"and") has a variable
+    for its left side: "x = 2, y = 3" and "x = 2 \\text{ or } x = 3" do, "1 = 2" does not."""
+    for part in _CANDIDATES.split(s):
+        if (m := _RELATION.search(part)) and not _ASSIGN.fullmatch(part[: m.end()].strip()):
+            return False
+    return True
+
+
 def _squash(s: str) -> str:
     return "".join(s.split())
 
@@ -384,12 +440,17 @@ def answers_match(pred: str, gold: str) -> bool:
 def _answers_match(pred: str, gold: str) -> bool:
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return _squash(pred) == _squash(gold)
+    hedged = _HEDGE.search(pred) and not _HEDGE.search(gold)
     pred, gold = _normalize(pred), _normalize(gold)
     if not pred or not gold:
         return False
+    if hedged and len(_items(gold)) == 1:
+        return False  # "2 \lor 3", "3 (or possibly 2)", "\pm 3" for one value: not an answer
+    if not _RELATION.search(gold) and not _equations_assign(pred):
+        return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
     a, b = _as_number(pred), _as_number(gold)
     if a is not None and b is not None:
-        return _same_number(a, b)
+        return _same_number(a, b, pred, gold)
     if _squash(pred) == _squash(gold):
         return True
     seq_a, seq_b = _as_sequence(pred), _as_sequence(gold)
