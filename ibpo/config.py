@@ -349,6 +349,11 @@ class ObjectiveConfig:
     is_cap: float = positive(2.0)
     # reward function name (ibpo.rewards.REWARDS; see reward_names)
     reward: str = "math"
+    # Where objective.reward=code runs the programs the policy writes (ibpo/sandbox/run.py):
+    # isolated (bwrap or namespaces: training refuses to start where only socket-patch works) |
+    # allow_socket_patch (train there anyway: the programs then see the host's files and, as the
+    # trainer's own uid, can reach its memory and forge any verdict)
+    code_sandbox: str = choice("isolated", "allow_socket_patch")
 
 
 # The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt

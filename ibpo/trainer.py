@@ -48,6 +48,7 @@ from ibpo.objectives import (
     resolve_params,
 )
 from ibpo.rewards import REWARDS
+from ibpo.rewards.code import training_sandbox
 from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
@@ -227,6 +228,10 @@ def train(cfg: Config) -> dict:
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
+    # before anything is touched: a code reward without a sandbox that contains RL-written code
+    sandbox = (
+        training_sandbox(cfg.objective.code_sandbox) if cfg.objective.reward == "code" else None
+    )
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
@@ -252,6 +257,7 @@ def train(cfg: Config) -> dict:
             run = Run(
                 cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
             )
+            run.sandbox = sandbox
             run.state = _start_or_resume(
                 accelerator, parts, resume, run.metrics_path, run.held_out, cfg
             )
@@ -294,6 +300,7 @@ class Run:
         self.state = ckpt.TrainerState()
         self.start = time.time()
         self.prior = 0.0  # wall seconds of earlier sessions of this run
+        self.sandbox: str | None = None  # the code reward's isolation mode (training_sandbox)
         device = accelerator.device
         folded = use_dequantized_base(cfg.model, device, parts.model)
         self.alarm = MismatchAlarm.for_run(cfg, device.type, folded)
@@ -441,6 +448,7 @@ class Run:
             "model": cfg.model.name,
             "quantization": cfg.model.quantization,
             "dataset": cfg.data.dataset,
+            "isolation": self.sandbox,  # the code reward's sandbox mode; None for other rewards
             "status": end.status,
             "message": end.message,
             "nonfinite_steps": state.nonfinite_total,

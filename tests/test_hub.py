@@ -549,3 +549,11 @@ def test_real_push_uploads_a_private_repo(run):
         assert not any("optimizer" in f or f.startswith("checkpoints") for f in files)
     finally:
         api.delete_repo(repo_id, missing_ok=True)
+
+
+def test_card_states_the_code_reward_sandbox(run, tmp_path):
+    out = _copy(run, tmp_path)
+    assert "isolation mode" not in build_model_card(out, "alice/x")  # a math run: no sandbox
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "isolation": "bwrap"}))
+    assert "| code reward sandbox (isolation mode) | bwrap |" in build_model_card(out, "alice/x")

@@ -400,7 +400,7 @@ def test_user_namespace_path(monkeypatch):
         "import os, socket\n"
         "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]\n"
         "try:\n"
-        "    open('/tmp/sandbox-userns-escape', 'w')\n"
+        "    open('/var/tmp/sandbox-userns-escape', 'w')\n"
         "    wrote = True\n"
         "except OSError:\n"
         "    wrote = False\n"
@@ -413,7 +413,7 @@ def test_user_namespace_path(monkeypatch):
     )
     r = sandbox._run_one(code, TestCase("stdin", "", "0 False False"), FAST, "namespaces")
     assert r.status == "passed", r.reason
-    assert not os.path.exists("/tmp/sandbox-userns-escape")
+    assert not os.path.exists("/var/tmp/sandbox-userns-escape")
 
 
 def test_socket_patch_mode_blocks_sockets():

@@ -197,6 +197,7 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
     assert summary["steps"] == 3 and summary["status"] == "completed"
+    assert summary["isolation"] is None  # no code reward, no sandbox
     assert summary["eval_before"]["n"] == 6 and summary["eval_after"]["n"] == 6
     assert (out / "adapter" / "adapter_config.json").is_file()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -281,3 +282,20 @@ def test_eval_every_needs_a_held_out_set():
 
     with pytest.raises(ConfigError, match="eval_size"):
         load_config(None, ["train.eval_every=5", "data.eval_size=0"])
+
+
+def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
+    """RL-written programs need a sandbox that contains them: socket-patch alone is refused
+    before anything is touched, unless the run opts in by name."""
+    from ibpo.config import ConfigError
+    from ibpo.rewards import code as code_grader
+
+    monkeypatch.setattr(code_grader, "isolation_mode", lambda: "socket-patch")
+    out = tmp_path / "run"
+    overrides = ["objective.reward=code", "data.answer_format=plain", f"run.output_dir={out}"]
+    with pytest.raises(ConfigError, match="bubblewrap.*objective.code_sandbox=allow_socket_patch"):
+        train(load_config(None, overrides))
+    assert not out.exists()
+    assert code_grader.training_sandbox("allow_socket_patch") == "socket-patch"
+    monkeypatch.setattr(code_grader, "isolation_mode", lambda: "namespaces")
+    assert code_grader.training_sandbox("isolated") == "namespaces"

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
+from ibpo.config import ConfigError
 from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.math import strip_thinking
 from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
@@ -124,6 +125,23 @@ def code_reward(completion: str, answer: str) -> float:
     """1.0 when the extracted program passes every test (or the passed share in "fraction"
     mode), else 0.0. Same signature as math_reward; never raises for a completion."""
     return grade_code(completion, answer)["reward"]
+
+
+def training_sandbox(code_sandbox: str) -> str:
+    """The isolation mode the code reward will run a training run's programs in; raises
+    ConfigError when it is socket-patch, which does not contain code an RL policy writes,
+    unless objective.code_sandbox=allow_socket_patch."""
+    mode = isolation_mode()
+    if mode == "socket-patch" and code_sandbox != "allow_socket_patch":
+        raise ConfigError(
+            "objective.reward=code runs the programs the policy writes, and the only sandbox "
+            "that works here is socket-patch, which does not contain them (they see the host's "
+            "files and can forge verdicts). Install bubblewrap (apt-get install bubblewrap, "
+            "dnf install bubblewrap, pacman -S bubblewrap; `bwrap --version` must then work, "
+            "inside a container too), or set objective.code_sandbox=allow_socket_patch to "
+            "train anyway"
+        )
+    return mode
 
 
 def humaneval_spec(problem: dict, harness: str = "strict") -> str:

@@ -55,30 +55,46 @@ def _child_die(what):
 
 
 def _child_sandbox(job, libc):
-    """Cover homes and socket directories, make every mount read-only, add a private tmpfs."""
+    """The test's root (namespaces mode), as bwrap builds it: a tmpfs holding read-only binds of
+    what job["view"] lists, a fresh /proc, a minimal /dev and a size-capped /tmp, moved over /
+    and entered by chroot, so that no path leads to any other file of the host."""
     import ctypes
     import os
-    import sys
 
-    nosuid_nodev, bind_rec = 2 | 4, 4096 | 16384
+    nosuid, nodev, noexec, bind, move, rec = 2, 4, 8, 4096, 8192, 16384
 
     def mount(src, dst, fstype, flags, data=None):
         enc = lambda s: None if s is None else s.encode()
         if libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
             _child_die(f"mount {dst}")
 
-    cwd = os.getcwd()
     os.umask(0o022)
-    prefixes = {sys.base_prefix, sys.base_exec_prefix}  # the interpreter must stay importable
-    for hidden in job["hide"]:
-        keep = sorted(p for p in prefixes if p.startswith(hidden.rstrip("/") + "/"))
-        fds = [os.open(p, os.O_PATH) for p in keep]  # still reachable once the dir is covered
-        mount("tmpfs", hidden, "tmpfs", nosuid_nodev, "size=1m,mode=755")
-        for p, fd in zip(keep, fds):
-            os.makedirs(p, exist_ok=True)
-            mount(f"/proc/self/fd/{fd}", p, None, bind_rec)
-            os.close(fd)
-    os.makedirs(cwd, exist_ok=True)  # when /tmp, holding it, was just covered
+    root = os.getcwd()  # the working directory: private to this mount namespace
+    mount("tmpfs", root, "tmpfs", nosuid | nodev, "size=1m,mode=755")
+    for entry in job["view"]:
+        kind, path = entry[0], root + entry[-1]
+        if kind == "symlink":
+            os.symlink(entry[1], path)
+        else:
+            os.makedirs(path, exist_ok=True)
+        if kind == "bind":
+            mount(entry[1], path, None, bind | rec)
+    os.mkdir(root + "/proc")
+    mount("proc", root + "/proc", "proc", nosuid | nodev | noexec)
+    os.mkdir(root + "/dev")
+    mount("tmpfs", root + "/dev", "tmpfs", nosuid | noexec, "size=64k,mode=755")
+    for name in ("null", "zero", "full", "random", "urandom", "tty"):
+        if os.path.exists("/dev/" + name):
+            os.close(os.open(f"{root}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+            mount("/dev/" + name, f"{root}/dev/{name}", None, bind)
+    for name, target in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
+        os.symlink("/proc/self/fd" + target, f"{root}/dev/{name}")
+    os.mkdir(root + "/tmp")
+    os.chdir(root)
+    mount(".", "/", None, move)  # the host's root now lies under ours, out of every path
+    if libc.chroot(b".") != 0:
+        _child_die("chroot")
+    os.chdir("/")
     # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID})
     attr = (ctypes.c_uint64 * 4)(1 | 2, 0, 0, 0)
     c = ctypes
@@ -86,8 +102,8 @@ def _child_sandbox(job, libc):
         _child_die("read-only remount")
     owner = max(job["uid"], 0)
     opts = f"size={job['scratch_mb']}m,mode=700,uid={owner},gid={owner}"
-    mount("tmpfs", cwd, "tmpfs", nosuid_nodev, opts)
-    os.chdir(cwd)  # enter the new tmpfs; whatever was underneath stays out of reach
+    mount("tmpfs", "/tmp", "tmpfs", nosuid | nodev, opts)
+    os.chdir("/tmp")
 
 
 def _child_limit(job, libc):

@@ -14,7 +14,9 @@
 A test is born in its group: the sandbox command is prefixed with `sh -c 'echo 0 >
 cgroup.procs; exec ...'`, so every descendant starts inside it and nothing runs before the cap
 binds. When the cap is reached the kernel OOM-kills inside the group only; `oom_kills` tells the
-verdict so. Groups are removed when this process exits.
+verdict so. The group also finds every process of a test when it ends: `kill_all` ends those
+that left its session (the only way to find them in socket-patch mode as root). Groups are
+removed when this process exits.
 
 Not here: the per-process rlimits (child.py), running and judging a test (run.py, verdict.py).
 """
@@ -24,8 +26,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import threading
+import time
 from functools import cache
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,33 @@ def wrap(group: str | None, command: list[str]) -> list[str]:
     if group is None:
         return command
     return ["/bin/sh", "-c", _WRAP, os.path.join(group, "cgroup.procs"), *command]
+
+
+def kill_all(group: str | None) -> int:
+    """SIGKILL every process still in the group once its test has ended (a daemon that left the
+    test's session and process group); -> how many were signalled. cgroup v2 kills the group
+    at once (cgroup.kill); v1 is read and signalled until empty, so a process forked meanwhile
+    is caught by the next round."""
+    if group is None:
+        return 0
+    if memory_mode() == "cgroup-v2" and os.path.exists(os.path.join(group, "cgroup.kill")):
+        n = len(_read(os.path.join(group, "cgroup.procs")).split())
+        if n:
+            _write(group, "cgroup.kill", "1", missing_ok=True)
+        return n
+    killed = 0
+    for _ in range(1000):
+        pids = [int(p) for p in _read(os.path.join(group, "cgroup.procs")).split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.001)  # let the killed leave the group
+    return killed
 
 
 def oom_kills(group: str | None) -> int:

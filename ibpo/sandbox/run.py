@@ -84,7 +84,6 @@ import logging
 import marshal
 import math
 import os
-import pwd
 import queue
 import resource
 import shutil
@@ -249,7 +248,8 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
         alive, keep_alive = os.pipe()
         stack.callback(os.close, keep_alive)
         fds = {n: f[n].fileno() for n in ("result", "job", "harness")} | {"alive": alive}
-        marshal.dump(_job(code, test, limits, mode, slot, wd, fds), f["job"])
+        job = _job(code, test, limits, mode, slot, wd, fds)
+        marshal.dump(job, f["job"])
         f["job"].seek(0)
         group = memory.prepare(slot, limits.memory_mb)
         oom_before = memory.oom_kills(group)
@@ -257,7 +257,7 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
             proc = subprocess.Popen(
                 memory.wrap(group, _command(mode, limits, fds["job"])),
                 cwd=wd,
-                env=_child_env("/tmp" if mode == "bwrap" else wd),
+                env=_child_env(wd if mode == "socket-patch" else "/tmp"),
                 stdin=f["stdin"],
                 stdout=f["stdout"],
                 stderr=f["stderr"],
@@ -267,6 +267,7 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
         finally:
             os.close(alive)
         status, cpu, wall_killed = _wait(proc, limits.wall_s)
+        _end_leftovers(group, job["uid"], mode)
         cap = limits.max_output_bytes
         out, err, res = (_read_back(f[n], cap) for n in ("stdout", "stderr", "result"))
     st, reason = classify(test, limits, status, cpu, wall_killed, out, err, res)
@@ -274,6 +275,26 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
         st, reason = "error", f"memory limit {limits.memory_mb} MB for the whole test exceeded"
     bound = memory.describe(limits.memory_mb, limits.max_processes, group is not None)
     return TestResult(st, reason, round(cpu, 4), mode, bound)
+
+
+def _end_leftovers(group: str | None, uid: int, mode: str) -> None:
+    """Kill what a test left running. A PID namespace (bwrap, namespaces) already ended with its
+    first process; in socket-patch mode a daemon in a session of its own escapes the process
+    group kill, so every process left in the test's memory group dies, and with a slot uid
+    every process of that uid (which would count against the slot's next test's RLIMIT_NPROC)."""
+    memory.kill_all(group)
+    if mode == "socket-patch" and uid >= 0:
+        # kill(-1) as the slot uid reaches exactly that uid's processes, whatever their session.
+        kill = shutil.which("kill", path="/usr/bin:/bin") or "kill"
+        subprocess.run(
+            [kill, "-KILL", "-1"],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
 
 
 def _fill(f, text: str) -> None:
@@ -302,7 +323,7 @@ def _job(code, test, limits, mode, slot, wd, fds) -> dict:
         "args": list(test.input) if test.kind == "call" else [],
         "mode": mode,
         "uid": _slot_uid(slot) if _drops_to_slot_uid(mode) else -1,
-        "hide": _dirs_to_hide(wd) if mode == "namespaces" else [],
+        "view": [list(v) for v in _view()] if mode == "namespaces" else [],
         "scratch_mb": limits.scratch_mb,
         "max_bytes": limits.max_output_bytes,
         "rlimits": rl,
@@ -345,20 +366,35 @@ _SETID = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
 @cache
 def _bwrap_root() -> tuple[str, ...]:
-    """Read-only binds of the system directories and the interpreter: nothing else, so no
-    socket file of the host (/tmp, /run, homes) exists in the sandbox."""
+    """bwrap's arguments for the test's filesystem view (_view)."""
     out: list[str] = []
+    for kind, *paths in _view():
+        if kind == "symlink":
+            out += ["--symlink", *paths]
+        elif kind == "dir":  # bwrap would copy the host's modes (e.g. root's 0700 home)
+            out += ["--perms", "0755", "--dir", paths[0]]
+        else:
+            out += ["--ro-bind", paths[0], paths[0]]
+    return tuple(out)
+
+
+@cache
+def _view() -> tuple[tuple[str, ...], ...]:
+    """What a test sees of the host besides a fresh /proc, a minimal /dev and a private /tmp, in
+    bwrap and namespaces modes alike: read-only binds of the system directories and of the
+    interpreter's prefix, with traversable parents, nothing else (no homes, no project, no
+    /opt, /var, /run or /srv, so no socket file of the host either). Entries: ("bind", path),
+    ("symlink", target, path), ("dir", path)."""
+    out: list[tuple[str, ...]] = []
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"):
         if os.path.islink(d):
-            out += ["--symlink", os.readlink(d), d]
+            out.append(("symlink", os.readlink(d), d))
         elif os.path.isdir(d):
-            out += ["--ro-bind", d, d]
+            out.append(("bind", d))
     for p in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}):
         if not p.startswith("/usr/"):
-            # Traversable parents: bwrap would copy their modes (e.g. root's 0700 home).
-            for parent in reversed(_parents(p)[:-1]):
-                out += ["--perms", "0755", "--dir", parent]
-            out += ["--ro-bind", p, p]
+            out += [("dir", parent) for parent in reversed(_parents(p)[:-1])]
+            out.append(("bind", p))
     return tuple(out)
 
 
@@ -415,25 +451,6 @@ def _slot_uid(slot: int) -> int:
     # A uid no account uses, distinct per worker slot and per parent process, so each test's
     # RLIMIT_NPROC counts only its own processes.
     return 1_500_000_000 + (os.getpid() % 100_000) * 64 + slot
-
-
-# Where a host keeps its socket files (besides homes): covered in namespaces mode.
-_SOCKET_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
-
-
-def _dirs_to_hide(wd: str) -> list[str]:
-    under = lambda p, root: (p + "/").startswith(root.rstrip("/") + "/")
-    homes = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir}
-    out: list[str] = []
-    for h in sorted(os.path.realpath(h) for h in homes if h and os.path.isdir(h)):
-        # Not "/", not a home holding our working directory, not one inside a hidden home.
-        if h != "/" and not under(os.path.realpath(wd), h) and not any(under(h, o) for o in out):
-            out.append(h)
-    for d in sorted({os.path.realpath(d) for d in _SOCKET_DIRS if os.path.isdir(d)}):
-        # The working directory may lie under one: the child recreates its path there.
-        if d != "/" and not any(under(d, o) for o in out):
-            out.append(d)
-    return out
 
 
 def _count_own_processes() -> int:
