@@ -3,8 +3,11 @@ view of its own; a memory cap over all of a test's processes, stated in every re
 
 import os
 import socket
+import sys
 import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -112,4 +115,138 @@ def test_scratch_space_is_capped_and_homes_are_hidden(mode, tmp_path, monkeypatc
     token = str(home / "token")
     code = f"try:\n    print(open({token!r}).read())\nexcept OSError:\n    print('hidden')\n"
     r = sandbox._run_one(code, TestCase("stdin", "", "hidden"), Limits(time_s=1), mode)
+    assert r.status == "passed", r.reason
+
+
+# What bwrap shows at the top of the sandbox's root; every isolating mode shows no more.
+BWRAP_TOP = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "tmp"}
+
+
+@pytest.fixture
+def planted():
+    """Readable files outside any sandbox: in the project folder, in a home, in /var/tmp and
+    the other places a host keeps data (fixtures, benchmarks with their answers)."""
+    project = Path(__file__).resolve().parents[1]
+    name = f"ibpo-planted-{uuid.uuid4().hex[:12]}"
+    dirs = [project, project / "tests" / "fixtures", Path("/var/tmp"), Path(tempfile.gettempdir())]
+    dirs += [Path(d) for d in ("/root", os.path.expanduser("~"), "/home", "/opt", "/srv")]
+    paths = []
+    for d in dict.fromkeys(dirs):
+        try:
+            (d / name).write_text("the answer is 42")
+            (d / name).chmod(0o644)
+            paths.append(str(d / name))
+        except OSError:
+            pass  # not writable here: one fewer place to prove
+    assert len(paths) >= 3
+    yield paths
+    for p in paths:
+        os.unlink(p)
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_no_host_file_is_visible(mode, planted):
+    prefix_top = os.path.realpath(sys.base_prefix).split("/")[1]  # the interpreter's, bound in
+    allowed = sorted(BWRAP_TOP | {prefix_top})
+    code = (
+        "import os\n"
+        "found = []\n"
+        f"for p in {planted!r}:\n"
+        "    if os.path.exists(p):\n"
+        "        found.append(p)\n"
+        "    try:\n"
+        "        found.append(open(p).read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        f"found += sorted(set(os.listdir('/')) - set({allowed!r}))\n"
+        "print(' '.join(found) or 'nothing')\n"
+    )
+    r = sandbox._run_one(code, TestCase("stdin", "", "nothing"), Limits(time_s=2), mode)
+    assert r.status == "passed", r.reason
+
+
+ALL_MODES = [
+    pytest.param(m, marks=pytest.mark.skipif(not sandbox.mode_works(m), reason=f"no {m} here"))
+    for m in sandbox.MODES
+]
+
+
+def _alive(tag: str) -> list[int]:
+    """Live (not zombie) processes named `tag`."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                named = f.read().strip() == tag
+            with open(f"/proc/{p}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if named and not zombie:
+            found.append(int(p))
+    return found
+
+
+def _daemon(tag: str) -> str:
+    # Leaves the test's session and process group, renamed so the host can find it.
+    return (
+        "import ctypes, os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        ctypes.CDLL(None).prctl(15, b{tag!r}, 0, 0, 0)\n"
+        "        time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.2)\n"
+    )
+
+
+def _assert_gone(tag: str) -> None:
+    deadline = time.monotonic() + 2
+    while _alive(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _alive(tag)
+    for pid in left:  # never leave one behind, even when the check fails
+        os.kill(pid, 9)
+    assert not left, f"{len(left)} process(es) outlived the test"
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_no_process_outlives_its_test(mode):
+    if mode == "socket-patch" and not memory.prepare(0, 64):
+        if not sandbox._drops_to_slot_uid(mode):
+            pytest.skip(
+                "socket-patch without a memory cgroup or a slot uid: no way to find a "
+                "daemon that left the test's session (docs/evaluation.md)"
+            )
+    tag = f"ibpo{uuid.uuid4().hex[:10]}"
+    r = sandbox._run_one(_daemon(tag), TestCase("script"), Limits(time_s=2), mode)
+    assert r.status == "passed", r.reason
+    _assert_gone(tag)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="slot uids need root")
+def test_socket_patch_slot_uid_leaves_nothing_for_the_next_test(monkeypatch):
+    """Without a cgroup, a slot uid's leftovers die by uid, so they never count against the
+    slot's next test's process limit."""
+    monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
+    monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
+    tag = f"ibpo{uuid.uuid4().hex[:10]}"
+    r = sandbox._run_one(_daemon(tag), TestCase("script"), Limits(time_s=2), "socket-patch")
+    assert r.status == "passed", r.reason
+    _assert_gone(tag)
+    forks = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    for n in range(3):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(1)\n"
+        "            os._exit(0)\n"
+        "except OSError:\n"
+        "    n = -1\n"
+        "print(n)\n"
+    )
+    limits = Limits(time_s=2, max_processes=4)
+    r = sandbox._run_one(forks, TestCase("stdin", "", "2"), limits, "socket-patch")
     assert r.status == "passed", r.reason
