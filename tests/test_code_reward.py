@@ -267,3 +267,54 @@ def test_harness_field_is_checked():
         code_reward("x", json.dumps(spec | {"entry_point": "f", "harness": "lenient"}))
     loose = json.dumps(spec | {"harness": "compatible", "test_code": "assert 1 + 1 == 2\n"})
     assert code_reward("x = 1\n", loose) == 1.0
+
+
+TWO_CALLS = json.dumps({"tests": [{"input": "1", "output": "1"}] * 2, "fn_name": "f"})
+
+
+@pytest.mark.parametrize("depth", [985, 986, 987, 2_000, 100_000])
+def test_deeply_nested_return_values_are_graded_not_raised(depth):
+    """Two tests (the thread pool) and a value nested about as deep as the interpreter allows:
+    the wrong-answer message is bounded in depth and size, never a RecursionError."""
+    code = f"def f(x):\n    v = []\n    for _ in range({depth}):\n        v = [v]\n    return v\n"
+    out = grade_code(code, TWO_CALLS)
+    assert out["reward"] == 0.0 and out["results"][0]["status"] in ("failed", "error")
+    assert len(out["reason"]) <= 320 and "grader error" not in out["reason"]
+
+
+def test_huge_and_strange_return_values_are_bounded_messages():
+    for value in ("10 ** 100_000", "'x' * 10 ** 6", "[[1] * 10 ** 5] * 3", "{'k': [[[[[[1]]]]]]}"):
+        out = grade_code(f"def f(x):\n    return {value}\n", TWO_CALLS)
+        assert out["reward"] == 0.0 and len(out["reason"]) <= 320, (value, out["reason"][:400])
+
+
+@pytest.mark.parametrize("signum", [32, 35, 40, 63])
+def test_a_real_time_signal_is_an_error_not_a_crash(signum):
+    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.verdict import classify
+
+    # the wait status of a process killed by that signal
+    assert classify(TestCase("script"), Limits(), signum, 0.01, False, b"", b"", b"") == (
+        "error",
+        f"killed by signal {signum}",
+    )
+    out = grade_code(f"import os\nos.kill(os.getpid(), {signum})\n", ADD_SPEC)
+    assert out["reward"] == 0.0  # killed (socket-patch) or, as a namespace's PID 1, ignored
+
+
+def test_a_failing_grader_scores_zero_with_its_reason_and_is_counted(monkeypatch):
+    from ibpo.rewards import code as code_grader
+    from ibpo.rewards import errors
+
+    def broken(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    errors.take()
+    monkeypatch.setattr(code_grader, "run_tests", broken)
+    out = grade_code(fenced(ADD), ADD_SPEC)
+    assert out["reward"] == 0.0 and out["passed"] == 0
+    assert out["reason"].startswith("grader error (code): BlockingIOError")
+    assert code_reward(fenced(ADD), ADD_SPEC) == 0.0
+    assert errors.take() == {"code": 2}
+    with pytest.raises(ValueError, match="JSON test spec"):  # the dataset's error still says so
+        code_reward(fenced(ADD), "not json")
