@@ -449,10 +449,13 @@ HOLES = [
     (r"\boxed{3 \text{ probably}}", "3", False),
     (r"\boxed{x = 2 \text{ or } x = 3}", "3", False),
     (r"\boxed{\pm 3}", "3", False),
+    (r"\boxed{\{3, 6\}1}", "6", False),  # math-verify reads a 6 out of it
+    (r"\boxed{\max(3, 6)}", "6", False),
     # ... while a complete solution set is one answer
     (r"\boxed{x = 2 \text{ or } x = 3}", "2, 3", True),
     (r"\boxed{x=2 \text{ and } x=3}", "2,3", True),
     (r"\boxed{\pm 3}", r"\pm 3", True),
+    (r"\boxed{\{6\}}", "6", True),
     # an equation scores only with a variable on its left
     (r"\boxed{1 = 2}", "2", False),
     (r"\boxed{f(x) = 3}", "3", False),

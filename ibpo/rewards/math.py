@@ -18,10 +18,11 @@ Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
 
 Comparison: a hedge or several candidates for one value (`2 \lor 3`, `3 \text{ (or possibly
 2)}`, `\pm 3`, "3 probably") is wrong, unless the gold answer hedges alike or lists several
-values (`x = 2 \text{ or } x = 3` for `2, 3`); an equation counts only with a variable on its
-left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless the gold is an
-equation too. Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`),
-and sets, intervals and tuples of them, are compared in Python: integers exactly; others within
+values (`x = 2 \text{ or } x = 3` for `2, 3`), and so is an answer holding several values (a
+comma) for a gold answer of one; an equation counts only with a variable on its left (`x = 2`,
+`AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless the gold is an equation too.
+Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and sets,
+intervals and tuples of them, are compared in Python: integers exactly; others within
 a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
 or when one side, as written with at least ROUNDED_DIGITS significant digits, is the other
 rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and `\frac{1}{81}`;
@@ -446,6 +447,8 @@ def _answers_match(pred: str, gold: str) -> bool:
         return False
     if hedged and len(_items(gold)) == 1:
         return False  # "2 \lor 3", "3 (or possibly 2)", "\pm 3" for one value: not an answer
+    if "," in pred and "," not in gold:
+        return False  # several values for one ("\{3, 6\}1", of which math-verify reads a 6)
     if not _RELATION.search(gold) and not _equations_assign(pred):
         return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
     a, b = _as_number(pred), _as_number(gold)
