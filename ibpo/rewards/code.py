@@ -80,14 +80,15 @@ def extract_code(completion: str) -> str:
     return "" if "```" in text else text.rstrip()
 
 
-def grade_code(completion: str, answer: str) -> dict[str, Any]:
+def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[str, Any]:
     """Grade one completion; per-test details for evaluation reports. Never raises for a
     completion: a failure of the grader itself scores 0 with its reason and is counted
-    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError."""
+    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError. `mode`:
+    the sandbox's isolation mode (default: the most isolated that works here)."""
     spec = _parse_spec(answer)
     out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
     try:
-        out["isolation"] = isolation_mode()
+        out["isolation"] = mode = mode or isolation_mode()
         code = extract_code(completion)
         if not code.strip():
             out["reason"] = "no code found"
@@ -99,23 +100,23 @@ def grade_code(completion: str, answer: str) -> dict[str, Any]:
         out["reason"] = grader_errors.record("code", e)
         return out
     try:
-        return _grade(program, tests, spec, out)
+        return _grade(program, tests, spec, mode, out)
     except Exception as e:
         out.update(reward=0.0, passed=0, results=[], reason=grader_errors.record("code", e))
         return out
 
 
-def _grade(program: str, tests: list[TestCase], spec: dict, out: dict[str, Any]) -> dict:
+def _grade(program: str, tests: list[TestCase], spec: dict, mode: str, out: dict) -> dict:
     out["total"] = len(tests)
     limits = Limits(
         time_s=float(spec.get("time_s", Limits.time_s)),
         memory_mb=int(spec.get("memory_mb", Limits.memory_mb)),
     )
-    mode = spec.get("mode", "all")
-    results = run_tests(program, tests, limits, stop_on_first_failure=mode == "all")
+    scoring = spec.get("mode", "all")
+    results = run_tests(program, tests, limits, stop_on_first_failure=scoring == "all", mode=mode)
     passed = sum(r.status == "passed" for r in results)
     out["passed"], out["results"] = passed, [asdict(r) for r in results]
-    out["reward"] = passed / len(tests) if mode == "fraction" else float(passed == len(tests))
+    out["reward"] = passed / len(tests) if scoring == "fraction" else float(passed == len(tests))
     failed = next((r for r in results if r.status != "passed"), None)
     out["reason"] = f"{failed.status}: {failed.reason}" if failed else ""
     return out

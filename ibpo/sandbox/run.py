@@ -181,15 +181,17 @@ def run_tests(
     limits: Limits = Limits(),
     workers: int | None = None,
     stop_on_first_failure: bool = False,
+    mode: str | None = None,
 ) -> list[TestResult]:
     """Run `code` against each test in its own sandbox; results in test order.
 
     At most `workers` (default and cap: CPU count) sandboxes run at once, across all threads of
     this process. With stop_on_first_failure, tests not yet started after a failure are skipped.
+    `mode`: one of MODES that works here (default: isolation_mode()), for comparing modes.
     """
     for t in tests:
         _validate(t)
-    mode = isolation_mode()
+    mode = mode or isolation_mode()
     stop = threading.Event()
 
     def one(i: int) -> TestResult:
