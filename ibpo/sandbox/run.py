@@ -56,17 +56,21 @@ process of the test where cgroups allow (memory.py); every result states it (`me
   directory, so no socket file of the host exists inside. As root the child then becomes a
   uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
 * "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
-  namespace in which every mount is read-only; the invoking user's home, /tmp, /var/tmp, /run
-  and /dev/shm (where the host's socket files live) are covered by empty tmpfs (the
-  interpreter's prefix is bound back), and the working directory is a private size-capped
-  tmpfs. A socket file elsewhere on the host stays reachable. As root the child becomes a slot
-  uid (so RLIMIT_NPROC counts only its processes); otherwise a user namespace is used and every
-  capability is dropped (RLIMIT_NPROC then counts per namespace).
+  namespace in which the child builds the same view as bwrap's (_view: a tmpfs root holding
+  read-only binds of the system directories and the interpreter, a fresh /proc, a minimal
+  /dev and a size-capped private /tmp, moved over / and entered by chroot, every mount
+  read-only but /tmp), so no other file or socket of the host has a path inside. As root the
+  child becomes a slot uid (so RLIMIT_NPROC counts only its processes); otherwise a user
+  namespace is used and every capability is dropped (RLIMIT_NPROC then counts per namespace).
 * "socket-patch" (no usable namespaces, e.g. a container without CAP_SYS_ADMIN): sockets are
-  replaced by a stub, the process group is killed at the end, RLIMIT_NPROC counts the user's
-  processes. Files outside the working directory are protected only by permissions: as root the
-  child still moves to a slot uid when the interpreter is world-readable, else it stays root
-  and neither files nor the process count are protected (a warning is logged).
+  replaced by a stub, RLIMIT_NPROC counts the user's processes. At the end the process group
+  is killed, then every process left in the test's memory cgroup, and with a slot uid every
+  process of that uid (a daemon in a session of its own escapes only as root without a
+  writable cgroup). Files outside the working directory are protected only by permissions: as
+  root the child still moves to a slot uid when the interpreter is world-readable, else it
+  stays root and neither files nor the process count are protected (a warning is logged).
+  Not a sandbox for RL-written code: training with the code reward refuses it unless asked
+  (rewards/code.py, training_sandbox).
 
 Cost (scripts/bench_graders.py, 2-core VM): a stdin, call or script test takes 18-25 ms of CPU
 in the child and ~1.5 ms here, in every mode; a check test ~28 ms (two processes). Starting a
