@@ -445,3 +445,41 @@ def test_missing_vllm_is_a_clear_error(tmp_path, capsys):
     args = ["--data", fixture("gsm8k"), "--backend", "vllm", "--output-dir", str(tmp_path)]
     assert main(args, benchmark="gsm8k") == 2
     assert "needs vLLM" in capsys.readouterr().err
+
+
+def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypatch):
+    """A grader that fails on one sample scores it 0 and says why; the run goes on."""
+    from ibpo.evaluation.benchmarks import Problem
+    from ibpo.evaluation.evaluate import run_benchmark
+    from ibpo.rewards import errors
+    from ibpo.rewards import math as grader
+    from ibpo.rewards.math import extract_answer, math_reward
+
+    errors.take()
+    real = grader._normalize
+
+    def flaky(s):
+        if "13" in s:
+            raise RecursionError("deep")
+        return real(s)
+
+    monkeypatch.setattr(grader, "_normalize", flaky)
+
+    class Plain:
+        chat_template = "(any)"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[-1]["content"]
+
+    problems = [Problem("a", "6 + 7?", "13"), Problem("b", "2 + 2?", "4")]
+    answers = {"6 + 7?": "\\boxed{13}", "2 + 2?": "\\boxed{4}"}
+    sampler = lambda prompts, seeds: [(answers[p], 5, False) for p in prompts]  # noqa: E731
+    records = run_benchmark(
+        problems, 1, tmp_path, lambda: (sampler, Plain()), math_reward, extract_answer, None, 4,
+        progress=False,
+    )  # fmt: skip
+    assert records[("a", 0)]["reward"] == 0.0
+    assert records[("a", 0)]["grader_error"].startswith("grader error (math): RecursionError")
+    assert records[("b", 0)]["reward"] == 1.0 and "grader_error" not in records[("b", 0)]
+    assert summarize(problems, records, n=1, vote=True)["grader_errors"] == 1
+    assert errors.take() == {"math": 1}  # also counted for the process (a step would log it)

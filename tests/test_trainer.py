@@ -203,6 +203,7 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # steps 1-3, and the periodic evaluation after step 2 (the last step has eval_after)
     assert [x["step"] for x in lines] == [1, 2, 2, 3]
+    assert [x["grader_errors"] for x in lines if "reward" in x] == [0.0, 0.0, 0.0]
     assert lines[2].keys() == {"step", "eval_accuracy", "eval_n"} and lines[2]["eval_n"] == 6
     assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
     png = out / "plots" / "training.png"
