@@ -1,6 +1,7 @@
 """Reward functions by name. Training rewards and evaluation use the same graders.
 
-A reward function takes (completion text, gold answer) and returns a float in [0, 1].
+A reward function takes (completion text, gold answer) and returns a float in [0, 1]. The
+built-in ones never raise for a completion: their own failures score 0 and are counted (errors).
 """
 
 from collections.abc import Callable
