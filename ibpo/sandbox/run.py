@@ -292,15 +292,19 @@ def _end_leftovers(group: str | None, uid: int, mode: str) -> None:
     if mode == "socket-patch" and uid >= 0:
         # kill(-1) as the slot uid reaches exactly that uid's processes, whatever their session.
         kill = shutil.which("kill", path="/usr/bin:/bin") or "kill"
-        subprocess.run(
-            [kill, "-KILL", "-1"],
-            user=uid,
-            group=uid,
-            extra_groups=[],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            check=False,
-        )
+        try:
+            subprocess.run(
+                [kill, "-KILL", "-1"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+                timeout=10,
+            )
+        except (OSError, subprocess.SubprocessError) as e:  # the verdict stands; say so once
+            log.warning("sandbox: could not end slot uid %d's leftover processes: %s", uid, e)
 
 
 def _fill(f, text: str) -> None:
