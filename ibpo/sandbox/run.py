@@ -303,7 +303,7 @@ def _end_leftovers(group: str | None, uid: int, mode: str) -> None:
                 check=False,
                 timeout=10,
             )
-        except (OSError, subprocess.SubprocessError) as e:  # the verdict stands; say so once
+        except (OSError, subprocess.SubprocessError) as e:  # the verdict stands; logged
             log.warning("sandbox: could not end slot uid %d's leftover processes: %s", uid, e)
 
 
