@@ -79,6 +79,15 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
             "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
 
 
+_CALLS = itertools.count()
+
+
+def one_in_four(text: str, answer: str) -> float:
+    """The bench's reward: one completion in four fails, so every group of 8 has signal and
+    repairs have work (a quarter of the generation batch: the recipe's repair batch)."""
+    return float(next(_CALLS) % 4 != 0)
+
+
 def make_tokenizer(vocab_size: int):
     """A character tokenizer padded with filler tokens to the model's vocabulary, so that every
     sampled id decodes (the real Qwen3 tokenizer would need the Hub)."""
@@ -431,7 +440,6 @@ def learning_run(args, device: torch.device) -> dict:
     first five's by `args.learn_margin`. -> {rewards, first, last, learned}."""
     from accelerate import Accelerator
 
-    REWARDS["bench_characters"] = share_of_characters
     cfg = load_config(None, [
         "model.name=random-qwen3-tiny", f"model.quantization={args.quantization}",
         *(["train.optimizer=adamw"] if args.quantization == "none" else []),
@@ -468,6 +476,8 @@ def learning_run(args, device: torch.device) -> dict:
         "learned": last > first + args.learn_margin,
     }
 
+
+REWARDS[BENCH_REWARD], REWARDS["bench_characters"] = one_in_four, share_of_characters
 
 # --- command line ----------------------------------------------------------------------------
 
@@ -516,8 +526,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads that a busy CPU stalls
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     start = time.perf_counter()
-    calls = itertools.count()  # one in four fails: every group has signal, repairs have work
-    REWARDS[BENCH_REWARD] = lambda text, answer: float(next(calls) % 4 != 0)
+    global _CALLS
+    _CALLS = itertools.count()
     if device.type == "cuda":  # emulate the consumer card, before anything is allocated
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb / total))
