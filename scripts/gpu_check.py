@@ -1,49 +1,59 @@
 """The prepared device check: everything this repository can only check on CUDA, in one command,
 with one JSON report.
 
-On the device tool (one GPU; Python, torch, transformers, peft and accelerate preinstalled; no
-bitsandbytes, no network), from the repository root, with carry [".whl"]:
+On the device tool (one GPU; Python 3.12, torch, transformers, peft, accelerate and pytest with
+its plugins preinstalled; no bitsandbytes, no network), from the repository root, with carry
+[".whl"] and timeout_s 600:
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-Stages, in order, each under its own timeout (capped by what is left of --budget-s, 480 s by
-default, so that the whole check ends within it: 8 minutes), each recorded as ok / failed /
-timeout / skipped (with the reason); a stage that fails does not stop the next:
+Stages, in order, each under its own timeout, capped by what is left of --budget-s (540 s by
+default: the device allows 600 s a command), each recorded as ok / failed / timeout / skipped
+(with the reason); a stage that fails does not stop the next:
   1. install      the carried wheels (.whl/*.whl) into a temporary folder with `pip install
-                  --no-index --no-deps --target` (nothing is fetched); every later stage gets that
-                  folder first on PYTHONPATH;
-  2. environment  versions (python, torch, CUDA, transformers, peft, accelerate, bitsandbytes,
-                  pytest, ...), the GPU, and which modules the training loop imports are there;
-  3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step
-                  (only with a CUDA device);
-  4. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py`: the real training loop on CUDA, with
-                  IBPO_GPU_REPORT naming the file for its planner-vs-measured memory table;
-  5. bench_gpu    scripts/bench_gpu.py under a 24 GiB allocator cap (--cap-gb): random Qwen3
-                  models at real sizes, peak memory beside `ibpo plan` (only with a CUDA device).
-Progress is printed as it goes (each child's output, prefixed with its stage). The report,
-<out>/gpu_check.json, is rewritten after every stage, so a run cut short keeps what it did:
-environment, each stage's command, status, return code, seconds and output tail, the suite's
-per-test outcomes and memory table, bench_gpu's results. Full logs and the raw files are in
-<out>/gpu_check/. Exit status: 0 when every stage that ran passed, 1 otherwise.
+                  --no-index --no-deps --target` (nothing is fetched), first on every later
+                  stage's PYTHONPATH; wheels of what the image has (pytest, pluggy, ...: IN_IMAGE)
+                  are never installed, a carried copy first on the path can break the suite;
+  2. environment  versions, the GPU, and which modules the training loop imports are there;
+  3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step.
+                  If it fails on a CUDA device, the later stages fall back to a bf16 base without
+                  4-bit and torch AdamW (bench_gpu --quantization none at the sizes the planner
+                  fits, IBPO_GPU_QUANTIZATION=none for the suite) and the report's "fallback"
+                  says why;
+  4. bench_gpu    scripts/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
+                  shapes, phase by phase, beside the planner (see its docstring), then smaller
+                  models while its --budget-s lasts. It runs before the suite and is guaranteed
+                  BENCH_MIN_S even if every earlier stage runs to its timeout;
+  5. learning     bench_gpu.py --learn: 20 steps of a tiny Qwen3 whose training reward must rise;
+  6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
+                  in what the others left; a test skipped on a CUDA device is flagged in the
+                  report's "flags" with its reason (the exact-resume test's carries its numbers).
+Stages 3-5 run only with a CUDA device. Progress is printed as it goes (each child's output,
+prefixed with its stage).
+
+Files: the device returns at most 8 files from $OUT (OUT_FILES_MAX). The check writes two there:
+<out>/gpu_check.json, the report, rewritten after every stage (a run cut short keeps what it
+did), and <out>/gpu_check.log, every stage's whole output. The stages' own files (JUnit XML,
+the suite's memory table, bench_gpu's and the learning run's JSON) go to a temporary work folder
+and into the report. Exit status: 0 when every stage that ran passed, 1 otherwise.
 
     python3 scripts/gpu_check.py --dry-run --out /tmp/plan   # any machine: the plan, nothing run
 
---dry-run parses the arguments, prints each stage with its command and timeout (or why it would
-be skipped) and what is carried (whether .whl/ holds a bitsandbytes wheel with CUDA libraries),
-writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it on CPU.
+--dry-run prints the order, the file bound, the budget (each stage's timeout if every earlier one
+ran to its own, and the bench's guaranteed share), what is carried (whether .whl/ holds a
+bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, and the rows
+bench_gpu would measure with the planner's figure per phase against --fake-device, with 4-bit
+and without; it writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it.
 
-The carried wheels: .whl/ is git-ignored (a line `.whl/` in .git/info/exclude). Fetch them where
-the package index is reachable, at the versions of the development venv (`pip show bitsandbytes`):
-    pip download --no-deps -d .whl bitsandbytes==0.50.2
-    unzip -l .whl/bitsandbytes-*.whl | grep libbitsandbytes_cuda   # manylinux x86_64, CUDA libs
-    pip download --no-deps -d .whl pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \\
-        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+The carried wheels: .whl/ is git-ignored. Fetch them where the package index is reachable, at
+the development venv's versions, for the device's Python 3.12 (about 45 MiB; carry allows 64):
     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --abi cp312 --platform manylinux_2_28_x86_64 -d .whl rapidfuzz==3.14.6
-Besides bitsandbytes: pytest (the suite's runner), and math-verify and rapidfuzz (the math grader
-and the repairs' token alignment, which the loop imports), in case the device lacks them; they
-are pure Python except rapidfuzz, fetched for the device's Python 3.12. The environment stage
-says which were there already.
+        --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl \\
+        bitsandbytes==0.50.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \\
+        antlr4-python3-runtime==4.13.2 rapidfuzz==3.14.6
+    unzip -l .whl/bitsandbytes-*.whl | grep libbitsandbytes_cuda   # the CUDA libraries
+math-verify and rapidfuzz: the math grader and the repairs' token alignment, which the loop
+imports. Not pytest: the image has it.
 
 Not here: what the CPU test suite covers, several GPUs, deciding what to fix.
 """
@@ -773,8 +783,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--bench-configs",
         default=None,
-        metavar="SIZE:TOKENS,...",
-        help="bench_gpu's --configs (default: its own)",
+        metavar="recipe,SIZE:TOKENS,...",
+        help="bench_gpu's --configs (default: its own: recipe,4b:2048,1.7b:4096)",
     )
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels")
     ap.add_argument(
@@ -810,9 +820,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cap_gb <= 0:
         ap.error(f"--cap-gb must be > 0 GiB, got {args.cap_gb:g}")
     if args.bench_configs is not None and not all(
-        item.count(":") == 1 and all(item.split(":")) for item in args.bench_configs.split(",")
+        item == "recipe" or (item.count(":") == 1 and all(item.split(":")))
+        for item in args.bench_configs.split(",")
     ):
-        ap.error(f"--bench-configs must look like 8b:1024,4b:2048, got {args.bench_configs!r}")
+        ap.error(
+            f"--bench-configs must look like 8b:1024,4b:2048 (or recipe,4b:2048), got "
+            f"{args.bench_configs!r}"
+        )
     return args
 
 
