@@ -9,11 +9,11 @@ stop on EOS reliably). Configurations, in --configs order:
   recipe          --recipe's own shapes (default recipes/qwen3_8b/math_ibpo_1gpu.yaml): one
                   generation batch (generation_batch_size completions, prompts of
                   data.max_prompt_tokens), repairs at repair.batch_size, the update with the
-                  recipe's micro-batch and LoRA rank, then the same update again with
-                  model.offload_activations=true, then one evaluation batch;
+                  recipe's micro-batch and LoRA rank, one evaluation batch, then the same
+                  update again with model.offload_activations=true;
   SIZE:TOKENS     a smaller model (0.6b, 1.7b, 4b, 8b) at TOKENS new tokens, group of 8, no
                   repairs, no evaluation.
-Phases: build, load, rollout, repairs, update, update_offload, evaluation. After every phase the
+Phases: build, load, rollout, repairs, update, evaluation, update_offload. After every phase the
 row is rewritten to --out (a run ended by a timeout keeps what it measured): the phase's seconds,
 tokens/s, torch's peak allocated and reserved, the device's peak use from torch.cuda.mem_get_info
 (sampled through the phase: CUDA context, bitsandbytes' paged state, anything outside torch's
@@ -69,7 +69,9 @@ ARCHS["tiny"] = ARCHS["8b"] | dict(
     head_dim=16, intermediate_size=128, vocab_size=256, tie_word_embeddings=False,
 )  # fmt: skip
 RECIPE = ROOT / "recipes" / "qwen3_8b" / "math_ibpo_1gpu.yaml"
-PHASES = ("build", "load", "rollout", "repairs", "update", "update_offload", "evaluation")
+# evaluation before update_offload: if the stage's timeout ends the row, the planner's phases
+# are measured first
+PHASES = ("build", "load", "rollout", "repairs", "update", "evaluation", "update_offload")
 PLAN_PHASE = {"rollout": "generation", "repairs": "repair", "update": "training",
               "update_offload": "training", "evaluation": "evaluation"}  # fmt: skip
 BENCH_REWARD = "bench_one_in_four"
@@ -356,10 +358,10 @@ def _measure_step(cfg, base, question, args, device, meter: Meter) -> None:
     row["mismatch"] = {k: m.get(k) for k in ("mismatch_kl", "mismatch_abs_max", "mismatch_share")}
     row["step_time_s"] = round(m["step_time"], 2)
     row["completion_length"] = m["completion_length"]
-    if cfg.repair.enabled and not cfg.model.offload_activations and "update" in captured:
-        _offload_update(cfg, captured, meter)
-    if cfg.repair.enabled:  # the recipe row: one evaluation batch
+    if cfg.repair.enabled:  # the recipe row: one evaluation batch, the offloaded update
         _evaluation_batch(model, tok, question, cfg, device, meter)
+        if not cfg.model.offload_activations and "update" in captured:
+            _offload_update(cfg, captured, meter)
     accelerator.free_memory()
 
 

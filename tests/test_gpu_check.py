@@ -299,3 +299,41 @@ def test_a_skipped_test_on_a_cuda_device_is_flagged_with_its_numbers():
     report, record = {}, {"status": "ok"}
     gc.flag_skips(report, record, tests, cuda=False)  # on CPU every gpu test skips: no flag
     assert report == {} and "flag" not in record
+
+
+def test_run_all_against_a_fake_device_falls_back_and_keeps_two_files(tmp_path):
+    """The stages' commands replaced by stand-ins: an environment that reports CUDA, a
+    bitsandbytes probe that fails. The bench and the suite then run without 4-bit (their own
+    output shows what they were given), and $OUT holds the report and the log only."""
+    gc = _module()
+    py = sys.executable
+    show = (
+        "import os, sys; print('ARGS', sys.argv[1:], 'Q', os.environ.get('IBPO_GPU_QUANTIZATION'))"
+    )
+    env_line = gc.ENV_MARK + json.dumps({"cuda_available": True, "gpu": "fake"})
+    stages = [
+        gc.Stage("environment", [py, "-c", f"print({env_line!r})"], 30),
+        gc.Stage(
+            "bnb_cuda", [py, "-c", "raise SystemExit('no kernel image')"], 30, needs_cuda=True
+        ),
+        gc.Stage("bench_gpu", [py, "-c", show, "--cap-gb", "23.5"], 30, needs_cuda=True),
+        gc.Stage("gpu_suite", [py, "-c", show], 30, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+    ]
+    out, raw = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    raw.mkdir()
+    report = {"stages": [], "environment": None}
+    rc = gc.run_all(stages, report, out, tmp_path / "site", 300, raw)
+    assert rc == 1  # bnb_cuda failed
+    done = {r["name"]: r for r in report["stages"]}
+    assert report["environment"]["cuda_available"] is True
+    assert done["bnb_cuda"]["status"] == "failed" and report["fallback"]["reason"].startswith(
+        "bnb_cuda failed"
+    )
+    assert done["bench_gpu"]["command"][-4:-2] == ["--quantization", "none"]  # then --budget-s
+    assert "'--quantization', 'none'" in done["bench_gpu"]["output_tail"]
+    assert done["gpu_suite"]["env"]["IBPO_GPU_QUANTIZATION"] == "none"
+    assert "Q none" in done["gpu_suite"]["output_tail"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
+    log = (out / "gpu_check.log").read_text()
+    assert all(f"== {s.name}:" in log for s in stages) and "[bnb_cuda] no kernel image" in log
