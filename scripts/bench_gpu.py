@@ -149,11 +149,15 @@ class Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.min_free = torch.cuda.mem_get_info()[0]
-            self._stop.clear()
-            threading.Thread(target=self._poll, daemon=True).start()
+            self.stop()  # a phase left unended (scoring) stops polling here
+            self._stop = threading.Event()
+            threading.Thread(target=self._poll, args=(self._stop,), daemon=True).start()
 
-    def _poll(self) -> None:
-        while not self._stop.wait(0.02):
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _poll(self, stop: threading.Event) -> None:
+        while not stop.wait(0.02):
             try:
                 self.min_free = min(self.min_free, torch.cuda.mem_get_info()[0])
             except RuntimeError:  # the context is going away: the phase is ending anyway
@@ -166,7 +170,7 @@ class Meter:
             rec.update(tokens=tokens, tokens_per_s=round(tokens / max(seconds, 1e-9), 1))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            self._stop.set()
+            self.stop()
             free, total = torch.cuda.mem_get_info()
             self.min_free = min(self.min_free, free)
             rec.update(
@@ -280,6 +284,7 @@ def bench_config(item: str, args, device: torch.device, row: dict, save) -> None
         }
         print(f"# {item}: {type(e).__name__} during {row.get('phase')}: {e}", file=sys.stderr)
     finally:
+        meter.stop()
         row["phase"] = None
         _free()
         save()
