@@ -253,3 +253,28 @@ def test_the_learning_run_learns_and_a_frozen_one_is_told_apart(one_thread, caps
     assert len(result["rewards"]) == 20
     with pytest.raises(SystemExit, match="the training reward did not rise"):
         bench.main(["--learn", "--learn-lr", "1e-9"])
+
+
+def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
+    """On CUDA a phase records torch's peaks and the device's lowest free memory seen while it
+    ran (mem_get_info: what torch's cap does not see), and the planner's figure; torch.cuda is
+    stood in for here, with free memory dipping during the phase."""
+    import time
+
+    bench = _script("bench_gpu")
+    cuda = bench.torch.cuda
+    free = iter([20, 12, 9, 15] + [15] * 10_000)  # GiB free, as the poller reads it
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda: (next(free) * 2**30, 24 * 2**30))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 7 * 2**30)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda: 8 * 2**30)
+    saves = []
+    row = {"phases": {}, "plan_phases_gb": {"generation": 6.5}}
+    meter = bench.Meter(row, bench.torch.device("cuda"), lambda: saves.append(1))
+    meter.start("rollout")
+    time.sleep(0.2)  # the poller reads a few times
+    rec = meter.end(tokens=100)
+    assert (rec["alloc_gb"], rec["reserved_gb"], rec["plan_gb"]) == (7.0, 8.0, 6.5)
+    assert rec["device_used_gb"] == 24 - 9  # the dip, not the end
+    assert rec["tokens"] == 100 and row["phases"]["rollout"] is rec and saves == [1]
