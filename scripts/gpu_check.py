@@ -253,18 +253,8 @@ def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
         bench += ["--configs", args.bench_configs]
     learn = [py, "scripts/bench_gpu.py", "--learn", "--out", str(raw / "learning.json")]
     wheels = [str(Path(carry["dir"]) / w) for w in carry["wheels"]]
-    install = [
-        py,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-index",
-        "--no-deps",
-        "--target",
-        str(site),
-        *wheels,
-    ]
+    install = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
+    install += wheels
     # -v: each test's outcome is printed as it ends, so a suite cut short by its timeout (no
     # JUnit file then) still says how far it got
     suite = [
@@ -802,6 +792,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"stages not to run: {', '.join(STAGES)}",
     )
     args = ap.parse_args(argv)
+    _check_args(ap, args)
+    return args
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each bad value stops the check with a message naming the option (before anything runs)."""
     if not args.out:
         ap.error("--out is required when $OUT is not set (the folder for the report)")
     if args.budget_s <= 0:
@@ -827,7 +823,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--bench-configs must look like 8b:1024,4b:2048 (or recipe,4b:2048), got "
             f"{args.bench_configs!r}"
         )
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
