@@ -92,10 +92,16 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {}
 
 
 def declare_objective(spec: ObjectiveSpec, replace: bool = False) -> ObjectiveSpec:
-    """Add `spec` to OBJECTIVE_SPECS after checking it as plain data: a new name (or
-    `replace`), a known level, a default for each of OBJECTIVE_KEYS, no key the objective
-    section lacks, every value within its field's rule. The surrogate's own checks are
-    objectives.register_objective's. -> spec."""
+    """Add `spec` to OBJECTIVE_SPECS once check_spec passes. -> spec."""
+    check_spec(spec, replace)
+    OBJECTIVE_SPECS[spec.name] = spec
+    return spec
+
+
+def check_spec(spec: ObjectiveSpec, replace: bool = False) -> None:
+    """A declaration as plain data: a new name (or `replace`), a known level, a default for
+    each of OBJECTIVE_KEYS, no key the objective section lacks, every value within its field's
+    rule. The surrogate's own checks are objectives.register_objective's."""
     where = f"objective {spec.name!r}"
     if not re.fullmatch(r"[a-z][a-z0-9_]*", spec.name or ""):
         raise ConfigError(f"{where}: a name is lower-case letters, digits and '_' (e.g. my_pg)")
@@ -112,14 +118,11 @@ def declare_objective(spec: ObjectiveSpec, replace: bool = False) -> ObjectiveSp
             + (f"; not an objective parameter: {', '.join(unknown)}" if unknown else "")
         )
     section = ObjectiveConfig(name=spec.name)
-    for key, value in spec.defaults.items():
-        setattr(section, key, value)
     try:
+        _apply(section, "objective", dict(spec.defaults))  # the fields' types
         check_fields(section, "objective")
     except ConfigError as e:
         raise ConfigError(f"{where}: default {e}") from None
-    OBJECTIVE_SPECS[spec.name] = spec
-    return spec
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
@@ -393,65 +396,6 @@ class ObjectiveConfig:
     is_cap: float = positive(2.0)
     # reward function name (ibpo.rewards.REWARDS; see reward_names)
     reward: str = "math"
-
-
-_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
-_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
-# DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on
-# 0..1. DAPO is DAPO only with dynamic sampling; IBPO's shaped rewards need its repairs.
-_BUILTIN_OBJECTIVES = (
-    ObjectiveSpec(
-        "ibpo",
-        "exchangeable",
-        "sequence",
-        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-        repairs=True,
-    ),
-    ObjectiveSpec(
-        "dfpo",
-        "exchangeable",
-        "sequence",
-        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "grpo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "seq_mean", "scale_rewards": True,
-         **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "dr_grpo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token_sum", "scale_rewards": False,
-         **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "dapo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean", "scale_rewards": True,
-         "overlong_buffer": 0.2, "overlong_penalty": 0.5},
-        dynamic_sampling=True,
-    ),
-    ObjectiveSpec(
-        "gspo",
-        "gspo_sequence",
-        "sequence",
-        {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean", "scale_rewards": True,
-         **_NO_OVERLONG},
-    ),
-)  # fmt: skip
-
-for _spec in _BUILTIN_OBJECTIVES:
-    declare_objective(_spec)
-# The shipped objectives' names, repair and dynamic-sampling defaults and parameter defaults,
-# derived from their declarations (a snapshot: registered objectives are in OBJECTIVE_SPECS).
-OBJECTIVE_NAMES = tuple(s.name for s in _BUILTIN_OBJECTIVES)
-COUNTERFACTUAL_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.repairs)
-DYNAMIC_SAMPLING_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.dynamic_sampling)
-OBJECTIVE_DEFAULTS = {s.name: dict(s.defaults) for s in _BUILTIN_OBJECTIVES}
 
 
 # The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt
@@ -857,3 +801,64 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         section, key, value = parse_override(text)
         _update(cfg, {section: {key: value}}, f"override '{text}'")
     return resolve(validate(cfg))
+
+
+# --- the shipped objectives, each declared once ----------------------------------------------
+
+_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
+_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
+# DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on
+# 0..1. DAPO is DAPO only with dynamic sampling; IBPO's shaped rewards need its repairs.
+_BUILTIN_OBJECTIVES = (
+    ObjectiveSpec(
+        "ibpo",
+        "exchangeable",
+        "sequence",
+        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+        repairs=True,
+    ),
+    ObjectiveSpec(
+        "dfpo",
+        "exchangeable",
+        "sequence",
+        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "grpo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "seq_mean", "scale_rewards": True,
+         **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "dr_grpo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token_sum", "scale_rewards": False,
+         **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "dapo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean", "scale_rewards": True,
+         "overlong_buffer": 0.2, "overlong_penalty": 0.5},
+        dynamic_sampling=True,
+    ),
+    ObjectiveSpec(
+        "gspo",
+        "gspo_sequence",
+        "sequence",
+        {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean", "scale_rewards": True,
+         **_NO_OVERLONG},
+    ),
+)  # fmt: skip
+
+for _spec in _BUILTIN_OBJECTIVES:
+    declare_objective(_spec)
+# The shipped objectives' names, repair and dynamic-sampling defaults and parameter defaults,
+# derived from their declarations (a snapshot: registered objectives are in OBJECTIVE_SPECS).
+OBJECTIVE_NAMES = tuple(s.name for s in _BUILTIN_OBJECTIVES)
+COUNTERFACTUAL_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.repairs)
+DYNAMIC_SAMPLING_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.dynamic_sampling)
+OBJECTIVE_DEFAULTS = {s.name: dict(s.defaults) for s in _BUILTIN_OBJECTIVES}

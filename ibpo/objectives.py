@@ -59,6 +59,7 @@ from ibpo.config import (
     ConfigError,
     ObjectiveConfig,
     ObjectiveSpec,
+    check_spec,
     declare_objective,
     objective_spec,
     resolve_objective,
@@ -425,7 +426,6 @@ def register_objective(
             raise ConfigError(
                 f"objective {name!r}: a surrogate of that name exists; pass replace=True"
             )
-    _check_signature(name, fn, surrogate_defaults)
     defaults = {
         "aggregation": aggregation,
         "scale_rewards": scale_rewards,
@@ -433,9 +433,10 @@ def register_objective(
         "overlong_penalty": overlong_penalty,
         **surrogate_defaults,
     }
-    declare_objective(
-        ObjectiveSpec(name, key, level, defaults, repairs, dynamic_sampling), replace=replace
-    )
+    spec = ObjectiveSpec(name, key, level, defaults, repairs, dynamic_sampling)
+    check_spec(spec, replace)
+    _check_signature(name, fn, surrogate_defaults)
+    declare_objective(spec, replace=replace)
     SURROGATES[key] = fn
     return fn
 
