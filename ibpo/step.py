@@ -210,7 +210,14 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
 
 
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
-    return objective.counterfactual if cfg.repair.enabled is None else cfg.repair.enabled
+    """repair.enabled as config.resolve filled it from the objective's declaration: read, not
+    re-derived, so an unresolved config is refused rather than guessed."""
+    if cfg.repair.enabled is None:
+        raise ValueError(
+            f"repair.enabled is unresolved for objective {objective.name!r}: build the config "
+            "with ibpo.config.load_config or pass it through ibpo.config.resolve"
+        )
+    return cfg.repair.enabled
 
 
 def collect_batch(
