@@ -27,6 +27,7 @@ import sys
 
 import yaml
 
+from ibpo.api import train
 from ibpo.config import ConfigError, load_config
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
@@ -35,7 +36,6 @@ from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
-from ibpo.trainer import train
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
             print(format_plan(plan))
             return 0
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        summary = train(cfg)
+        summary = train(cfg).summary
     except StoppedEarly as e:  # Ctrl-C before the loop: nothing trained
         print(f"ibpo: {e}", file=sys.stderr)
         return e.exit_code

@@ -6,6 +6,7 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
 * `exit_code`: how `ibpo train` exits, by how the run ended (summary.json's status and
   exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
   of memory 3, non-finite steps 4, rollout mismatch over rollout.mismatch_stop_kl 5 (run/alarm.py),
+  reward function that failed (raised, or returned what is not one number per completion) 6,
   interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
 * `StoppedEarly`: Ctrl-C before the loop (loading, the first held-out evaluation): one line.
 
@@ -32,6 +33,7 @@ EXIT_CODES = {
     "out_of_memory": 3,
     "nonfinite": 4,
     "mismatch": 5,
+    "reward_failed": 6,
     "interrupted": 130,
 }
 
@@ -163,6 +165,20 @@ def save_failed_message(error: OSError, last: Path | None) -> str:
     return (
         f"could not write a checkpoint ({error}); {where}.\n  Fix: free disk space (or set "
         "run.output_dir on a larger disk), then resume with run.resume_from=latest."
+    )
+
+
+def reward_failed_message(error: Exception, step: int, last: Path | None, saved: bool) -> str:
+    """A reward function failed in step `step` (or the evaluation after it): the error names
+    the function; `saved`: the checkpoint `last` holds the steps before it."""
+    kept = (
+        f"The {step - 1} steps before it are saved: {last}."
+        if saved
+        else (f"The last checkpoint is {last}." if last else "No checkpoint was saved yet.")
+    )
+    return (
+        f"{error} (step {step})\n  {kept} Fix the function, then resume with "
+        "run.resume_from=latest (the failed step's prompts are not trained on)."
     )
 
 
