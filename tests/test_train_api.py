@@ -151,3 +151,19 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
     lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if "step_time" in x]
     assert steps and all("rewards/math" in m and "rewards/brief" in m for m in steps)
+
+
+def test_a_config_and_a_mapping_of_overrides_load_as_a_recipe_and_key_value_pairs_do():
+    from ibpo.config import ConfigError, load_config
+
+    base = load_config(None, ["objective.name=grpo", "train.steps=7"])
+    cfg = load_config(
+        base, {"objective.name": "dapo", "repair.template": "{question}:{attempt}:{reference}"}
+    )
+    assert cfg.train.steps == 7 and cfg.objective.name == "dapo"
+    assert cfg.rollout.dynamic_sampling  # inherited afresh from the new objective, not grpo's
+    assert cfg.repair.template == "{question}:{attempt}:{reference}"  # as given, not YAML text
+    with pytest.raises(ConfigError, match="unknown key 'train.stepz'"):
+        load_config(None, {"train.stepz": 1})
+    with pytest.raises(ConfigError, match="dataset= takes rows"):
+        ibpo.train(dataset="rows.jsonl")
