@@ -438,14 +438,14 @@ class Run:
         """A reward function failed in a step (before its update: the policy is as the last
         step left it) or an evaluation: with one process that state is saved; with several
         the others may wait in a collective, so the last checkpoint stands (as out of memory)."""
-        end.status = "reward_failed"
-        step = self.state.step + (phase == "step")
+        end.status, done = "reward_failed", self.state.step
+        where = f"step {done + 1}" if phase == "step" else f"the evaluation after step {done}"
         saved = self.accelerator.num_processes == 1
         if saved:
             end.last = self.checkpoint()
         else:
             end.cut_short = True
-        end.message = failures.reward_failed_message(error, step, end.last, saved)
+        end.message = failures.reward_failed_message(error, where, done, end.last, saved)
 
     def finish(self, end: Ending) -> dict:
         """Print how the run ended, keep its adapter, write summary.json (before and after the

@@ -168,16 +168,18 @@ def save_failed_message(error: OSError, last: Path | None) -> str:
     )
 
 
-def reward_failed_message(error: Exception, step: int, last: Path | None, saved: bool) -> str:
-    """A reward function failed in step `step` (or the evaluation after it): the error names
-    the function; `saved`: the checkpoint `last` holds the steps before it."""
+def reward_failed_message(
+    error: Exception, where: str, done: int, last: Path | None, saved: bool
+) -> str:
+    """A reward function failed `where` (a step, or an evaluation) after `done` steps: the error
+    names the function; `saved`: the checkpoint `last` holds those steps."""
     kept = (
-        f"The {step - 1} steps before it are saved: {last}."
+        f"The {done} steps done are saved: {last}."
         if saved
         else (f"The last checkpoint is {last}." if last else "No checkpoint was saved yet.")
     )
     return (
-        f"{error} (step {step})\n  {kept} Fix the function, then resume with "
+        f"{error} ({where})\n  {kept} Fix the function, then resume with "
         "run.resume_from=latest (the failed step's prompts are not trained on)."
     )
 
