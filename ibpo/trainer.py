@@ -230,6 +230,7 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     from accelerate.utils import set_seed
 
     start, tr = time.time(), cfg.train
+    rewards = run_rewards(cfg, reward_funcs)  # an import path that fails: before anything else
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
@@ -243,7 +244,6 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
-    rewards = run_rewards(cfg, reward_funcs)  # an import path that fails: before any loading
     try:  # nothing of an earlier run is touched until the data and the model are ready
         parts, tokenizer, eval_examples = _build(cfg, accelerator, rows, rewards)
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback

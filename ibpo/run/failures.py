@@ -188,8 +188,8 @@ def nonfinite_message(state: TrainerState, last: Path | None) -> str:
     first = state.step - state.nonfinite_streak + 1
     return (
         f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
-        "non-finite loss or gradient and were skipped.\n  Likely causes: a reward returning "
-        "NaN/inf, a learning rate too high, float16 overflow (use model.dtype=bfloat16 or "
-        f"float32). Checkpoint: {last}. Raise train.max_nonfinite_steps (0 = never stop) to "
-        "carry on skipping."
+        "non-finite loss or gradient and were skipped.\n  Likely causes: a learning rate too "
+        "high, float16 overflow (use model.dtype=bfloat16 or float32); a NaN or inf reward is "
+        f"an error of its own (reward_failed). Checkpoint: {last}. Raise "
+        "train.max_nonfinite_steps (0 = never stop) to carry on skipping."
     )
