@@ -1,13 +1,15 @@
 """Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
 `ibpo report`, `ibpo push`.
 
-`ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
-built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
-names the fix and exit with status 2, never a traceback. `ibpo train` exits with how the run
-ended (summary.json's `status` and `exit_code`): 0 completed, 1 failed (a full disk while
-saving), 2 bad input (configuration, data, output_dir), 3 out_of_memory, 4 nonfinite, 5
-mismatch (rollouts not from the trained policy), 130 interrupted by SIGINT (Ctrl-C, also before
-training started) and 143 by SIGTERM; an interrupted run resumes with run.resume_from=latest.
+`ibpo train` runs through ibpo.train (ibpo/api.py), the Python API. With no arguments it runs
+the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA, built-in arithmetic) and prints a
+one-line summary. Configuration errors print one message that names the fix and exit with
+status 2, never a traceback. `ibpo train` exits with how the run ended (summary.json's `status`
+and `exit_code`): 0 completed, 1 failed (a full disk while saving), 2 bad input (configuration,
+data, output_dir), 3 out_of_memory, 4 nonfinite, 5 mismatch (rollouts not from the trained
+policy), 6 reward_failed (a reward function raised or returned a bad value; the steps before
+it are saved), 130 interrupted by SIGINT (Ctrl-C, also before training started) and 143 by
+SIGTERM; an interrupted run resumes with run.resume_from=latest.
 `ibpo plan ... [--gpus N] [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config
 PATH_OR_HUB_ID]` prints the estimated
 peak GPU memory of the recipe per phase (ibpo/plan/) and settings that fit when it does not.
@@ -27,6 +29,7 @@ import sys
 
 import yaml
 
+from ibpo.api import train
 from ibpo.config import ConfigError, load_config
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
@@ -35,7 +38,6 @@ from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
-from ibpo.trainer import train
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -113,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
             print(format_plan(plan))
             return 0
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        summary = train(cfg)
+        summary = train(cfg).summary
     except StoppedEarly as e:  # Ctrl-C before the loop: nothing trained
         print(f"ibpo: {e}", file=sys.stderr)
         return e.exit_code

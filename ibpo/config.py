@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import sys
 import types
@@ -394,9 +395,16 @@ class ObjectiveConfig:
     # member masked drops its whole group).
     importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
     is_cap: float = positive(2.0)
-    # reward function name (ibpo.rewards.REWARDS; see reward_names)
-    reward: str = "math"
-    # Where objective.reward=code runs the programs the policy writes (ibpo/sandbox/run.py):
+    # The reward: a built-in grader's name (ibpo.rewards.REWARDS; see reward_names), an import
+    # path 'package.module:function' of a reward function in TRL's convention
+    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), or a list
+    # of them, whose weighted sum (None: does not apply) is the reward
+    reward: str | list[str] = "math"
+    reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
+    # >1: the reward functions, and chunks of a step's completions, run on this many threads
+    # (slow rewards that wait: a remote verifier, a compiler)
+    reward_workers: int = positive(1)
+    # Where the built-in code reward runs the programs the policy writes (ibpo/sandbox/run.py):
     # isolated (bwrap or namespaces: training refuses to start where only socket-patch works) |
     # allow_socket_patch (train there anyway: the programs then see the host's files and, as the
     # trainer's own uid, can reach its memory and forge any verdict)
@@ -574,23 +582,52 @@ def check_objective(obj: ObjectiveConfig) -> None:
             )
 
 
+def reward_list(obj: ObjectiveConfig) -> list[str]:
+    """objective.reward as a list of names or import paths."""
+    return list(obj.reward) if isinstance(obj.reward, list) else [obj.reward]
+
+
+def _check_reward(obj: ObjectiveConfig) -> None:
+    """Each reward a built-in name or an import path (imported when the run starts:
+    rewards/functions.py), and one weight per reward."""
+    names = reward_list(obj)
+    if not names:
+        raise ConfigError("objective.reward is an empty list; name at least one reward")
+    for name in names:
+        if name not in reward_names() and ":" not in name:
+            raise ConfigError(
+                f"objective.reward={name!r}; choose one of: {', '.join(reward_names())}, or an "
+                "import path 'package.module:function'"
+            )
+    weights = obj.reward_weights
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(
+            f"objective.reward_weights has {len(weights)} weights for {len(names)} rewards. "
+            "Fix: give one weight per reward"
+        )
+    if weights is not None and not all(math.isfinite(w) for w in weights):
+        raise ConfigError("objective.reward_weights must be finite numbers")
+
+
 def _check_reward_and_answers(cfg: Config) -> None:
     """The grader must read the gold answers the data gives it: the math grader scores every
     completion 0 against a test spec, and the code grader cannot run a number."""
-    data, reward = cfg.data, cfg.objective.reward
+    data, rewards = cfg.data, reward_list(cfg.objective)
     formats = {"data.answer_format": data.answer_format}
     formats["data.eval_answer_format"] = data.eval_answer_format or data.answer_format
     for key, fmt in formats.items():
-        if reward == "math" and fmt == "code_tests":
-            raise ConfigError(
-                f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
-                "every completion: set objective.reward=code"
-            )
-        if reward == "code" and fmt not in ("code_tests", "plain"):
-            raise ConfigError(
-                f"objective.reward=code runs the answer as a JSON test spec, not a {fmt} answer: "
-                f"set {key}=code_tests (a test-case column) or plain (a column of specs)"
-            )
+        for reward in (r for r in rewards if r in ("math", "code")):
+            if reward == "math" and fmt == "code_tests":
+                raise ConfigError(
+                    f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
+                    "every completion: set objective.reward=code"
+                )
+            if reward == "code" and fmt not in ("code_tests", "plain"):
+                raise ConfigError(
+                    "objective.reward=code runs the answer as a JSON test spec, not a "
+                    f"{fmt} answer: set {key}=code_tests (a test-case column) or plain (a "
+                    "column of specs)"
+                )
 
 
 def validate(cfg: Config) -> Config:
@@ -600,10 +637,7 @@ def validate(cfg: Config) -> Config:
             check_fields(getattr(cfg, f.name), f.name)
     check_objective(cfg.objective)
     tr, run, ro = cfg.train, cfg.run, cfg.rollout
-    if cfg.objective.reward not in reward_names():
-        raise ConfigError(
-            f"objective.reward={cfg.objective.reward!r}; choose one of: {', '.join(reward_names())}"
-        )
+    _check_reward(cfg.objective)
     _check_reward_and_answers(cfg)
     if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
         raise ConfigError(
@@ -788,10 +822,17 @@ def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
     return resolve(validate(cfg))
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- recipe YAML <- `section.key=value` overrides, validated, then resolved."""
+def load_config(
+    recipe: str | Path | Config | None = None,
+    overrides: list[str] | typing.Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
+    `section.key=value` overrides (or a mapping {"section.key": value}), validated, then
+    resolved."""
     cfg = Config()
-    if recipe is not None:
+    if isinstance(recipe, Config):
+        _update(cfg, recipe.to_dict(recipe=True), "the given Config")
+    elif recipe is not None:
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe '{recipe}' not found")
@@ -802,8 +843,16 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if not isinstance(tree, dict):
             raise ConfigError(f"recipe '{recipe}' must be a mapping of sections")
         _update(cfg, tree, str(recipe))
-    for text in overrides or []:
-        section, key, value = parse_override(text)
+    if isinstance(overrides, typing.Mapping):
+        overrides = [(key, value) for key, value in overrides.items()]
+    for item in overrides or []:
+        if isinstance(item, tuple):  # from a mapping: the value as given, not YAML text
+            text = f"{item[0]}={item[1]!r}"
+            section, key, _ = parse_override(f"{item[0]}=")
+            value = item[1]
+        else:
+            text = item
+            section, key, value = parse_override(text)
         _update(cfg, {section: {key: value}}, f"override '{text}'")
     return resolve(validate(cfg))
 

@@ -75,3 +75,15 @@ def smollm2_dir():
     from ibpo.embedded import embedded_model_path
 
     return str(embedded_model_path())
+
+
+def grader_rewards(grader, name: str = "grader"):
+    """A per-completion grader `(text, gold) -> float` as the RewardSet the step, repairs and
+    evaluation grade with (a reward function in TRL's convention reading `answer`)."""
+    from ibpo.rewards.functions import reward_set
+
+    def fn(completions, answer, **_):
+        return [grader(c, a) for c, a in zip(completions, answer)]
+
+    fn.__name__ = name
+    return reward_set(fn)
