@@ -87,3 +87,19 @@ def grader_rewards(grader, name: str = "grader"):
 
     fn.__name__ = name
     return reward_set(fn)
+
+
+def alive(tag: str) -> list[int]:
+    """Live (not zombie) processes named `tag`: what a sandboxed test left running."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                named = f.read().strip() == tag
+            with open(f"/proc/{p}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if named and not zombie:
+            found.append(int(p))
+    return found
