@@ -6,7 +6,7 @@ Layers, bottom to top (a module imports only from its own layer or below):
   core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
                               distributed, repair, sizes (shapes and byte counts, which the
                               planner and the vLLM engine share), quiet (third-party noise
-                              filters), rewards/, sandbox/
+                              filters), catalog (the packaged recipes), rewards/, sandbox/
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), cli
@@ -29,7 +29,7 @@ LAYERS = {
     "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
     "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2,
+    "quiet": 2, "catalog": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "cli": 5,
