@@ -44,7 +44,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     (load_policy refuses model.dtype=float16). fp32 there doubles the activations and a
     non-quantised base; a 4-bit base stays packed (its compute dtype is what changes).
     fp32 on CPU is deliberate too: without native bf16 units, bf16 generation ran 3.4x slower
-    (scripts/bench_cpu_dtype.py).
+    (bench/bench_cpu_dtype.py).
     """
     if name != "auto":
         return _DTYPES[name]

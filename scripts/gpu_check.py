@@ -18,7 +18,7 @@ timeout / skipped (with the reason); a stage that fails does not stop the next:
                   (only with a CUDA device);
   4. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py`: the real training loop on CUDA, with
                   IBPO_GPU_REPORT naming the file for its planner-vs-measured memory table;
-  5. bench_gpu    scripts/bench_gpu.py under a 24 GiB allocator cap (--cap-gb): random Qwen3
+  5. bench_gpu    bench/bench_gpu.py under a 24 GiB allocator cap (--cap-gb): random Qwen3
                   models at real sizes, peak memory beside `ibpo plan` (only with a CUDA device).
 Progress is printed as it goes (each child's output, prefixed with its stage). The report,
 <out>/gpu_check.json, is rewritten after every stage, so a run cut short keeps what it did:
@@ -212,7 +212,7 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
     }
     bench = [
         py,
-        "scripts/bench_gpu.py",
+        "bench/bench_gpu.py",
         "--cap-gb",
         f"{args.cap_gb:g}",
         "--out",

@@ -70,7 +70,7 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
     assert "--no-index --no-deps --target" in said and str(wheels / BNB_WHEEL) in said
     assert "IBPO_GPU_REPORT=" in said and "-m pytest -m gpu tests/test_gpu_e2e.py" in said
     # bench_gpu under the 24 GiB cap, starting no size in the second half of its 300 s
-    assert "scripts/bench_gpu.py --cap-gb 24 --out" in said and "--budget-s 150" in said
+    assert "bench/bench_gpu.py --cap-gb 24 --out" in said and "--budget-s 150" in said
     for name in ("bnb_cuda", "bench_gpu"):
         line = next(x for x in lines if x.startswith(f"stage {STAGES.index(name) + 1} {name}"))
         assert "only if the environment stage finds a CUDA device" in line

@@ -14,7 +14,9 @@ Layers, bottom to top (a module imports only from its own layer or below):
 Satellites do not import each other except where an arrow says so below (the Hub card shows
 evaluation rows and checkpoint facts). The graph is read from the source with `ast`, so a
 module-level import and one inside a function count alike; an import is allowed inside a
-function only for heavy optional dependencies, never for a module of this package.
+function only for heavy optional dependencies, never for a module of this package. Outside the
+package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
+benchmark's docstring and a call of ibpo/evaluation/cli.py.
 """
 
 from __future__ import annotations
@@ -156,3 +158,33 @@ def test_the_graph_reader_sees_what_it_must():
         path.write_text(src)
         found = imports(path, {"ibpo.run.checkpoint", "ibpo.plan.fit", "ibpo.step"})
     assert found == [("ibpo.run.checkpoint", False), ("ibpo.plan.fit", True)]
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_never_imports_the_measurement_or_script_folders():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        outside = {n for n in _imported_names(path) if n.split(".")[0] in ("bench", "scripts")}
+        assert not outside, f"{path.relative_to(PACKAGE.parent)} imports {sorted(outside)}"
+
+
+def test_each_eval_script_is_one_benchmark_and_a_call_of_the_evaluation_cli():
+    from ibpo.evaluation.benchmarks import BENCHMARKS
+
+    scripts = PACKAGE.parent / "scripts"
+    shims = {p.stem.removeprefix("eval_"): p for p in scripts.glob("eval_*.py")}
+    assert set(shims) == set(BENCHMARKS)
+    for name, path in shims.items():
+        tree = ast.parse(path.read_text())
+        assert _imported_names(path) == {"sys", "ibpo.evaluation.cli"}, path.name
+        assert f'benchmark="{name}"' in path.read_text(), path.name
+        code = [n for n in tree.body if not isinstance(n, ast.Expr)]  # all but the docstring
+        assert len(code) <= 4, f"{path.name}: a shim holds imports, run() and its __main__ only"

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("study", ROOT / "scripts/study.py")
+    spec = importlib.util.spec_from_file_location("study", ROOT / "bench/study.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["study"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)

@@ -68,7 +68,7 @@ process of the test where cgroups allow (memory.py); every result states it (`me
   child still moves to a slot uid when the interpreter is world-readable, else it stays root
   and neither files nor the process count are protected (a warning is logged).
 
-Cost (scripts/bench_graders.py, 2-core VM): a stdin, call or script test takes 18-25 ms of CPU
+Cost (bench/bench_graders.py, 2-core VM): a stdin, call or script test takes 18-25 ms of CPU
 in the child and ~1.5 ms here, in every mode; a check test ~28 ms (two processes). Starting a
 test inside a cgroup-v1 memory group adds ~2 ms of CPU and 5-15 ms of wall time.
 

@@ -1,9 +1,9 @@
 """The objective study: does IBPO learn better than the GRPO family? (issue 21)
 
-    python scripts/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
-    python scripts/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
-    python scripts/study.py --report-only                   # rebuild study.json/.md/.png
-    python scripts/study.py --smoke --model PATH            # tiny 2-step check (CI)
+    python bench/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
+    python bench/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
+    python bench/study.py --report-only                   # rebuild study.json/.md/.png
+    python bench/study.py --smoke --model PATH            # tiny 2-step check (CI)
 
 Defaults (each a command-line option, passed to every run as an override): the embedded
 SmolLM2-135M-Instruct + LoRA with an fp32 base (model.quantization=none: bitsandbytes' CPU 4-bit

@@ -12,10 +12,10 @@ its configuration and the next one runs. Repairs are off (they would double the 
 
 On a GPU machine with torch, transformers, peft and accelerate (bitsandbytes as a wheel in .whl/):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py --out $OUT/bench_gpu.json
+  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py --out $OUT/bench_gpu.json
 Variants: --set K=V ... applies recipe overrides to every configuration (and to the planner), e.g.
 --set model.offload_activations=true, or rollout.kv_cache=static.
-CPU smoke test (tiny Qwen3, a few seconds): python scripts/bench_gpu.py --smoke
+CPU smoke test (tiny Qwen3, a few seconds): python bench/bench_gpu.py --smoke
 """
 
 from __future__ import annotations
