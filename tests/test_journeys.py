@@ -195,6 +195,9 @@ def test_an_adapter_recording_no_base_names_the_fix(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="records no base model.*Fix: --model"):
         fill_from_adapter(_args(str(tmp_path / "empty")))
+    for typo in ("outputs/run/adaptr", "./adapter"):  # a path that is not there: not a Hub id
+        with pytest.raises(ConfigError, match="no adapter folder .*Fix: --adapter"):
+            fill_from_adapter(_args(str(tmp_path / typo) if typo[0] == "." else typo))
     args = _args(None)  # no adapter: nothing is filled in (the CLI takes the embedded model)
     assert fill_from_adapter(args) == [] and args.model is None and args.quantization == "none"
 

@@ -66,6 +66,11 @@ def _read(path: Path | None, load) -> dict:
 def trained_on(adapter: str) -> TrainedOn:
     """What `adapter` (a local folder or a Hub id) records about its base; empty if nothing."""
     path = Path(adapter)
+    if not path.is_dir() and (adapter.startswith((".", "/", "~")) or adapter.count("/") > 1):
+        raise ConfigError(
+            f"no adapter folder '{adapter}' (nor is it a Hub id). Fix: --adapter "
+            "<output_dir>/adapter, a checkpoint's adapter folder, or a Hub id USER/NAME"
+        )
     config, recipe = _local_files(path) if path.is_dir() else _hub_files(adapter)
     peft = _read(config, json.loads)
     model = _read(recipe, yaml.safe_load).get("model") or {}
