@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ibpo.catalog import resolve_recipe
 from ibpo.config import Config, ConfigError, load_config, validate
 from ibpo.data import IN_MEMORY
 from ibpo.rewards.functions import import_path
@@ -68,6 +69,8 @@ def train(
 ) -> TrainResult:
     """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
     when given (module docstring). -> TrainResult."""
+    if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
+        recipe = resolve_recipe(str(recipe))
     cfg = load_config(recipe, overrides)
     funcs = None
     if reward_funcs is not None:

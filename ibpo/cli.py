@@ -1,5 +1,8 @@
-"""Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
-`ibpo report`, `ibpo push`.
+"""Command line: `ibpo train [RECIPE] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
+`ibpo report`, `ibpo push`, `ibpo recipes`.
+
+RECIPE is a YAML file or the name of a packaged recipe (`qwen3_1.7b/gsm8k_ibpo_1gpu`, which
+`ibpo recipes` lists and `ibpo recipes copy NAME [DEST]` copies; ibpo/catalog.py).
 
 `ibpo train` runs through ibpo.train (ibpo/api.py), the Python API. With no arguments it runs
 the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA, built-in arithmetic) and prints a
@@ -29,6 +32,7 @@ import sys
 
 import yaml
 
+from ibpo import catalog
 from ibpo.api import train
 from ibpo.config import ConfigError, load_config
 from ibpo.evaluation.benchmarks import BENCHMARKS
@@ -77,17 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         return report_main(argv[1:])
     if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
         return push_main(argv[1:])
+    if argv[:1] == ["recipes"]:  # `ibpo recipes [list | copy NAME [DEST]]`: the packaged recipes
+        return catalog.main(argv[1:])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
-    p_train.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_train.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
-    p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_cfg.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     sub.add_parser("eval", help="evaluate a model/adapter on a benchmark: ibpo eval NAME --help")
     sub.add_parser("report", help="summary table and plots of a run: ibpo report OUTPUT_DIR")
     sub.add_parser("push", help="upload an adapter + model card to the Hub: ibpo push --help")
+    sub.add_parser("recipes", help="list the packaged recipes, or copy one: ibpo recipes --help")
     p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
-    p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_plan.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     p_plan.add_argument("--gpus", type=int, default=1, help="GPUs sharing the run")
     p_plan.add_argument(
         "--sharding",
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.args = [*ns.args, *extra]
     try:
         recipe, overrides = _split_args(ns.args)
-        cfg = load_config(recipe, overrides)
+        cfg = load_config(catalog.resolve_recipe(recipe), overrides)
         if ns.command == "config":
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0

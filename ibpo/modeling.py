@@ -44,7 +44,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     (load_policy refuses model.dtype=float16). fp32 there doubles the activations and a
     non-quantised base; a 4-bit base stays packed (its compute dtype is what changes).
     fp32 on CPU is deliberate too: without native bf16 units, bf16 generation ran 3.4x slower
-    (scripts/bench_cpu_dtype.py).
+    (bench/bench_cpu_dtype.py).
     """
     if name != "auto":
         return _DTYPES[name]
@@ -143,7 +143,7 @@ def load_policy(cfg: ModelConfig, device: torch.device, base=None):
     """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad.
     A ConfigError for model.dtype=float16 (see check_training_dtype), before anything loads.
     `base`: an already built (model, tokenizer), already on `device` and quantised as
-    cfg.quantization says (scripts/bench_gpu.py builds random weights on the GPU that way,
+    cfg.quantization says (bench/bench_gpu.py builds random weights on the GPU that way,
     without writing a checkpoint); it gets the same checkpointing and LoRA as a loaded one."""
     dtype = compute_dtype(cfg.dtype, device)
     check_training_dtype(dtype, device)  # before any weight is read

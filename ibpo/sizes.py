@@ -62,7 +62,7 @@ SMOLLM2_135M = dict(
     head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
 )  # fmt: skip
 # The Qwen3 dense models as their Hub config.json files give them (the fields the planner reads),
-# so `ibpo plan` works offline for them; scripts/bench_gpu.py builds its random models from these.
+# so `ibpo plan` works offline for them; bench/bench_gpu.py builds its random models from these.
 _QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, vocab_size=151936)
 KNOWN_ARCHITECTURES: dict[str, dict] = {
     "Qwen/Qwen3-0.6B": _QWEN3 | dict(hidden_size=1024, num_hidden_layers=28,

@@ -20,7 +20,7 @@ default: the device allows 600 s a command), each recorded as ok / failed / time
                   4-bit and torch AdamW (bench_gpu --quantization none at the sizes the planner
                   fits, IBPO_GPU_QUANTIZATION=none for the suite) and the report's "fallback"
                   says why;
-  4. bench_gpu    scripts/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
+  4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
                   shapes, phase by phase, beside the planner (see its docstring), then smaller
                   models while its --budget-s lasts. It runs before the suite and is guaranteed
                   BENCH_MIN_S even if every earlier stage runs to its timeout;
@@ -243,7 +243,7 @@ def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
     }
     bench = [
         py,
-        "scripts/bench_gpu.py",
+        "bench/bench_gpu.py",
         "--cap-gb",
         f"{args.cap_gb:g}",
         "--out",
@@ -251,7 +251,7 @@ def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
     ]
     if args.bench_configs:
         bench += ["--configs", args.bench_configs]
-    learn = [py, "scripts/bench_gpu.py", "--learn", "--out", str(raw / "learning.json")]
+    learn = [py, "bench/bench_gpu.py", "--learn", "--out", str(raw / "learning.json")]
     wheels = [str(Path(carry["dir"]) / w) for w in carry["wheels"]]
     install = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
     install += wheels
@@ -346,7 +346,7 @@ def bench_plan_rows(args, quantization: str) -> list[dict]:
 def _bench_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

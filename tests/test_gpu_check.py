@@ -71,7 +71,7 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
     assert "IBPO_GPU_REPORT=" in said and "-m pytest -m gpu tests/test_gpu_e2e.py" in said
     assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in said  # the image's plugins stay out
     # bench_gpu under the 23.5 GiB cap, starting no configuration in the second half of its 330 s
-    assert "scripts/bench_gpu.py --cap-gb 23.5 --out" in said and "--budget-s 165" in said
+    assert "bench/bench_gpu.py --cap-gb 23.5 --out" in said and "--budget-s 165" in said
     assert "order: install -> environment -> bnb_cuda -> bench_gpu -> learning -> gpu_suite" in said
     assert "files back in $OUT: 2 (gpu_check.json, gpu_check.log), at most 8 come back" in said
     assert str(out / "gpu_check") not in said  # no raw files under $OUT
@@ -274,7 +274,7 @@ def test_a_failed_bnb_probe_on_a_cuda_device_switches_the_later_stages_to_bf16()
     report["stages"].append({"name": "bnb_cuda", "status": "failed", "rc": 1})
     gc.decide_fallback(report)
     assert report["fallback"]["reason"] == "bnb_cuda failed (rc 1)"
-    bench = gc.with_fallback(gc.Stage("bench_gpu", ["python", "scripts/bench_gpu.py"], 10))
+    bench = gc.with_fallback(gc.Stage("bench_gpu", ["python", "bench/bench_gpu.py"], 10))
     suite = gc.with_fallback(gc.Stage("gpu_suite", ["python", "-m", "pytest"], 10, {"A": "1"}))
     assert bench.command[-2:] == ["--quantization", "none"]
     assert suite.env == {"A": "1", "IBPO_GPU_QUANTIZATION": "none"}

@@ -21,7 +21,7 @@ is recorded beside the planner's estimate for it (ibpo.plan.fit.estimate), in th
 IBPO_GPU_REPORT when that is set. The one memory assertion is loose: a phase's peak above what was
 allocated before the run is at most 1.5 x the plan + 64 MiB. The plan of this tiny model is a few
 MiB, so the bound catches an allocation the planner does not know of (full [N, L, V] logits, a
-leak across steps), not the planner's accuracy at real sizes, which scripts/bench_gpu.py measures.
+leak across steps), not the planner's accuracy at real sizes, which bench/bench_gpu.py measures.
 
 The CPU tests run check_wrong_then_right on CPU (tests/test_gpu_check.py), so the harness itself
 is tested where there is no GPU. Not here: several GPUs, vLLM, real model sizes, speed.

@@ -6,7 +6,7 @@ Layers, bottom to top (a module imports only from its own layer or below):
   core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
                               distributed, repair, sizes (shapes and byte counts, which the
                               planner and the vLLM engine share), quiet (third-party noise
-                              filters), rewards/, sandbox/
+                              filters), catalog (the packaged recipes), rewards/, sandbox/
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), api (ibpo.train), cli
@@ -17,6 +17,9 @@ module-level import and one inside a function count alike; an import is allowed 
 function only for heavy optional dependencies, never for a module of this package, with one
 exception (LAZY): the package's `__getattr__` imports the API on first use of `ibpo.train`, so
 that `import ibpo` (which every `import ibpo.<module>` runs first) stays light.
+function only for heavy optional dependencies, never for a module of this package. Outside the
+package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
+benchmark's docstring and a call of ibpo/evaluation/cli.py.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ LAYERS = {
     "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
     "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2,
+    "quiet": 2, "catalog": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,
@@ -177,3 +180,33 @@ def test_import_ibpo_stays_light():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_never_imports_the_measurement_or_script_folders():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        outside = {n for n in _imported_names(path) if n.split(".")[0] in ("bench", "scripts")}
+        assert not outside, f"{path.relative_to(PACKAGE.parent)} imports {sorted(outside)}"
+
+
+def test_each_eval_script_is_one_benchmark_and_a_call_of_the_evaluation_cli():
+    from ibpo.evaluation.benchmarks import BENCHMARKS
+
+    scripts = PACKAGE.parent / "scripts"
+    shims = {p.stem.removeprefix("eval_"): p for p in scripts.glob("eval_*.py")}
+    assert set(shims) == set(BENCHMARKS)
+    for name, path in shims.items():
+        tree = ast.parse(path.read_text())
+        assert _imported_names(path) == {"sys", "ibpo.evaluation.cli"}, path.name
+        assert f'benchmark="{name}"' in path.read_text(), path.name
+        code = [n for n in tree.body if not isinstance(n, ast.Expr)]  # all but the docstring
+        assert len(code) <= 4, f"{path.name}: a shim holds imports, run() and its __main__ only"

@@ -27,9 +27,9 @@ under the cap with the recipe's shapes, and a SIZE that does not fit is skipped,
 
 On a GPU machine (bitsandbytes as a wheel in .whl/):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/bench_gpu.py --out $OUT/bench_gpu.json
-CPU smoke test (tiny Qwen3, recipe shapes scaled down, seconds): python scripts/bench_gpu.py --smoke
-Not here: several GPUs, vLLM (scripts/bench_vllm.py), real weights.
+  PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py --out $OUT/bench_gpu.json
+CPU smoke test (tiny Qwen3, recipe shapes scaled down, seconds): python bench/bench_gpu.py --smoke
+Not here: several GPUs, vLLM (bench/bench_vllm.py), real weights.
 """
 
 from __future__ import annotations
