@@ -59,6 +59,7 @@ from ibpo.config import (
     ConfigError,
     ObjectiveConfig,
     ObjectiveSpec,
+    check_objective,
     check_spec,
     declare_objective,
     objective_spec,
@@ -343,12 +344,14 @@ class ResolvedObjective:
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
     """An objective section -> its ResolvedObjective: the declaration's surrogate and level with
-    the section's parameters. A section that config.resolve filled is used as it is (a run's
-    config resolves once); an unfilled one (an ObjectiveConfig built by hand) is checked and
-    filled by config.resolve_objective first."""
+    the section's parameters. The section is checked (config.check_objective); one that
+    config.resolve filled is used as it is (a run's config resolves once), an unfilled one (an
+    ObjectiveConfig built by hand) is filled by config.resolve_objective first."""
     spec = objective_spec(cfg.name)
     if any(getattr(cfg, key) is None for key in spec.defaults):
         cfg = resolve_objective(cfg)
+    else:
+        check_objective(cfg)
     return ResolvedObjective(
         cfg.name,
         SURROGATES[spec.surrogate],

@@ -219,3 +219,17 @@ def test_a_new_benchmark_is_one_entry_the_eval_command_runs(tiny_model_dir, tmp_
     assert summary["benchmark"] == "sums" and summary["problems"] == 2 and summary["n"] == 1
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["problem_id"] for s in samples) == ["s0", "s1"]
+
+
+def test_a_run_section_is_checked_not_refilled_and_the_step_reads_repairs_as_resolved():
+    from ibpo.config import Config
+    from ibpo.step import repairs_enabled
+
+    cfg = load_config(None, ["objective.name=grpo", "objective.eps_high=0.3"])
+    assert resolve_params(cfg.objective).kwargs == {"eps_low": 0.2, "eps_high": 0.3}
+    cfg.objective.weights = "min_replace"  # set by hand after resolving: still refused
+    with pytest.raises(ConfigError, match="objective.weights does not apply to 'grpo'"):
+        resolve_params(cfg.objective)
+    with pytest.raises(ValueError, match="repair.enabled is unresolved .* ibpo.config.resolve"):
+        repairs_enabled(Config(), OBJECTIVES["ibpo"])
+    assert repairs_enabled(config.resolve(Config()), OBJECTIVES["ibpo"]) is True
