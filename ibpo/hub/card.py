@@ -443,6 +443,8 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     folders |= evaluations_of(loc["adapter"], loc["run"])  # `ibpo eval`'s default place
     evaluation, results = _evaluations(sorted(folders))
     reward, title = cfg.get("objective", {}).get("reward", "math"), repo_id.split("/")[1]
+    # the card's example evaluation: code for a run graded (also) by the code reward
+    rewards = [reward] if isinstance(reward, str) else list(reward)
     body = CARD.format(
         title=title,
         intro=_intro(name, base_id, base_model, cfg, license, loc["step"]),
@@ -452,7 +454,7 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
         base=base_id or "<base model>",
         repo_id=repo_id,
         eval_model=name if name == EMBEDDED_NAME or not base_id else base_id,
-        benchmark="humaneval" if reward == "code" else "math500",
+        benchmark="humaneval" if "code" in rewards else "math500",
         recipe=RECIPE.format(config=yaml.safe_dump(cfg, sort_keys=False)) if cfg else "",
     )
     # ModelCard parses the front matter back (ModelCardData checks the model-index) and writes it.
