@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import ARCHS, build_model_dir  # noqa: E402
+from bench_gpu import ARCHS, build_base  # noqa: E402
 
 from ibpo.config import load_config  # noqa: E402
 from ibpo.data import render_prompt  # noqa: E402
@@ -45,6 +45,20 @@ from ibpo.modeling import load_policy  # noqa: E402
 from ibpo.plan import fit as plan  # noqa: E402
 from ibpo.rollout import generate  # noqa: E402
 from ibpo.vllm_rollout import VLLMEngine  # noqa: E402
+
+
+def build_model_dir(arch: dict, root: Path, device: torch.device) -> Path:
+    """A random-weight checkpoint of `arch` on disk, once: vLLM loads its model from a folder
+    (bench_gpu builds on the device and never writes one)."""
+    path = root / f"qwen3-h{arch['hidden_size']}-l{arch['num_hidden_layers']}"
+    if (path / "config.json").is_file():
+        return path
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, tok = build_base(arch, "none", dtype, device)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    return path
 
 
 def gpu_used_gb(device: torch.device) -> float | None:
