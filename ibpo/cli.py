@@ -1,13 +1,18 @@
-"""Command line: `ibpo train [RECIPE.yaml] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
-`ibpo report`, `ibpo push`.
+"""Command line: `ibpo train [RECIPE] [k=v ...]`, `ibpo config`, `ibpo plan`, `ibpo eval`,
+`ibpo report`, `ibpo push`, `ibpo recipes`.
 
-`ibpo train` with no arguments runs the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA,
-built-in arithmetic) and prints a one-line summary. Configuration errors print one message that
-names the fix and exit with status 2, never a traceback. `ibpo train` exits with how the run
-ended (summary.json's `status` and `exit_code`): 0 completed, 1 failed (a full disk while
-saving), 2 bad input (configuration, data, output_dir), 3 out_of_memory, 4 nonfinite, 5
-mismatch (rollouts not from the trained policy), 130 interrupted by SIGINT (Ctrl-C, also before
-training started) and 143 by SIGTERM; an interrupted run resumes with run.resume_from=latest.
+RECIPE is a YAML file or the name of a packaged recipe (`qwen3_1.7b/gsm8k_ibpo_1gpu`, which
+`ibpo recipes` lists and `ibpo recipes copy NAME [DEST]` copies; ibpo/catalog.py).
+
+`ibpo train` runs through ibpo.train (ibpo/api.py), the Python API. With no arguments it runs
+the embedded CPU demo (SmolLM2-135M-Instruct, 4-bit QLoRA, built-in arithmetic) and prints a
+one-line summary. Configuration errors print one message that names the fix and exit with
+status 2, never a traceback. `ibpo train` exits with how the run ended (summary.json's `status`
+and `exit_code`): 0 completed, 1 failed (a full disk while saving), 2 bad input (configuration,
+data, output_dir), 3 out_of_memory, 4 nonfinite, 5 mismatch (rollouts not from the trained
+policy), 6 reward_failed (a reward function raised or returned a bad value; the steps before
+it are saved), 130 interrupted by SIGINT (Ctrl-C, also before training started) and 143 by
+SIGTERM; an interrupted run resumes with run.resume_from=latest.
 `ibpo plan ... [--gpus N] [--gpu-memory-gb M] [--sharding ddp|fsdp] [--model-config
 PATH_OR_HUB_ID]` prints the estimated
 peak GPU memory of the recipe per phase (ibpo/plan/) and settings that fit when it does not.
@@ -27,6 +32,8 @@ import sys
 
 import yaml
 
+from ibpo import catalog
+from ibpo.api import train
 from ibpo.config import ConfigError, load_config
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
@@ -35,7 +42,6 @@ from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
-from ibpo.trainer import train
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -75,17 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         return report_main(argv[1:])
     if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
         return push_main(argv[1:])
+    if argv[:1] == ["recipes"]:  # `ibpo recipes [list | copy NAME [DEST]]`: the packaged recipes
+        return catalog.main(argv[1:])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
-    p_train.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_train.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     p_cfg = sub.add_parser("config", help="print the resolved configuration as YAML")
-    p_cfg.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_cfg.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     sub.add_parser("eval", help="evaluate a model/adapter on a benchmark: ibpo eval NAME --help")
     sub.add_parser("report", help="summary table and plots of a run: ibpo report OUTPUT_DIR")
     sub.add_parser("push", help="upload an adapter + model card to the Hub: ibpo push --help")
+    sub.add_parser("recipes", help="list the packaged recipes, or copy one: ibpo recipes --help")
     p_plan = sub.add_parser("plan", help="estimate peak GPU memory; suggest settings that fit")
-    p_plan.add_argument("args", nargs="*", help="[RECIPE.yaml] [section.key=value ...]")
+    p_plan.add_argument("args", nargs="*", help="[RECIPE] [section.key=value ...]")
     p_plan.add_argument("--gpus", type=int, default=1, help="GPUs sharing the run")
     p_plan.add_argument(
         "--sharding",
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.args = [*ns.args, *extra]
     try:
         recipe, overrides = _split_args(ns.args)
-        cfg = load_config(recipe, overrides)
+        cfg = load_config(catalog.resolve_recipe(recipe), overrides)
         if ns.command == "config":
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
@@ -113,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
             print(format_plan(plan))
             return 0
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        summary = train(cfg)
+        summary = train(cfg).summary
     except StoppedEarly as e:  # Ctrl-C before the loop: nothing trained
         print(f"ibpo: {e}", file=sys.stderr)
         return e.exit_code

@@ -11,8 +11,14 @@ Each field declares its own rule (`choice`, `positive`, `at_least`, `within`, `c
 checks what spans fields, one ConfigError per problem naming the key and the fix, raised before
 anything is loaded. `resolve` then fills every field whose None means "inherit" (the repair
 settings from the rollout's, the held-out columns from training's, the objective's parameters
-from OBJECTIVE_DEFAULTS), so that what `ibpo config` prints and a run's config.yaml holds are
+from its declaration), so that what `ibpo config` prints and a run's config.yaml holds are
 the values the run uses; resolving a resolved config changes nothing.
+
+Each objective is declared here once, as data (`ObjectiveSpec` in OBJECTIVE_SPECS: its
+surrogate's name, importance-weight level, repair and dynamic-sampling defaults, parameter
+defaults), so that a config resolves without the torch code; objectives.py pairs each
+declaration with its surrogate function and turns a run's section into the one resolved type
+(`objectives.resolve_params`), and `objectives.register_objective` declares a new one here.
 
 This module imports nothing from ibpo (the names other modules register are declared here and
 tests/test_config.py checks them against the registries) and holds no logic about *how* the
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import sys
 import types
@@ -40,9 +47,6 @@ class ConfigError(ValueError):
 
 # --- names the other modules register (tests/test_config.py keeps them equal) -----------------
 
-OBJECTIVE_NAMES = ("ibpo", "dfpo", "grpo", "dr_grpo", "dapo", "gspo")  # objectives.OBJECTIVES
-COUNTERFACTUAL_OBJECTIVES = ("ibpo",)  # IBPO.md Part 2 shaped rewards: repairs on by default
-DYNAMIC_SAMPLING_OBJECTIVES = ("dapo",)  # rollout.dynamic_sampling on by default (DAPO's recipe)
 REWARD_NAMES = ("math", "code")  # ibpo.rewards.REWARDS as shipped
 WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
 GATES = ("none", "group", "token")  # objectives.GATES
@@ -50,46 +54,89 @@ AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")  # objectives.step_normal
 KL_ESTIMATORS = ("k3", "k3_ratio")  # objectives.KL_ESTIMATORS
 BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.micro_batch_loss
 IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # objectives.importance_weights
+IS_LEVELS = ("token", "sequence")  # objectives.importance_ratio
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
 # The surrogate keyword arguments; an objective whose defaults lack one does not take it.
 SURROGATE_KEYS = ("weights", "gate", "eps_low", "eps_high")
-_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
-_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
-# What each objective's None fields resolve to (objectives.OBJECTIVES is built from it). DAPO's
-# overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1.
-OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ibpo": {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-    "dfpo": {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-    "grpo": {
-        "eps_low": 0.2,
-        "eps_high": 0.2,
-        "aggregation": "seq_mean",
-        "scale_rewards": True,
-        **_NO_OVERLONG,
-    },
-    "dr_grpo": {
-        "eps_low": 0.2,
-        "eps_high": 0.2,
-        "aggregation": "token_sum",
-        "scale_rewards": False,
-        **_NO_OVERLONG,
-    },
-    "dapo": {
-        "eps_low": 0.2,
-        "eps_high": 0.28,
-        "aggregation": "token_mean",
-        "scale_rewards": True,
-        "overlong_buffer": 0.2,
-        "overlong_penalty": 0.5,
-    },
-    "gspo": {
-        "eps_low": 3e-4,
-        "eps_high": 4e-4,
-        "aggregation": "seq_mean",
-        "scale_rewards": True,
-        **_NO_OVERLONG,
-    },
-}
+# What every objective declares a default for (the surrogate keys it takes come on top).
+OBJECTIVE_KEYS = ("aggregation", "scale_rewards", "overlong_buffer", "overlong_penalty")
+
+
+# --- the objectives: each declared once -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One objective as declared: everything a run takes from its name. `surrogate` names the
+    loss function in objectives.SURROGATES (data here: this module imports no torch); `level`
+    is what importance weights weigh (each token, or each sequence); `repairs` and
+    `dynamic_sampling` are the defaults of repair.enabled and rollout.dynamic_sampling;
+    `defaults` what the objective section's None fields resolve to (OBJECTIVE_KEYS and the
+    SURROGATE_KEYS its surrogate takes)."""
+
+    name: str
+    surrogate: str
+    level: str
+    defaults: dict[str, Any]
+    repairs: bool = False
+    dynamic_sampling: bool = False
+
+    @property
+    def takes(self) -> tuple[str, ...]:
+        """The surrogate keyword arguments this objective takes (its SURROGATE_KEYS)."""
+        return tuple(k for k in SURROGATE_KEYS if k in self.defaults)
+
+
+# name -> declaration, in declaration order: the one table of objectives (objectives.py adds
+# user-defined ones through register_objective; OBJECTIVES there resolves each at its defaults).
+OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {}
+
+
+def declare_objective(spec: ObjectiveSpec, replace: bool = False) -> ObjectiveSpec:
+    """Add `spec` to OBJECTIVE_SPECS once check_spec passes. -> spec."""
+    check_spec(spec, replace)
+    OBJECTIVE_SPECS[spec.name] = spec
+    return spec
+
+
+def check_spec(spec: ObjectiveSpec, replace: bool = False) -> None:
+    """A declaration as plain data: a new name (or `replace`), a known level, a default for
+    each of OBJECTIVE_KEYS, no key the objective section lacks, every value within its field's
+    rule. The surrogate's own checks are objectives.register_objective's."""
+    where = f"objective {spec.name!r}"
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", spec.name or ""):
+        raise ConfigError(f"{where}: a name is lower-case letters, digits and '_' (e.g. my_pg)")
+    if spec.name in OBJECTIVE_SPECS and not replace:
+        raise ConfigError(f"{where} is already declared; pick another name or pass replace=True")
+    if spec.level not in IS_LEVELS:
+        raise ConfigError(f"{where}: level={spec.level!r}; choose one of: {', '.join(IS_LEVELS)}")
+    missing = [k for k in OBJECTIVE_KEYS if k not in spec.defaults]
+    unknown = [k for k in spec.defaults if k not in (*OBJECTIVE_KEYS, *SURROGATE_KEYS)]
+    if missing or unknown:
+        raise ConfigError(
+            f"{where}: declare a default for each of {', '.join(OBJECTIVE_KEYS)}"
+            + (f" (missing: {', '.join(missing)})" if missing else "")
+            + (f"; not an objective parameter: {', '.join(unknown)}" if unknown else "")
+        )
+    section = ObjectiveConfig(name=spec.name)
+    try:
+        _apply(section, "objective", dict(spec.defaults))  # the fields' types
+        check_fields(section, "objective")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: default {e}") from None
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    """The declaration of objective `name`, or a ConfigError naming the declared ones."""
+    spec = OBJECTIVE_SPECS.get(name)
+    if spec is None:
+        raise ConfigError(
+            f"objective.name={name!r}; choose one of: {', '.join(OBJECTIVE_SPECS)} (or register "
+            "your own with ibpo.objectives.register_objective, docs/objectives.md)"
+        )
+    return spec
+
+
 # The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
 # engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
 VLLM_BATCHED_TOKENS = 8192
@@ -278,7 +325,7 @@ class RolloutConfig:
     eval_batch_size: int = positive(100)
     # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
-    # None: the objective's default (on for DYNAMIC_SAMPLING_OBJECTIVES: 'dapo', which is DAPO
+    # None: the objective's default (ObjectiveSpec.dynamic_sampling: on for 'dapo', which is DAPO
     # only with it; off for the others); filled in by resolve. Any objective may set it.
     dynamic_sampling: bool | None = None
     max_resample_rounds: int = at_least(0, 3)
@@ -307,10 +354,11 @@ _OWN = "the objective's default"
 
 @dataclass
 class ObjectiveConfig:
-    # ibpo | dfpo | grpo | dr_grpo | dapo | gspo (see ibpo/objectives.py)
-    name: str = choice(*OBJECTIVE_NAMES)
-    # Fields left at None take the objective's own default (OBJECTIVE_DEFAULTS, filled in by
-    # resolve); weights and gate stay None for the objectives they do not apply to.
+    # ibpo | dfpo | grpo | dr_grpo | dapo | gspo, or one registered with
+    # objectives.register_objective: a name in OBJECTIVE_SPECS (checked by check_objective)
+    name: str = "ibpo"
+    # Fields left at None take the objective's own default (its ObjectiveSpec.defaults, filled
+    # in by resolve); weights and gate stay None for the objectives they do not apply to.
     weights: str | None = choice(*WEIGHTS, default=None, null=_OWN)  # ibpo/dfpo
     gate: str | None = choice(*GATES, default=None, null=_OWN)  # ibpo/dfpo trust region
     eps_low: float | None = within(0.0, 1.0, None, open_high=True, null=_OWN)
@@ -347,9 +395,16 @@ class ObjectiveConfig:
     # member masked drops its whole group).
     importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
     is_cap: float = positive(2.0)
-    # reward function name (ibpo.rewards.REWARDS; see reward_names)
-    reward: str = "math"
-    # Where objective.reward=code runs the programs the policy writes (ibpo/sandbox/run.py):
+    # The reward: a built-in grader's name (ibpo.rewards.REWARDS; see reward_names), an import
+    # path 'package.module:function' of a reward function in TRL's convention
+    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), or a list
+    # of them, whose weighted sum (None: does not apply) is the reward
+    reward: str | list[str] = "math"
+    reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
+    # >1: the reward functions, and chunks of a step's completions, run on this many threads
+    # (slow rewards that wait: a remote verifier, a compiler)
+    reward_workers: int = positive(1)
+    # Where the built-in code reward runs the programs the policy writes (ibpo/sandbox/run.py):
     # isolated (bwrap or namespaces: training refuses to start where only socket-patch works) |
     # allow_socket_patch (train there anyway: the programs then see the host's files and, as the
     # trainer's own uid, can reach its memory and forge any verdict)
@@ -372,7 +427,7 @@ DEFAULT_REPAIR_TEMPLATE = (
 class RepairConfig:
     """Counterfactual repairs (IBPO.md Part 2); the defaults are the paper's values."""
 
-    # None: on for the counterfactual objectives (COUNTERFACTUAL_OBJECTIVES: 'ibpo'), off for the
+    # None: the objective's default (ObjectiveSpec.repairs: on for 'ibpo'), off for the
     # baselines; filled in by resolve
     enabled: bool | None = None
     references: int = positive(1)  # K - 1 sibling references per incorrect completion (K = 2)
@@ -508,7 +563,9 @@ def reward_names() -> tuple[str, ...]:
 
 
 def check_objective(obj: ObjectiveConfig) -> None:
-    """The objective section alone: its fields' rules, and no parameter its objective lacks."""
+    """The objective section alone: a declared name, its fields' rules, and no parameter its
+    objective lacks."""
+    spec = objective_spec(obj.name)
     check_fields(obj, "objective")
     if obj.behavior_policy == "rollout" and obj.importance_sampling != "none":
         raise ConfigError(
@@ -516,7 +573,7 @@ def check_objective(obj: ObjectiveConfig) -> None:
             "which objective.behavior_policy=rollout already uses in every ratio: choose one "
             "(objective.importance_sampling=none, or objective.behavior_policy=trainer)"
         )
-    takes = [k for k in SURROGATE_KEYS if k in OBJECTIVE_DEFAULTS[obj.name]]
+    takes = spec.takes
     for key in SURROGATE_KEYS:
         if getattr(obj, key) is not None and key not in takes:
             raise ConfigError(
@@ -525,23 +582,52 @@ def check_objective(obj: ObjectiveConfig) -> None:
             )
 
 
+def reward_list(obj: ObjectiveConfig) -> list[str]:
+    """objective.reward as a list of names or import paths."""
+    return list(obj.reward) if isinstance(obj.reward, list) else [obj.reward]
+
+
+def _check_reward(obj: ObjectiveConfig) -> None:
+    """Each reward a built-in name or an import path (imported when the run starts:
+    rewards/functions.py), and one weight per reward."""
+    names = reward_list(obj)
+    if not names:
+        raise ConfigError("objective.reward is an empty list; name at least one reward")
+    for name in names:
+        if name not in reward_names() and ":" not in name:
+            raise ConfigError(
+                f"objective.reward={name!r}; choose one of: {', '.join(reward_names())}, or an "
+                "import path 'package.module:function'"
+            )
+    weights = obj.reward_weights
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(
+            f"objective.reward_weights has {len(weights)} weights for {len(names)} rewards. "
+            "Fix: give one weight per reward"
+        )
+    if weights is not None and not all(math.isfinite(w) for w in weights):
+        raise ConfigError("objective.reward_weights must be finite numbers")
+
+
 def _check_reward_and_answers(cfg: Config) -> None:
     """The grader must read the gold answers the data gives it: the math grader scores every
     completion 0 against a test spec, and the code grader cannot run a number."""
-    data, reward = cfg.data, cfg.objective.reward
+    data, rewards = cfg.data, reward_list(cfg.objective)
     formats = {"data.answer_format": data.answer_format}
     formats["data.eval_answer_format"] = data.eval_answer_format or data.answer_format
     for key, fmt in formats.items():
-        if reward == "math" and fmt == "code_tests":
-            raise ConfigError(
-                f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
-                "every completion: set objective.reward=code"
-            )
-        if reward == "code" and fmt not in ("code_tests", "plain"):
-            raise ConfigError(
-                f"objective.reward=code runs the answer as a JSON test spec, not a {fmt} answer: "
-                f"set {key}=code_tests (a test-case column) or plain (a column of specs)"
-            )
+        for reward in (r for r in rewards if r in ("math", "code")):
+            if reward == "math" and fmt == "code_tests":
+                raise ConfigError(
+                    f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
+                    "every completion: set objective.reward=code"
+                )
+            if reward == "code" and fmt not in ("code_tests", "plain"):
+                raise ConfigError(
+                    "objective.reward=code runs the answer as a JSON test spec, not a "
+                    f"{fmt} answer: set {key}=code_tests (a test-case column) or plain (a "
+                    "column of specs)"
+                )
 
 
 def validate(cfg: Config) -> Config:
@@ -551,10 +637,7 @@ def validate(cfg: Config) -> Config:
             check_fields(getattr(cfg, f.name), f.name)
     check_objective(cfg.objective)
     tr, run, ro = cfg.train, cfg.run, cfg.rollout
-    if cfg.objective.reward not in reward_names():
-        raise ConfigError(
-            f"objective.reward={cfg.objective.reward!r}; choose one of: {', '.join(reward_names())}"
-        )
+    _check_reward(cfg.objective)
     _check_reward_and_answers(cfg)
     if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
         raise ConfigError(
@@ -582,10 +665,10 @@ def validate(cfg: Config) -> Config:
 
 def resolve_objective(obj: ObjectiveConfig) -> ObjectiveConfig:
     """A checked copy of `obj` with each None parameter its objective takes set to that
-    objective's default (OBJECTIVE_DEFAULTS); weights and gate stay None where they do not apply."""
+    objective's default (its ObjectiveSpec); weights and gate stay None where they do not apply."""
     check_objective(obj)
     obj = copy.copy(obj)
-    for key, value in OBJECTIVE_DEFAULTS[obj.name].items():
+    for key, value in OBJECTIVE_SPECS[obj.name].defaults.items():
         if getattr(obj, key) is None:
             setattr(obj, key, value)
     return obj
@@ -595,18 +678,19 @@ def resolve(cfg: Config) -> Config:
     """A copy of a validated `cfg` with every None-means-inherit field set to what it inherits:
     the fields declared with `inherits` / `inherit=` (repair.max_new_tokens, temperature,
     batch_size from the rollout's; data.eval_question_column, eval_answer_column and
-    eval_answer_format from training's), repair.enabled (on for COUNTERFACTUAL_OBJECTIVES),
-    rollout.dynamic_sampling (on for DYNAMIC_SAMPLING_OBJECTIVES) and the objective's parameters
+    eval_answer_format from training's), repair.enabled and rollout.dynamic_sampling (the
+    objective's declared defaults: on for ibpo and for dapo) and the objective's parameters
     (resolve_objective). Idempotent. Other None fields (a Hub revision, vllm_kv_cache_gb sized at
     run time, data.eval_dataset / eval_subset: "the same source", not a copy...) mean something
     else and stay None."""
     before = cfg.to_dict(recipe=True)
     cfg = copy.deepcopy(cfg)
     cfg.objective = resolve_objective(cfg.objective)
+    spec = OBJECTIVE_SPECS[cfg.objective.name]
     if cfg.repair.enabled is None:
-        cfg.repair.enabled = cfg.objective.name in COUNTERFACTUAL_OBJECTIVES
+        cfg.repair.enabled = spec.repairs
     if cfg.rollout.dynamic_sampling is None:
-        cfg.rollout.dynamic_sampling = cfg.objective.name in DYNAMIC_SAMPLING_OBJECTIVES
+        cfg.rollout.dynamic_sampling = spec.dynamic_sampling
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):
@@ -738,10 +822,17 @@ def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
     return resolve(validate(cfg))
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- recipe YAML <- `section.key=value` overrides, validated, then resolved."""
+def load_config(
+    recipe: str | Path | Config | None = None,
+    overrides: list[str] | typing.Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
+    `section.key=value` overrides (or a mapping {"section.key": value}), validated, then
+    resolved."""
     cfg = Config()
-    if recipe is not None:
+    if isinstance(recipe, Config):
+        _update(cfg, recipe.to_dict(recipe=True), "the given Config")
+    elif recipe is not None:
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe '{recipe}' not found")
@@ -752,7 +843,76 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         if not isinstance(tree, dict):
             raise ConfigError(f"recipe '{recipe}' must be a mapping of sections")
         _update(cfg, tree, str(recipe))
-    for text in overrides or []:
-        section, key, value = parse_override(text)
+    if isinstance(overrides, typing.Mapping):
+        overrides = [(key, value) for key, value in overrides.items()]
+    for item in overrides or []:
+        if isinstance(item, tuple):  # from a mapping: the value as given, not YAML text
+            text = f"{item[0]}={item[1]!r}"
+            section, key, _ = parse_override(f"{item[0]}=")
+            value = item[1]
+        else:
+            text = item
+            section, key, value = parse_override(text)
         _update(cfg, {section: {key: value}}, f"override '{text}'")
     return resolve(validate(cfg))
+
+
+# --- the shipped objectives, each declared once ----------------------------------------------
+
+_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
+_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
+# DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on
+# 0..1. DAPO is DAPO only with dynamic sampling; IBPO's shaped rewards need its repairs.
+_BUILTIN_OBJECTIVES = (
+    ObjectiveSpec(
+        "ibpo",
+        "exchangeable",
+        "sequence",
+        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+        repairs=True,
+    ),
+    ObjectiveSpec(
+        "dfpo",
+        "exchangeable",
+        "sequence",
+        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "grpo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "seq_mean", "scale_rewards": True,
+         **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "dr_grpo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token_sum", "scale_rewards": False,
+         **_NO_OVERLONG},
+    ),
+    ObjectiveSpec(
+        "dapo",
+        "clipped_token",
+        "token",
+        {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean", "scale_rewards": True,
+         "overlong_buffer": 0.2, "overlong_penalty": 0.5},
+        dynamic_sampling=True,
+    ),
+    ObjectiveSpec(
+        "gspo",
+        "gspo_sequence",
+        "sequence",
+        {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean", "scale_rewards": True,
+         **_NO_OVERLONG},
+    ),
+)  # fmt: skip
+
+for _spec in _BUILTIN_OBJECTIVES:
+    declare_objective(_spec)
+# The shipped objectives' names, repair and dynamic-sampling defaults and parameter defaults,
+# derived from their declarations (a snapshot: registered objectives are in OBJECTIVE_SPECS).
+OBJECTIVE_NAMES = tuple(s.name for s in _BUILTIN_OBJECTIVES)
+COUNTERFACTUAL_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.repairs)
+DYNAMIC_SAMPLING_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.dynamic_sampling)
+OBJECTIVE_DEFAULTS = {s.name: dict(s.defaults) for s in _BUILTIN_OBJECTIVES}

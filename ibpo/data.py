@@ -13,10 +13,16 @@ error that names the row. Prompts go through the tokenizer's chat template (Qwen
 via `enable_thinking`).
 
 Columns as RL datasets store them: `question_column` / `answer_column` may be dotted paths into
-struct columns (`reward_model.ground_truth`), and a column holding a chat (a list of
-{"role", "content"} messages, as verl-format sets store their prompt) gives its last user
-message. `answer_format: code_tests` turns a test-case column of the PrimeIntellect /
-open-r1 verifiable-coding-problems kind ({"language", "test_cases": [{"input", "output", "type":
+struct columns (`reward_model.ground_truth`). A question column holding a chat (a list of
+{"role", "content"} messages: TRL's conversational `prompt`, verl-format sets' prompt) is a
+conversation: rendered whole through the chat template (system message and earlier turns
+kept), its last user message the question repairs quote; a chat in the answer column gives
+its last user message. With question_column left at "question", a dataset without that column
+but with TRL's `prompt` reads `prompt`. Every column of a row travels with its example
+(`Example.columns`) to the reward functions (rewards/functions.py); rows given in Python
+(`load_splits(rows=...)`: a `datasets.Dataset` or a list of dicts) are read as a file's are.
+`answer_format: code_tests` turns a test-case column of the PrimeIntellect / open-r1
+verifiable-coding-problems kind ({"language", "test_cases": [{"input", "output", "type":
 stdin_stdout | function_call, "fn_name"}]}) into the code reward's JSON test spec.
 
 Not here: tokenisation for the model (rollout.py) and grading (rewards/).
@@ -29,7 +35,7 @@ import hashlib
 import json
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +43,20 @@ from ibpo.config import ConfigError, DataConfig
 from ibpo.rewards.code import livecodebench_spec
 from ibpo.rewards.math import last_boxed
 
+# data.dataset of a run whose rows were given in Python (ibpo.train(dataset=...))
+IN_MEMORY = "in-memory"
+
 
 @dataclass(frozen=True)
 class Example:
+    """One problem: its question (a chat's last user message), its gold answer (what the
+    built-in graders compare against, "" when no built-in grader needs one), every column of
+    its row (what reward functions receive) and, for a conversational prompt, the whole chat."""
+
     question: str
     answer: str
+    columns: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    messages: tuple | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 # --- built-in generators -------------------------------------------------------------------------
@@ -95,7 +110,11 @@ def builtin_examples(name: str, split: str) -> list[Example]:
     if name not in BUILTINS:
         raise ConfigError(f"data.dataset=builtin:{name}; built-ins are: {', '.join(BUILTINS)}")
     eval_split = split in ("test", "eval", "validation")
-    return [ex for ex in BUILTINS[name]() if _held_out(ex.question) == eval_split]
+    return [
+        Example(ex.question, ex.answer, {"question": ex.question, "answer": ex.answer})
+        for ex in BUILTINS[name]()
+        if _held_out(ex.question) == eval_split
+    ]
 
 
 # --- files and Hub -------------------------------------------------------------------------------
@@ -152,22 +171,32 @@ def _code_test(case: dict, fn_name: str | None) -> dict:
     return {"input": given, "output": case["output"]}
 
 
-def column_value(row: dict, path: str) -> Any:
+def column_value(row: dict, path: str, chat_as_text: bool = True) -> Any:
     """row[path], where 'a.b' reads field b of struct column a; a chat (list of role/content
-    messages) gives the content of its last user message. KeyError names a missing field."""
+    messages) gives the content of its last user message (`chat_as_text`, else the chat).
+    KeyError names a missing field."""
     value: Any = row
     for key in [path] if path in row else path.split("."):  # a column named "a.b" wins
         if not isinstance(value, dict) or key not in value:
             raise KeyError(key)
         value = value[key]
-    if (
-        isinstance(value, list)
-        and value
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    ):
-        users = [m["content"] for m in value if m["role"] == "user"]
-        return users[-1] if users else None
+    if chat_as_text and is_chat(value):
+        return last_user_message(value)
     return value
+
+
+def is_chat(value: Any) -> bool:
+    """A conversational prompt: a non-empty list of {"role", "content"} messages."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def last_user_message(messages: list) -> str | None:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return users[-1] if users else None
 
 
 def _is_file_source(source: str) -> bool:
@@ -203,9 +232,36 @@ def _load_rows(source: str, split: str, subset: str | None):
         ) from None
 
 
-def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
+class RowList:
+    """A list of row dicts read as rows_to_examples reads a `datasets.Dataset` (no Arrow: the
+    rows keep their Python values, whatever their types)."""
+
+    def __init__(self, rows: list[dict]):
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"the dataset's row {i} is a {type(row).__name__}, not a dict. Fix: pass a "
+                    "datasets.Dataset or a list of dicts (one per row, column -> value)"
+                )
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(k for row in rows for k in row))
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = True) -> list[Example]:
+    """Rows -> examples. `need_answer=False` (no built-in grader reads the gold answer): a row
+    without one keeps an empty answer. A question_column left at "question" reads TRL's
+    `prompt` column in a dataset that has no `question`."""
     cols = list(rows.column_names)
-    for col in (cfg.question_column, cfg.answer_column):
+    if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
+        cfg = dataclasses.replace(cfg, question_column="prompt")
+    needed = (cfg.question_column, cfg.answer_column) if need_answer else (cfg.question_column,)
+    for col in needed:
         if col not in cols and col.split(".")[0] not in cols:
             raise ConfigError(
                 f"dataset '{source}' has no column '{col.split('.')[0]}'; its columns are: "
@@ -215,7 +271,7 @@ def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
     out, skipped = [], []
     for i, row in enumerate(rows):
         try:
-            out.append(_example(row, cfg, source, i))
+            out.append(_example(row, cfg, source, i, need_answer))
         except ConfigError as e:
             if not cfg.skip_unusable:
                 raise ConfigError(
@@ -238,23 +294,34 @@ def rows_to_examples(rows, cfg: DataConfig, source: str) -> list[Example]:
     return out
 
 
-def _example(row: dict, cfg: DataConfig, source: str, i: int) -> Example:
-    q = _field(row, cfg.question_column, source, i)
-    raw = _field(row, cfg.answer_column, source, i)
+def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool) -> Example:
+    prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
+    messages = None
+    if is_chat(prompt):  # a conversation: rendered whole; its last user message is the question
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+        q = last_user_message(prompt)
+    else:
+        q = prompt
+    try:
+        raw = _field(row, cfg.answer_column, source, i)
+    except ConfigError:
+        if need_answer:
+            raise
+        raw = None
     a = gold_answer(raw, cfg.answer_format)
     if q is None or not str(q).strip():
         raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
-    if a is None:
+    if a is None and need_answer:
         raise ConfigError(
             f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
             f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
         )
-    return Example(str(q).strip(), a)
+    return Example(str(q).strip(), a or "", dict(row), messages)
 
 
-def _field(row: dict, path: str, source: str, i: int) -> Any:
+def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:
     try:
-        return column_value(row, path)
+        return column_value(row, path, chat_as_text)
     except KeyError as e:
         raise ConfigError(f"dataset '{source}', row {i}: '{path}' has no field {e}") from None
 
@@ -269,8 +336,20 @@ def eval_layout(cfg: DataConfig) -> DataConfig:
     )
 
 
-def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Example]]:
-    """(train examples, held-out eval examples, at most cfg.eval_size of them)."""
+def load_splits(
+    cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True
+) -> tuple[list[Example], list[Example]]:
+    """(train examples, held-out eval examples, at most cfg.eval_size of them). `rows`: the
+    training rows given in Python (a `datasets.Dataset` or a list of dicts), read as a local
+    file's are (the held-out rows carved out of them unless data.eval_dataset names a source).
+    `need_answer`: whether a built-in grader reads the gold answers (rows_to_examples)."""
+    if rows is not None:
+        return _in_memory_splits(rows, cfg, need_answer)
+    if cfg.dataset == IN_MEMORY:
+        raise ConfigError(
+            "this run's rows were given in Python (data.dataset=in-memory). Fix: pass them "
+            "again, ibpo.train(..., dataset=rows), or set data.dataset to a file or Hub id"
+        )
     if cfg.dataset.startswith("builtin:"):
         name = cfg.dataset.split(":", 1)[1]
         train = builtin_examples(name, "train")
@@ -283,10 +362,30 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
             f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
             "Fix: set data.split to one it has (often 'train')."
         )
-    train = rows_to_examples(rows, cfg, cfg.dataset)
+    train = rows_to_examples(rows, cfg, cfg.dataset, need_answer)
+    return _held_out_split(train, cfg, need_answer)
+
+
+def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
+    if isinstance(rows, list):
+        rows = RowList(rows)
+    elif not hasattr(rows, "column_names"):
+        raise ConfigError(
+            f"dataset is a {type(rows).__name__}. Fix: pass a datasets.Dataset or a list of dicts"
+        )
+    if len(rows) == 0:
+        raise ConfigError("the dataset given in Python has no rows")
+    train = rows_to_examples(rows, cfg, IN_MEMORY, need_answer)
+    return _held_out_split(train, cfg, need_answer, in_memory=True)
+
+
+def _held_out_split(train: list[Example], cfg: DataConfig, need_answer: bool, in_memory=False):
+    """The held-out rows of a file, Hub or in-memory source: its eval split (or
+    data.eval_dataset's), else eval_size rows carved out of training."""
     eval_source = cfg.eval_dataset or cfg.dataset
     eval_rows = None
-    if cfg.eval_size and (cfg.eval_dataset or not _is_file_source(cfg.dataset)):
+    own_split = not (in_memory or _is_file_source(cfg.dataset))
+    if cfg.eval_size and (cfg.eval_dataset or own_split):
         same = cfg.eval_dataset in (None, cfg.dataset)  # the training source: its configuration
         subset = cfg.eval_subset or (cfg.subset if same else None)
         eval_rows = _load_rows(eval_source, cfg.eval_split, subset)
@@ -296,11 +395,12 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[list[Example], list[Exa
                 "Fix: set data.eval_split to one it has."
             )
     if eval_rows is not None:
-        held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source)
+        held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source, need_answer)
         return _without_held_out(train, held[: cfg.eval_size])
     if cfg.eval_size >= len(train):
         raise ConfigError(
-            f"data.eval_size={cfg.eval_size} leaves nothing to train on ({len(train)} rows)"
+            f"data.eval_size={cfg.eval_size} leaves nothing to train on ({len(train)} rows). "
+            "Fix: lower data.eval_size"
         )
     order = list(range(len(train)))
     random.Random(1234).shuffle(order)
@@ -516,7 +616,7 @@ def drop_long_prompts(examples: list[Example], tokenizer, cfg: DataConfig, what:
     problem, so a longer prompt is left out, and the count is reported. -> (kept, dropped)."""
     if not examples:
         return examples, 0
-    texts = [render_prompt(tokenizer, e.question, cfg) for e in examples]
+    texts = [render_example(tokenizer, e, cfg) for e in examples]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     kept = [e for e, n in zip(examples, lengths) if n <= cfg.max_prompt_tokens]
     if not kept:
@@ -556,10 +656,39 @@ def render_user_message(tokenizer, user: str, cfg: DataConfig) -> str:
         return user
     messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages.append({"role": "user", "content": user})
+    return render_messages(tokenizer, messages, cfg)
+
+
+def prompt_messages(ex: Example, cfg: DataConfig) -> list[dict]:
+    """The chat a problem is asked as: a conversational prompt whole (data.system_prompt in
+    front when it has no system message of its own; data.prompt_template is not applied, the
+    chat is the prompt), else data.system_prompt and the templated question."""
+    if ex.messages is not None:
+        messages = [dict(m) for m in ex.messages]
+        if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+        return messages
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    messages.append({"role": "user", "content": user_message(ex.question, cfg)})
+    return messages
+
+
+def render_messages(tokenizer, messages: list[dict], cfg: DataConfig) -> str:
+    """A chat through the chat template (thinking switch, generation prompt); without a
+    template, its messages' contents one after another."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n\n".join(str(m["content"]) for m in messages)
     extra = {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **extra
     )
+
+
+def render_example(tokenizer, ex: Example, cfg: DataConfig) -> str:
+    """The text the model continues for a problem: its whole chat, or render_prompt."""
+    if ex.messages is None:
+        return render_prompt(tokenizer, ex.question, cfg)
+    return render_messages(tokenizer, prompt_messages(ex, cfg), cfg)
 
 
 class PromptStream:

@@ -44,7 +44,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     (load_policy refuses model.dtype=float16). fp32 there doubles the activations and a
     non-quantised base; a 4-bit base stays packed (its compute dtype is what changes).
     fp32 on CPU is deliberate too: without native bf16 units, bf16 generation ran 3.4x slower
-    (scripts/bench_cpu_dtype.py).
+    (bench/bench_cpu_dtype.py).
     """
     if name != "auto":
         return _DTYPES[name]
@@ -139,15 +139,22 @@ def disable_cpu_bf16_repack(model: nn.Module) -> int:
     return count
 
 
-def load_policy(cfg: ModelConfig, device: torch.device):
+def load_policy(cfg: ModelConfig, device: torch.device, base=None):
     """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad.
-    A ConfigError for model.dtype=float16 (see check_training_dtype), before anything loads."""
-    from peft import LoraConfig, get_peft_model
+    A ConfigError for model.dtype=float16 (see check_training_dtype), before anything loads.
+    `base`: an already built (model, tokenizer), already on `device` and quantised as
+    cfg.quantization says (bench/bench_gpu.py builds random weights on the GPU that way,
+    without writing a checkpoint); it gets the same checkpointing and LoRA as a loaded one."""
+    dtype = compute_dtype(cfg.dtype, device)
+    check_training_dtype(dtype, device)  # before any weight is read
+    model, tokenizer = base if base is not None else _load_base(cfg, device, dtype)
+    return _with_lora(model, cfg, device), tokenizer
+
+
+def _load_base(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name)
-    dtype = compute_dtype(cfg.dtype, device)
-    check_training_dtype(dtype, device)  # before any weight is read
     kwargs = dict(
         dtype=dtype,
         attn_implementation=attention(cfg.attn_implementation, device, dtype),
@@ -168,6 +175,12 @@ def load_policy(cfg: ModelConfig, device: torch.device):
         ) from None
     if cfg.quantization != "nf4":
         model.to(device)
+    return model, tokenizer
+
+
+def _with_lora(model, cfg: ModelConfig, device: torch.device):
+    from peft import LoraConfig, get_peft_model
+
     model.requires_grad_(False)
     if cfg.gradient_checkpointing:
         # non-reentrant: it saves each layer's inputs as saved tensors, which is also what lets
@@ -188,7 +201,44 @@ def load_policy(cfg: ModelConfig, device: torch.device):
     model = get_peft_model(model, lora)
     if device.type == "cpu":
         disable_cpu_bf16_repack(model)
-    return model, tokenizer
+    return model
+
+
+def quantize_nf4(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace the decoder's nn.Linear layers (not lm_head) of a model already on its device by
+    NF4 Linear4bit layers, as model.quantization=nf4 loads them (double quantisation, compute and
+    storage in `dtype`), one layer at a time so that only one layer's 16-bit copy is extra;
+    returns how many were replaced. For weights built in memory, which from_pretrained cannot
+    quantise without a checkpoint on disk."""
+    import bitsandbytes as bnb
+
+    _quantization_config(dtype)  # the missing-bitsandbytes message
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        old = model.get_submodule(name)
+        new = bnb.nn.Linear4bit(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            compute_dtype=dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            quant_storage=dtype,
+            device="meta",
+        )
+        new.weight = bnb.nn.Params4bit(
+            old.weight.data.to(dtype),
+            requires_grad=False,
+            compress_statistics=True,
+            quant_type="nf4",
+            quant_storage=dtype,
+        ).to(old.weight.device)  # Params4bit quantises when it is moved to a device
+        if old.bias is not None:
+            new.bias = nn.Parameter(old.bias.data, requires_grad=False)
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        del old
+    return len(names)
 
 
 def _dequantize(layer: nn.Module) -> torch.Tensor:

@@ -31,26 +31,38 @@ exchangeable surrogate, where it multiplies w_i *before* the group transform, so
 of a group still shares one coefficient and cancellation stays exact. With rollout and trainer
 log-probs equal, rho = 1 exactly and both corrections reduce to the uncorrected objective.
 
+Each objective is declared once, as data in config.OBJECTIVE_SPECS (its surrogate's name in
+SURROGATES, its importance-weight level, whether repairs and dynamic sampling are on by default,
+its parameter defaults), so that config.py resolves a run's section without importing this
+module; `resolve_params` turns that section into the one resolved type the step calls
+(ResolvedObjective), once per run; `register_objective` declares a new objective the same way
+(docs/objectives.md). OBJECTIVES views every declared objective at its defaults.
+
 What this module does not do: compute advantages (advantages.py), log-probs (logprobs.py), or
-read configs beyond `resolve_params`, which turns an ObjectiveConfig into plain keyword arguments.
-The objectives' default parameters are data in config.OBJECTIVE_DEFAULTS (config.py checks and
-resolves a run's objective section without importing this module).
+read configs beyond `resolve_params`.
 Shapes: n sequences in the micro-batch (whole groups, group-major), T completion tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ibpo.config import (
-    COUNTERFACTUAL_OBJECTIVES,
-    OBJECTIVE_DEFAULTS,
-    SURROGATE_KEYS,
+    OBJECTIVE_NAMES,
+    OBJECTIVE_SPECS,
+    ConfigError,
+    ObjectiveConfig,
+    ObjectiveSpec,
+    check_objective,
+    check_spec,
+    declare_objective,
+    objective_spec,
     resolve_objective,
 )
 
@@ -287,82 +299,66 @@ def token_weights(mask: Tensor, aggregation: str) -> Tensor:
 AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
 
 
-# --- registry -----------------------------------------------------------------------------------
+# --- registry: each objective declared once --------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Objective:
-    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
-    aggregation: str
-    scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
-    defaults: dict[str, Any] = field(default_factory=dict)  # surrogate keyword arguments
-    counterfactual: bool = False  # uses IBPO.md Part 2 shaped rewards (advantages.py seam)
-    # DAPO's soft overlong punishment (advantages.overlong_penalty): the buffer as a share of
-    # rollout.max_new_tokens and the penalty at full length; 0 = off
-    overlong_buffer: float = 0.0
-    overlong_penalty: float = 0.0
-    # what `importance_weights` weighs: each token, or each sequence (sequence-level surrogates)
-    is_level: str = "token"
-
-
-def _objective(name: str, surrogate: Callable[..., Any]) -> Objective:
-    """The registry entry of `name` from its defaults (config.OBJECTIVE_DEFAULTS, data)."""
-    d = OBJECTIVE_DEFAULTS[name]
-    return Objective(
-        surrogate,
-        d["aggregation"],
-        d["scale_rewards"],
-        {k: d[k] for k in SURROGATE_KEYS if k in d},
-        counterfactual=name in COUNTERFACTUAL_OBJECTIVES,
-        overlong_buffer=d["overlong_buffer"],
-        overlong_penalty=d["overlong_penalty"],
-        is_level="token" if surrogate is clipped_token else "sequence",
-    )
-
-
-_SURROGATES = {
-    "ibpo": exchangeable,
-    "dfpo": exchangeable,
-    "grpo": clipped_token,
-    "dr_grpo": clipped_token,
-    "dapo": clipped_token,
-    "gspo": gspo_sequence,
+Surrogate = Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
+# The loss functions by the name an ObjectiveSpec gives (config.OBJECTIVE_SPECS declares the
+# objectives, with their defaults; register_objective adds to both).
+SURROGATES: dict[str, Surrogate] = {
+    "exchangeable": exchangeable,
+    "clipped_token": clipped_token,
+    "gspo_sequence": gspo_sequence,
 }
-OBJECTIVES: dict[str, Objective] = {n: _objective(n, s) for n, s in _SURROGATES.items()}
+# The arguments every surrogate is called with, by position, and `rho` by name (step.py).
+_POSITIONAL = ("logp", "old_logp", "adv", "mask", "seq_adv", "group_size")
 
 
 @dataclass(frozen=True)
 class ResolvedObjective:
+    """An objective with a run's parameters: what the step calls, built once per run
+    (resolve_params) from the objective section and its declaration; plain values only."""
+
     name: str
-    surrogate: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
-    kwargs: dict[str, Any]
+    surrogate: Surrogate
+    kwargs: dict[str, Any]  # the surrogate keyword arguments (its SURROGATE_KEYS)
     aggregation: str
-    scale_rewards: bool
-    counterfactual: bool
+    scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
+    counterfactual: bool  # declared with repairs (IBPO.md Part 2 shaped rewards) by default
     kl_coef: float
+    # DAPO's soft overlong punishment (advantages.overlong_penalty): the buffer as a share of
+    # rollout.max_new_tokens and the penalty at full length; 0 = off
     overlong_buffer: float = 0.0
     overlong_penalty: float = 0.0
     kl: Callable[[Tensor, Tensor, Tensor], Tensor] = k3_kl  # (logp, ref_logp, old_logp) -> [n, T]
     behavior_policy: str = "trainer"  # whose log-probs are old_logp: trainer | rollout
     importance_sampling: str = "none"  # none | truncate | mask (importance_weights)
     is_cap: float = 2.0
+    # what `importance_weights` weighs: each token, or each sequence (sequence-level surrogates)
     is_level: str = "token"
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The surrogate keyword arguments (`kwargs`), as OBJECTIVES' entries are read."""
+        return self.kwargs
 
 
 def resolve_params(cfg: Any) -> ResolvedObjective:
-    """ObjectiveConfig -> the objective's defaults overridden by the fields the user set
-    (config.resolve_objective checks the section and fills its None fields; a resolved one
-    passes through unchanged)."""
-    cfg = resolve_objective(cfg)
-    obj = OBJECTIVES[cfg.name]
-    kwargs = {key: getattr(cfg, key) for key in obj.defaults}
+    """An objective section -> its ResolvedObjective: the declaration's surrogate and level with
+    the section's parameters. The section is checked (config.check_objective); one that
+    config.resolve filled is used as it is (a run's config resolves once), an unfilled one (an
+    ObjectiveConfig built by hand) is filled by config.resolve_objective first."""
+    spec = objective_spec(cfg.name)
+    if any(getattr(cfg, key) is None for key in spec.defaults):
+        cfg = resolve_objective(cfg)
+    else:
+        check_objective(cfg)
     return ResolvedObjective(
         cfg.name,
-        obj.surrogate,
-        kwargs,
+        SURROGATES[spec.surrogate],
+        {key: getattr(cfg, key) for key in spec.takes},
         cfg.aggregation,
         cfg.scale_rewards,
-        obj.counterfactual,
+        spec.repairs,
         cfg.kl_coef,
         cfg.overlong_buffer,
         cfg.overlong_penalty,
@@ -370,5 +366,103 @@ def resolve_params(cfg: Any) -> ResolvedObjective:
         cfg.behavior_policy,
         cfg.importance_sampling,
         cfg.is_cap,
-        obj.is_level,
+        spec.level,
     )
+
+
+class _Objectives(Mapping[str, ResolvedObjective]):
+    """name -> the objective resolved at its declared defaults, for every objective in
+    config.OBJECTIVE_SPECS (a live view: one registered later is in it too)."""
+
+    def __getitem__(self, name: str) -> ResolvedObjective:
+        if name not in OBJECTIVE_SPECS:
+            raise KeyError(name)
+        return resolve_params(ObjectiveConfig(name=name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(OBJECTIVE_SPECS))
+
+    def __len__(self) -> int:
+        return len(OBJECTIVE_SPECS)
+
+
+OBJECTIVES: Mapping[str, ResolvedObjective] = _Objectives()
+
+
+def register_objective(
+    name: str,
+    surrogate: Surrogate | str | None = None,
+    *,
+    level: str,
+    aggregation: str,
+    scale_rewards: bool = True,
+    repairs: bool = False,
+    dynamic_sampling: bool = False,
+    overlong_buffer: float = 0.0,
+    overlong_penalty: float = 0.0,
+    replace: bool = False,
+    **surrogate_defaults: Any,
+) -> Any:
+    """Declare objective `name` (then selectable as objective.name=<name>): its surrogate (a
+    function with the built-in ones' signature, or the name of one in SURROGATES), the level its
+    importance weights take, its defaults (aggregation, scale_rewards, overlong_*, and one per
+    surrogate keyword argument it takes: weights, gate, eps_low, eps_high), whether repairs and
+    dynamic sampling are on by default. Without `surrogate` it is a decorator. -> the surrogate."""
+    if surrogate is None:
+        return lambda fn: register_objective(
+            name, fn, level=level, aggregation=aggregation, scale_rewards=scale_rewards,
+            repairs=repairs, dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer,
+            overlong_penalty=overlong_penalty, replace=replace, **surrogate_defaults,
+        )  # fmt: skip
+    if name in OBJECTIVE_NAMES:
+        raise ConfigError(f"objective {name!r} ships with ibpo; register yours under another name")
+    if isinstance(surrogate, str):
+        if surrogate not in SURROGATES:
+            raise ConfigError(
+                f"objective {name!r}: surrogate {surrogate!r}; choose one of: "
+                f"{', '.join(SURROGATES)}, or pass the function"
+            )
+        key, fn = surrogate, SURROGATES[surrogate]
+    else:
+        key, fn = name, surrogate
+        if key in SURROGATES and SURROGATES[key] is not fn and not replace:
+            raise ConfigError(
+                f"objective {name!r}: a surrogate of that name exists; pass replace=True"
+            )
+    defaults = {
+        "aggregation": aggregation,
+        "scale_rewards": scale_rewards,
+        "overlong_buffer": overlong_buffer,
+        "overlong_penalty": overlong_penalty,
+        **surrogate_defaults,
+    }
+    spec = ObjectiveSpec(name, key, level, defaults, repairs, dynamic_sampling)
+    check_spec(spec, replace)
+    _check_signature(name, fn, surrogate_defaults)
+    declare_objective(spec, replace=replace)
+    SURROGATES[key] = fn
+    return fn
+
+
+def _check_signature(name: str, fn: Any, surrogate_defaults: dict[str, Any]) -> None:
+    """A surrogate must take the step's arguments and the keyword arguments it declares."""
+    if not callable(fn):
+        raise ConfigError(f"objective {name!r}: the surrogate must be a function, got {fn!r}")
+    params = inspect.signature(fn).parameters
+    wanted = [*_POSITIONAL, "rho", *surrogate_defaults]
+    missing = [p for p in wanted if p not in params]
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(
+            f"objective {name!r}: {getattr(fn, '__name__', fn)} does not take "
+            f"{', '.join(missing)}; a surrogate is f({', '.join(_POSITIONAL)}, *, rho=None, "
+            "<its keyword arguments>) -> (per-token loss, coefficient, stats)"
+        )
+
+
+def unregister_objective(name: str) -> None:
+    """Remove a registered objective (and its own surrogate); the shipped ones stay."""
+    if name in OBJECTIVE_NAMES:
+        raise ConfigError(f"objective {name!r} ships with ibpo and cannot be removed")
+    spec = OBJECTIVE_SPECS.pop(name, None)
+    if spec is not None and spec.surrogate == name:
+        SURROGATES.pop(name, None)

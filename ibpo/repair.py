@@ -4,8 +4,10 @@ For each failed completion y_i of a group (reward 0; at most `max_repairs_per_gr
 K - 1 sibling references are chosen (correct siblings, reward 1, first by default) and the policy
 is asked, through
 a documented template, to repair y_i *locally* given the question and the reference. All repairs of
-a step are generated in one batched call (adapter on, no gradient) and graded with the training
-grader. From them:
+a step are generated in one batched call (adapter on, no gradient) and graded by the run's
+reward functions (rewards/functions.py), with the original problem's row, as its completions
+are: a repair succeeds when its weighted reward is >= 1. A conversational prompt keeps its
+earlier turns; the repair request takes the place of its last user message. From them:
 
     phi_i = rho * mean over y_i's references of 1[repair correct]      (0 unless R_i = 0)
     edited[i, t] = token t of y_i was changed by its most local successful repair
@@ -32,8 +34,8 @@ from torch import Tensor
 
 from ibpo.advantages import edited_tokens
 from ibpo.config import DataConfig, RepairConfig
-from ibpo.data import render_user_message, user_message
-from ibpo.rewards.math import as_graded
+from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
+from ibpo.rewards.functions import RewardSet, grade
 from ibpo.rollout import Generator, Rollout
 
 
@@ -130,20 +132,36 @@ class RepairOutcome:
     stats: dict[str, float]
 
 
+def repair_prompt(
+    tokenizer, ex: Example, attempt: str, reference: str, rep: RepairConfig, cfg: DataConfig
+) -> str:
+    """The rendered request to repair `attempt` given `reference`: the template around the
+    problem's user message; a conversation keeps the turns before its last user message."""
+    if ex.messages is None:
+        user = user_message(ex.question, cfg)
+        return render_user_message(
+            tokenizer, fill_template(rep.template, user, attempt, reference), cfg
+        )
+    messages = prompt_messages(ex, cfg)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    filled = fill_template(rep.template, str(messages[last]["content"]), attempt, reference)
+    return render_messages(tokenizer, [*messages[:last], {"role": "user", "content": filled}], cfg)
+
+
 def run_repairs(
     generator: Generator,
     tokenizer,
-    questions: list[str],
+    examples: list[Example],
     rollout: Rollout,
     rewards: Tensor,
-    answers: list[str],
-    reward_fn,
+    reward_set: RewardSet,
     rep: RepairConfig,
     data_cfg: DataConfig,
     gen: dict,
     rng: random.Random,
 ) -> RepairOutcome:
-    """Generate and grade the repairs of one step. rewards [B, G] on the host; `gen`:
+    """Generate and grade the repairs of one step. rewards [B, G] on the host (the weighted
+    rewards of `examples`' completions), graded again by `reward_set` for the repairs; `gen`:
     max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
     resolved). A step that plans no repair (every member correct, or no eligible reference)
     gets phi = 0 and all-blame masks from the same code as one that does."""
@@ -169,14 +187,12 @@ def run_repairs(
         return RepairOutcome(phi_from_repairs([], [], (B, G), rep.rho), edited, stats)
     texts = rollout.texts
     prompts = [
-        render_user_message(
+        repair_prompt(
             tokenizer,
-            fill_template(
-                rep.template,
-                user_message(questions[j.group], data_cfg),
-                texts[j.group * G + j.member],
-                texts[j.group * G + j.reference],
-            ),
+            examples[j.group],
+            texts[j.group * G + j.member],
+            texts[j.group * G + j.reference],
+            rep,
             data_cfg,
         )
         for j in jobs
@@ -191,8 +207,10 @@ def run_repairs(
         top_p=gen["top_p"],
         top_k=gen["top_k"],
     )
-    graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
-    success = [reward_fn(t, answers[j.group]) >= 1.0 for t, j in zip(graded, jobs)]
+    totals, _ = grade(
+        reward_set, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
+    )
+    success = [t >= 1.0 for t in totals]
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
     stats.update(

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibpo.config import VLLM_BATCHED_TOKENS as VLLM_BATCHED_TOKENS  # re-exported
-from ibpo.config import ConfigError, ModelConfig
+from ibpo.config import ConfigError, ModelConfig, objective_spec
 from ibpo.embedded import EMBEDDED_NAME
-from ibpo.objectives import resolve_params
 
 GIB = 2**30
 F32 = 4  # bytes of fp32: LoRA weights and grads, upcast activations, logits
@@ -63,7 +62,7 @@ SMOLLM2_135M = dict(
     head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
 )  # fmt: skip
 # The Qwen3 dense models as their Hub config.json files give them (the fields the planner reads),
-# so `ibpo plan` works offline for them; scripts/bench_gpu.py builds its random models from these.
+# so `ibpo plan` works offline for them; bench/bench_gpu.py builds its random models from these.
 _QWEN3 = dict(model_type="qwen3", head_dim=128, num_key_value_heads=8, vocab_size=151936)
 KNOWN_ARCHITECTURES: dict[str, dict] = {
     "Qwen/Qwen3-0.6B": _QWEN3 | dict(hidden_size=1024, num_hidden_layers=28,
@@ -285,8 +284,8 @@ def repair_generation(cfg) -> tuple[int, int, int] | None:
     Reads the config's `repair` section (IBPO.md Part 2) where there is one."""
     rep = getattr(cfg, "repair", None)
     enabled = getattr(rep, "enabled", None)
-    if rep is not None and enabled is None:
-        enabled = getattr(resolve_params(cfg.objective), "counterfactual", False)
+    if rep is not None and enabled is None:  # an unresolved config: the declared default
+        enabled = objective_spec(cfg.objective.name).repairs
     if not enabled:
         return None
     ro, G = cfg.rollout, cfg.rollout.group_size

@@ -4,7 +4,8 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
   1. prompts: B from this process's shard of the stream;
   2. rollout: G sampled completions per prompt (eval mode, KV cache, no grad), by the policy's
      generate() or a vLLM engine;
-  3. rewards [B, G]: each completion graded by the grader evaluation uses;
+  3. rewards [B, G]: each completion graded by the run's reward functions, which evaluation
+     and repairs use too (rewards/functions.py), each one's mean logged as rewards/<name>;
   4. (IBPO) repairs: each failed completion repaired locally given a sibling, the repairs
      graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py). With
      dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
@@ -57,7 +58,7 @@ from ibpo.advantages import (
 )
 from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
-from ibpo.data import PromptStream, render_prompt
+from ibpo.data import PromptStream, render_example
 from ibpo.diagnostics import cancellation_residual
 from ibpo.distributed import agreed_count, gather_metrics, gathered
 from ibpo.logprobs import completion_logprobs
@@ -77,9 +78,8 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.repair import run_repairs
-from ibpo.rewards import REWARDS
 from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.math import as_graded
+from ibpo.rewards.functions import RewardSet, grade, reward_means, reward_set
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
 # --- what the stages hand each other ------------------------------------------------------------
@@ -101,13 +101,15 @@ class StepParts:
 @dataclass
 class Round:
     """One generation round: its rollout (on the device) and, on the host, rewards and shaped
-    rewards [B, G] and the edit masks [N, T] (None when repairs are off)."""
+    rewards [B, G] and the edit masks [N, T] (None when repairs are off); each reward
+    function's values (NaN: did not apply), for its logged mean."""
 
     rollout: Rollout
     rewards: Tensor
     shaped: Tensor
     edited: Tensor | None
     stats: dict[str, float] = field(default_factory=dict)
+    per_reward: dict[str, list[float]] = field(default_factory=dict)
 
     def select(self, groups: list[int], group_size: int) -> Round:
         rows = [b * group_size + i for b in groups for i in range(group_size)]
@@ -148,11 +150,16 @@ def rl_step(
     engine=None,
     *,
     step: int,
+    rewards: RewardSet | None = None,
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
-    before this one, which seeds this step's sampling streams (rollout.SamplingStreams)."""
+    before this one, which seeds this step's sampling streams (rollout.SamplingStreams).
+    `rewards`: the run's reward functions (rewards/functions.py; None: objective.reward's)."""
     model, device = parts.model, accelerator.device
+    if rewards is None:
+        obj = cfg.objective
+        rewards = reward_set(obj.reward, obj.reward_weights, obj.reward_workers)
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
@@ -165,7 +172,7 @@ def rl_step(
             parts.stream,
             cfg,
             objective,
-            REWARDS[cfg.objective.reward],
+            rewards,
             parts.rng,
             streams,
         )
@@ -210,7 +217,14 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
 
 
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
-    return objective.counterfactual if cfg.repair.enabled is None else cfg.repair.enabled
+    """repair.enabled as config.resolve filled it from the objective's declaration: read, not
+    re-derived, so an unresolved config is refused rather than guessed."""
+    if cfg.repair.enabled is None:
+        raise ValueError(
+            f"repair.enabled is unresolved for objective {objective.name!r}: build the config "
+            "with ibpo.config.load_config or pass it through ibpo.config.resolve"
+        )
+    return cfg.repair.enabled
 
 
 def collect_batch(
@@ -219,7 +233,7 @@ def collect_batch(
     stream: PromptStream,
     cfg: Config,
     objective: ResolvedObjective,
-    reward_fn,
+    rewards: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
 ) -> ScoredBatch:
@@ -234,12 +248,15 @@ def collect_batch(
     kept: list[Round] = []
     sampled: list[Tensor] = []
     stats: dict[str, float] = {}
+    per_reward: dict[str, list[float]] = {}
     need, dropped, rounds = B, 0, 0
     while True:
         r = score_round(
-            generator, tokenizer, stream.take(need), cfg, repairing, reward_fn, rng, streams, rounds
+            generator, tokenizer, stream.take(need), cfg, repairing, rewards, rng, streams, rounds
         )
         _add(stats, r.stats)
+        for name, values in r.per_reward.items():
+            per_reward.setdefault(name, []).extend(values)
         sampled.append(r.rewards)
         live = (~flat_groups(r.shaped)).tolist()
         if cfg.rollout.dynamic_sampling:
@@ -273,6 +290,7 @@ def collect_batch(
         dropped_groups=float(dropped),
         resample_rounds=float(rounds),
     )
+    stats.update(reward_means(per_reward))  # rewards/<name>, over every sampled completion
     batch.stats.update(stats)
     return batch
 
@@ -283,7 +301,7 @@ def score_round(
     examples,
     cfg: Config,
     repairing: bool,
-    reward_fn,
+    rewards: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
     round_: int = 0,
@@ -294,7 +312,7 @@ def score_round(
     round or step samples."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
-    prompts = [render_prompt(tokenizer, ex.question, cfg.data) for ex in examples]
+    prompts = [render_example(tokenizer, ex, cfg.data) for ex in examples]
     with _stream(streams, "rollout", round_):
         rollout = generator(
             tokenizer,
@@ -307,15 +325,15 @@ def score_round(
             top_k=ro.top_k,
         )
     t1 = time.perf_counter()
-    answers = [ex.answer for ex in examples]
-    flat = [
-        reward_fn(as_graded(prompts[n // G], t), answers[n // G])
-        for n, t in enumerate(rollout.texts)
-    ]
-    rewards = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
+    each = [ex for ex in examples for _ in range(G)]
+    flat, per = grade(
+        rewards, each, [p for p in prompts for _ in range(G)], rollout.texts, rollout.host_tokens()
+    )
+    scores = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
+    stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
-        return Round(rollout, rewards, rewards, None, stats)
+        return Round(rollout, scores, scores, None, stats, per)
     rep = cfg.repair
     gen = {
         "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
@@ -326,23 +344,13 @@ def score_round(
     }
     with _stream(streams, "repair", round_):
         out = run_repairs(
-            generator,
-            tokenizer,
-            [ex.question for ex in examples],
-            rollout,
-            rewards,
-            answers,
-            reward_fn,
-            rep,
-            cfg.data,
-            gen,
-            rng,
+            generator, tokenizer, examples, rollout, scores, rewards, rep, cfg.data, gen, rng
         )
-    shaped = shape_rewards(rewards, out.phi, rep.shaping_lambda, rewards >= 1.0)
+    shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= 1.0)
     stats.update(out.stats)
     stats["time_repair"] = time.perf_counter() - t1
     stats["generated_tokens"] += out.stats["repair_tokens"]
-    return Round(rollout, rewards, shaped, out.edited, stats)
+    return Round(rollout, scores, shaped, out.edited, stats, per)
 
 
 def _stream(streams: SamplingStreams | None, phase: str, round_: int):

@@ -47,8 +47,8 @@ from ibpo.objectives import (
     ResolvedObjective,
     resolve_params,
 )
-from ibpo.rewards import REWARDS
 from ibpo.rewards.code import training_sandbox
+from ibpo.rewards.functions import RewardError, RewardSet, reward_set
 from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
@@ -96,9 +96,20 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def _build(cfg: Config, accelerator) -> tuple[StepParts, object, list]:
-    """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng."""
-    train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed)
+def run_rewards(cfg: Config, reward_funcs=None) -> RewardSet:
+    """The run's reward functions: `reward_funcs` (callables given in Python, with
+    objective.reward_weights) or those objective.reward names."""
+    obj = cfg.objective
+    return reward_set(
+        obj.reward if reward_funcs is None else reward_funcs, obj.reward_weights, obj.reward_workers
+    )
+
+
+def _build(cfg: Config, accelerator, rows=None, rewards: RewardSet | None = None):
+    """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng.
+    `rows`: the training rows given in Python (data.load_splits)."""
+    need_answer = rewards is None or rewards.reads_answer
+    train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed, rows, need_answer)
     model, tokenizer = load_policy(cfg.model, accelerator.device)
     set_kv_cache(model, cfg.rollout.kv_cache)
     if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
@@ -205,8 +216,11 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
             )
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
+    `rows`: the training rows given in Python (a datasets.Dataset or a list of dicts) instead
+    of data.dataset; `reward_funcs`: reward functions given in Python instead of those
+    objective.reward names (rewards/functions.py). The Python API is ibpo.api.train.
 
     Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
@@ -217,6 +231,7 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import set_seed
 
     start, tr = time.time(), cfg.train
+    rewards = run_rewards(cfg, reward_funcs)  # an import path that fails: before anything else
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
@@ -229,13 +244,11 @@ def train(cfg: Config) -> dict:
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
     # before anything is touched: a code reward without a sandbox that contains RL-written code
-    sandbox = (
-        training_sandbox(cfg.objective.code_sandbox) if cfg.objective.reward == "code" else None
-    )
+    sandbox = training_sandbox(cfg.objective.code_sandbox) if "code" in rewards.names else None
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
-        parts, tokenizer, eval_examples = _build(cfg, accelerator)
+        parts, tokenizer, eval_examples = _build(cfg, accelerator, rows, rewards)
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     if accelerator.is_main_process:
@@ -258,6 +271,7 @@ def train(cfg: Config) -> dict:
                 cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
             )
             run.sandbox = sandbox
+            run.rewards = rewards  # given in Python, they may not import back from the config
             run.state = _start_or_resume(
                 accelerator, parts, resume, run.metrics_path, run.held_out, cfg
             )
@@ -295,6 +309,7 @@ class Run:
         self.cfg, self.accelerator, self.out, self.resume = cfg, accelerator, out, resume
         self.parts, self.tokenizer, self.eval_examples = parts, tokenizer, eval_examples
         self.objective, self.engine = objective, engine
+        self.rewards: RewardSet | None = None  # train() sets the run's
         self.main = accelerator.is_main_process
         self.metrics_path = out / "metrics.jsonl"
         self.state = ckpt.TrainerState()
@@ -316,7 +331,7 @@ class Run:
                 self.tokenizer,
                 self.eval_examples,
                 cfg.data,
-                REWARDS[cfg.objective.reward],
+                self.rewards or run_rewards(cfg),
                 cfg.rollout.eval_max_new_tokens,
                 cfg.rollout.eval_batch_size,
                 self.accelerator,
@@ -366,6 +381,7 @@ class Run:
                         self.objective,
                         self.engine,
                         step=state.step,
+                        rewards=self.rewards,
                     )
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
@@ -401,6 +417,8 @@ class Run:
                 raise
             end.status, end.cut_short = "failed", True
             end.message = failures.save_failed_message(e, end.last)
+        except RewardError as e:  # the function is named; the steps before it are kept
+            self._reward_failed(end, e, phase)
         except Exception as e:
             if not failures.is_oom(e):
                 raise
@@ -421,6 +439,19 @@ class Run:
             end.message = failures.interrupted_message(state.step, end.last)
         return end
 
+    def _reward_failed(self, end: Ending, error: RewardError, phase: str) -> None:
+        """A reward function failed in a step (before its update: the policy is as the last
+        step left it) or an evaluation: with one process that state is saved; with several
+        the others may wait in a collective, so the last checkpoint stands (as out of memory)."""
+        end.status, done = "reward_failed", self.state.step
+        where = f"step {done + 1}" if phase == "step" else f"the evaluation after step {done}"
+        saved = self.accelerator.num_processes == 1
+        if saved:
+            end.last = self.checkpoint()
+        else:
+            end.cut_short = True
+        end.message = failures.reward_failed_message(error, where, done, end.last, saved)
+
     def finish(self, end: Ending) -> dict:
         """Print how the run ended, keep its adapter, write summary.json (before and after the
         final held-out evaluation), then the plots and the Hub upload."""
@@ -429,7 +460,7 @@ class Run:
         # that this one will never join, so it joins none from here on and ends (the CLI exits 3);
         # the others' collective then fails and the launcher stops the run, instead of everyone
         # waiting for a collective timeout.
-        alone = end.status == "out_of_memory" and acc.num_processes > 1
+        alone = end.status in ("out_of_memory", "reward_failed") and acc.num_processes > 1
         if end.message and (main or alone):
             who = f"process {acc.process_index}: " if alone else ""
             print(f"ibpo: {who}{end.message}", file=sys.stderr)

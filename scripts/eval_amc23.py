@@ -4,7 +4,7 @@ Data: math-ai/amc23, test split (40 problems).
 Graded with the training grader; reports avg@n, pass@k, maj@n, mean completion length and the
 share truncated (published reasoning scores use 32k+ new tokens: see --max-new-tokens).
 
-    python scripts/eval_amc23.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
+    python scripts/eval_amc23.py --adapter run/adapter --n 8
     python scripts/eval_amc23.py --data rows.jsonl --limit 20   # local rows, Hub schema
 
 Results go to --output-dir (default outputs/eval/amc23-<model>[+<adapter>]):

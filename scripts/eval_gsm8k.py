@@ -4,7 +4,7 @@ Data: openai/gsm8k, config main, test split; gold answer after '####'.
 Graded with the training grader; reports avg@n, pass@k, maj@n, mean completion length and the
 share truncated (published reasoning scores use 32k+ new tokens: see --max-new-tokens).
 
-    python scripts/eval_gsm8k.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 1 --temperature 0
+    python scripts/eval_gsm8k.py --adapter run/adapter --n 1 --temperature 0
     python scripts/eval_gsm8k.py --data rows.jsonl --limit 20   # local rows, Hub schema
 
 Results go to --output-dir (default outputs/eval/gsm8k-<model>[+<adapter>]):

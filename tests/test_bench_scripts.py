@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -136,6 +136,148 @@ def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path):
         assert r["step_time"] >= r["time_generate"] > 0 and r["peak_memory_gb"] > 0
         assert r["residual_max"] == 0.0  # ibpo's default: the cancellation-safe objective
     assert "per step, mean:" in text
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from a second, busy core
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_gpu_smoke_measures_the_recipe_phase_by_phase(tmp_path, one_thread):
+    """The recipe row on CPU (tiny Qwen3, 8 tokens): every phase with its time, tokens/s and the
+    planner's figure, the mismatch, and the file rewritten with each phase."""
+    bench = _script("bench_gpu")
+    out = tmp_path / "bench.json"
+    summary = bench.main(["--smoke", "--configs", "recipe", "--out", str(out)])
+    row = summary["results"][0]
+    assert row["status"] == "ok" and "error" not in row, row.get("error")
+    assert list(row["phases"]) == list(bench.PHASES)
+    assert (row["completions"], row["generation_batch_size"], row["lora_r"]) == (32, 32, 32)
+    assert row["repair_batch_size"] == 8 and row["quantization"] == "nf4"
+    for name in ("rollout", "repairs", "update", "update_offload", "evaluation"):
+        phase = row["phases"][name]
+        assert phase["tokens"] > 0 and phase["tokens_per_s"] > 0 and phase["seconds"] >= 0, name
+        assert phase["plan_gb"] == row["plan_phases_gb"][bench.PLAN_PHASE[name]] > 0, name
+    assert row["phases"]["rollout"]["tokens"] == 32 * 8  # forced to full length
+    assert row["phases"]["repairs"]["repairs"] > 0
+    assert 0 <= row["mismatch"]["mismatch_kl"] < 1e-2 and row["mismatch"]["mismatch_abs_max"] > 0
+    assert json.loads(out.read_text()) == summary
+
+
+def test_bench_gpu_keeps_what_it_measured_when_a_phase_fails(tmp_path, one_thread, monkeypatch):
+    """An error that is no OOM, in the first configuration's update: the row keeps the phases
+    before it, saved after each, names the error and its phase, and the next one still runs."""
+    bench = _script("bench_gpu")
+    real, calls = bench.step.update_policy, []
+
+    def failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("no kernel image is available for execution on the device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench.step, "update_policy", failing_once)
+    saved: list[list[str]] = []
+    args = bench.parse_args(["--smoke", "--configs", "recipe"])
+    args.group_size, args.prompt_chars = 4, 24
+    device = bench.torch.device("cpu")
+    row = {"config": "recipe", "status": "running", "phases": {}}
+    bench.bench_config("recipe", args, device, row, lambda: saved.append(list(row["phases"])))
+    assert row["status"] == "failed" and row["error"]["type"] == "ValueError"
+    assert row["error"]["phase"] == "update" and "no kernel image" in row["error"]["message"]
+    assert list(row["phases"]) == ["build", "load", "rollout", "repairs"]
+    assert saved[:4] == [["build"], ["build", "load"], ["build", "load", "rollout"],
+                         ["build", "load", "rollout", "repairs"]]  # fmt: skip
+    nxt = {"config": "tiny:8", "status": "running", "phases": {}}
+    bench.bench_config("tiny:8", args, device, nxt, lambda: None)
+    assert nxt["status"] == "ok" and "update" in nxt["phases"]
+    assert bench.step.update_policy is failing_once  # the hooks put back what they wrapped
+
+
+def test_bench_gpu_without_4bit_measures_what_fits(one_thread):
+    """The fallback: no NF4 layer, torch AdamW; the 8B recipe that does not fit without 4-bit
+    is measured on the largest Qwen3 the planner fits (planned only here: nothing is built)."""
+    bench = _script("bench_gpu")
+    args = bench.parse_args(["--quantization", "none", "--cap-gb", "23.5"])
+    row = {"phases": {}}
+    cfg, arch, _ = bench._setup("recipe", args, row)
+    assert arch == "4b" and "qwen3-8b does not fit" in row["fallback"] and row["plan_fits"]
+    assert cfg.model.quantization == "none" and cfg.train.optimizer == "adamw"
+    row = {"phases": {}}
+    assert bench._setup("8b:1024", args, row)[0] is None and row["status"].startswith("skipped")
+    summary = bench.main(["--smoke", "--quantization", "none", "--configs", "tiny:8"])
+    r = summary["results"][0]
+    assert r["status"] == "ok" and r["phases"]["load"]["optimizer"] == "AdamW"
+
+
+def test_random_weights_quantised_in_memory_match_a_loaded_nf4_base(tiny_model_dir):
+    """quantize_nf4 on weights in memory packs them as from_pretrained's NF4 load of the same
+    weights does: same packed bytes, same scales, same logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ibpo.modeling import _quantization_config, disable_cpu_bf16_repack, quantize_nf4
+
+    mine = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    assert quantize_nf4(mine, torch.bfloat16) == 2 * 7
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir,
+        dtype=torch.bfloat16,
+        quantization_config=_quantization_config(torch.bfloat16),
+        device_map={"": "cpu"},
+    )
+    a, b = mine.model.layers[1].mlp.down_proj, loaded.model.layers[1].mlp.down_proj
+    assert type(a) is type(b) and a.weight.quant_type == b.weight.quant_type == "nf4"
+    # the packed bytes, stored as bf16 (some patterns read as NaN): compared as bytes
+    assert torch.equal(a.weight.data.view(torch.uint8), b.weight.data.view(torch.uint8))
+    assert torch.equal(a.weight.quant_state.absmax, b.weight.quant_state.absmax)
+    assert type(mine.lm_head) is torch.nn.Linear  # lm_head stays 16-bit, as loaded
+    for model in (mine, loaded):  # what load_policy does on a CPU (bitsandbytes' repack bug)
+        assert disable_cpu_bf16_repack(model) == 2 * 7
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, loaded(ids).logits)
+
+
+def test_the_learning_run_learns_and_a_frozen_one_is_told_apart(one_thread, capsys):
+    """20 steps of the tiny Qwen3 on the share of character tokens: the reward rises by more
+    than the margin; with a learning rate of 1e-9 it does not, and the script says so."""
+    bench = _script("bench_gpu")
+    result = bench.main(["--learn"])
+    assert result["learned"] and result["last"] > result["first"] + 0.2, result["rewards"]
+    assert len(result["rewards"]) == 20
+    with pytest.raises(SystemExit, match="the training reward did not rise"):
+        bench.main(["--learn", "--learn-lr", "1e-9"])
+
+
+def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
+    """On CUDA a phase records torch's peaks and the device's lowest free memory seen while it
+    ran (mem_get_info: what torch's cap does not see), and the planner's figure; torch.cuda is
+    stood in for here, with free memory dipping during the phase."""
+    import time
+
+    bench = _script("bench_gpu")
+    cuda = bench.torch.cuda
+    free = iter([20, 12, 9, 15] + [15] * 10_000)  # GiB free, as the poller reads it
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda: (next(free) * 2**30, 24 * 2**30))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 7 * 2**30)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda: 8 * 2**30)
+    saves = []
+    row = {"phases": {}, "plan_phases_gb": {"generation": 6.5}}
+    meter = bench.Meter(row, bench.torch.device("cuda"), lambda: saves.append(1))
+    meter.start("rollout")
+    time.sleep(0.2)  # the poller reads a few times
+    rec = meter.end(tokens=100)
+    assert (rec["alloc_gb"], rec["reserved_gb"], rec["plan_gb"]) == (7.0, 8.0, 6.5)
+    assert rec["device_used_gb"] == 24 - 9  # the dip, not the end
+    assert rec["tokens"] == 100 and row["phases"]["rollout"] is rec and saves == [1]
 
 
 def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):

@@ -266,20 +266,26 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     assert ckpt.resolve_resume("latest", tmp_path / "empty") is None
 
 
-def _counting_reward(nan_steps: set[int], per_step: int):
-    calls = itertools.count()
-    parity = eval(REWARD_SRC)
+def _nan_advantages(nan_steps: set[int]):
+    """step.group_advantages, NaN in the given steps (one call per step without dynamic
+    sampling): a non-finite loss from inside the step (a NaN reward is an error of its own)."""
+    import ibpo.step as step_mod
 
-    def reward(text, answer):
-        step = next(calls) // per_step + 1
-        return float("nan") if step in nan_steps else parity(text, answer)
+    real, calls = step_mod.group_advantages, itertools.count()
 
-    return reward
+    def advantages(rewards, scale):
+        out = real(rewards, scale)
+        return out * float("nan") if next(calls) + 1 in nan_steps else out
+
+    return advantages
 
 
-def test_nonfinite_steps_are_skipped_and_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
-    # grpo: no repairs, so the reward runs exactly B * G = 8 times a step
-    monkeypatch.setitem(REWARDS, REWARD, _counting_reward({2, 4, 5}, per_step=8))
+def test_nonfinite_steps_are_skipped_and_stop_the_run(
+    tiny_model_dir, tmp_path, monkeypatch, reward
+):
+    import ibpo.step as step_mod
+
+    monkeypatch.setattr(step_mod, "group_advantages", _nan_advantages({2, 4, 5}))
     out = tmp_path / "run"
     args = _args(
         tiny_model_dir,

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("compare", ROOT / "scripts/compare_objectives.py")
+    spec = importlib.util.spec_from_file_location("compare", ROOT / "bench/compare_objectives.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

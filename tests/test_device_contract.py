@@ -32,6 +32,7 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.rollout import Rollout
+from tests.conftest import grader_rewards
 
 DEVICE = torch.device("meta")
 G, P, EOS = 4, 3, 1
@@ -114,7 +115,9 @@ def collect(rounds, objective="ibpo", extra=()):
         ],
     )
     obj = resolve_params(cfg.objective)
-    batch = collect_batch(scripted(rounds), Tok(), Stream(), cfg, obj, reward, random.Random(0))
+    batch = collect_batch(
+        scripted(rounds), Tok(), Stream(), cfg, obj, grader_rewards(reward), random.Random(0)
+    )
     return cfg, obj, batch
 
 

@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-STAGES = ("install", "environment", "bnb_cuda", "gpu_suite", "bench_gpu")
+STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
 BNB_WHEEL = "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
 
 
@@ -69,9 +69,13 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
     assert f"carried bitsandbytes wheel: yes, {BNB_WHEEL}, CUDA libraries: cuda128" in said
     assert "--no-index --no-deps --target" in said and str(wheels / BNB_WHEEL) in said
     assert "IBPO_GPU_REPORT=" in said and "-m pytest -m gpu tests/test_gpu_e2e.py" in said
-    # bench_gpu under the 24 GiB cap, starting no size in the second half of its 300 s
-    assert "scripts/bench_gpu.py --cap-gb 24 --out" in said and "--budget-s 150" in said
-    for name in ("bnb_cuda", "bench_gpu"):
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in said  # the image's plugins stay out
+    # bench_gpu under the 23.5 GiB cap, starting no configuration in the second half of its 330 s
+    assert "bench/bench_gpu.py --cap-gb 23.5 --out" in said and "--budget-s 165" in said
+    assert "order: install -> environment -> bnb_cuda -> bench_gpu -> learning -> gpu_suite" in said
+    assert "files back in $OUT: 2 (gpu_check.json, gpu_check.log), at most 8 come back" in said
+    assert str(out / "gpu_check") not in said  # no raw files under $OUT
+    for name in ("bnb_cuda", "bench_gpu", "learning"):
         line = next(x for x in lines if x.startswith(f"stage {STAGES.index(name) + 1} {name}"))
         assert "only if the environment stage finds a CUDA device" in line
     report = _report(out)
@@ -79,7 +83,7 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
     assert report["carried"]["cuda_libraries"] == ["libbitsandbytes_cuda128.so"]
     assert [s["name"] for s in report["stages"]] == list(STAGES)
     assert all(s["status"] == "planned" and "rc" not in s for s in report["stages"])
-    assert not (out / "gpu_check" / "logs").exists()  # nothing ran
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json"]  # nothing ran
 
 
 def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
@@ -92,11 +96,13 @@ def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
     said = proc.stdout
     assert f"stage 1 install: would be skipped: no wheels in {empty}" in said
     assert "carried bitsandbytes wheel: NO" in said
-    assert "stage 5 bench_gpu: would be skipped: --skip bench_gpu" in said
-    assert "stage 4 gpu_suite: would run, timeout 100 s" in said  # capped by the budget
+    assert "stage 4 bench_gpu: would be skipped: --skip bench_gpu" in said
+    # 100 s less 30 kept back: environment 45, bnb_cuda the other 25, nothing left at worst
+    assert "stage 2 environment: would run, timeout 45 s at worst" in said
+    assert "stage 3 bnb_cuda: would run (only if" in said and "timeout 25 s at worst" in said
     stages = {s["name"]: s for s in _report(out)["stages"]}
     assert stages["install"]["status"] == "skipped" and stages["bench_gpu"]["status"] == "skipped"
-    assert stages["gpu_suite"]["timeout_s"] == 100
+    assert stages["bnb_cuda"]["timeout_s"] == 25 and stages["gpu_suite"]["timeout_s"] == 0
     # a bitsandbytes wheel without CUDA libraries is named as such
     _fake_bnb_wheel(empty, cuda=False)
     said = _run("--dry-run", "--out", out, "--wheels", empty).stdout
@@ -110,6 +116,8 @@ def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
         (["--cap-gb", "-1"], "--cap-gb must be > 0"),
         (["--skip", "nosuchstage"], "invalid choice: 'nosuchstage'"),
         (["--bench-configs", "8b"], "--bench-configs must look like 8b:1024"),
+        (["--budget-s", "300"], "cannot guarantee bench_gpu its 240 s"),
+        (["--fake-device", "H200"], "--fake-device must look like"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
 )
@@ -130,8 +138,9 @@ def test_a_failing_stage_does_not_stop_the_next(tmp_path):
     suite are skipped by --skip, to keep this test short)."""
     out, wheels = tmp_path / "out", tmp_path / "wheels"
     _fake_bnb_wheel(wheels)
+    (wheels / "pytest-9.2.0-py3-none-any.whl").write_bytes(b"")  # the image has pytest
     cuda = torch.cuda.is_available()
-    skip = ["gpu_suite", *(["bnb_cuda", "bench_gpu"] if cuda else [])]
+    skip = ["gpu_suite", *(["bnb_cuda", "bench_gpu", "learning"] if cuda else [])]
     proc = _run("--out", out, "--wheels", wheels, "--skip", *skip, timeout=240)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = _report(out)
@@ -139,15 +148,23 @@ def test_a_failing_stage_does_not_stop_the_next(tmp_path):
     assert list(stages) == list(STAGES) and report["finished"]
     assert stages["install"]["status"] == "failed" and stages["install"]["rc"] not in (0, None)
     assert "retried" not in stages["install"]  # one wheel: nothing to retry one by one
+    assert report["carried"]["not_installed"] == ["pytest-9.2.0-py3-none-any.whl"]
+    assert not any(Path(c).name.startswith("pytest-") for c in stages["install"]["command"])
     assert stages["environment"]["status"] == "ok" and stages["environment"]["rc"] == 0
     assert report["environment"]["torch"] == torch.__version__
     assert report["environment"]["cuda_available"] is cuda
-    assert Path(stages["environment"]["log"]).is_file()
+    log = out / "gpu_check.log"
+    assert Path(stages["environment"]["log"]) == log
+    assert "[environment] GPU_CHECK_ENV {" in log.read_text()  # one combined log
     assert "[environment] GPU_CHECK_ENV {" in proc.stdout  # the child's output, as it goes
+    # what comes back from $OUT: the report and the log, well under the device's 8 files
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
+    assert report["out_files"] == {"written": ["gpu_check.json", "gpu_check.log"], "max": 8}
+    assert "fallback" not in report  # no CUDA device, or bnb_cuda skipped by --skip
     assert stages["gpu_suite"]["status"] == "skipped"
     assert stages["gpu_suite"]["reason"] == "--skip gpu_suite"
     if not cuda:
-        for name in ("bnb_cuda", "bench_gpu"):
+        for name in ("bnb_cuda", "bench_gpu", "learning"):
             assert stages[name]["status"] == "skipped"
             assert stages[name]["reason"].startswith("no CUDA device"), stages[name]
     assert "install failed, environment ok" in proc.stdout
@@ -195,10 +212,10 @@ def test_a_stage_past_its_timeout_is_ended_with_its_children(tmp_path):
         "time.sleep(120)"
     )
     stage = gc.Stage("sleepy", [sys.executable, "-c", code], timeout_s=2)
-    record = gc.run_stage(stage, 2, dict(os.environ), tmp_path)
+    record = gc.run_stage(stage, 2, dict(os.environ), tmp_path / "gpu_check.log")
     assert record["status"] == "timeout" and "ended" in record["reason"]
     assert record["seconds"] < 30 and "started" in record["output_tail"]
-    assert "started" in (tmp_path / "sleepy.log").read_text()
+    assert "[sleepy] started" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_suite_outcomes_come_from_its_log_when_there_is_no_junit_file():
@@ -214,3 +231,109 @@ def test_suite_outcomes_come_from_its_log_when_there_is_no_junit_file():
         "test_b": "failed",
         "test_c": "running when the suite ended",
     }
+
+
+def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
+    """Against a fake device: the 8B recipe's own shapes (32 completions of 512 + 1024 tokens,
+    LoRA r32) with the planner's figure per phase, and the fallback's sizes without 4-bit."""
+    out = tmp_path / "out"
+    proc = _run("--dry-run", "--out", out, "--fake-device", "RTX 4090:23.6", "--cap-gb", "23.5")
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout
+    assert "fake device: RTX 4090, 23.6 GiB; torch capped at 23.5 GiB" in said
+    row = next(x for x in said.splitlines() if x.startswith("bench rows (plan): recipe:"))
+    assert "qwen3-8b, 32 completions x 512+1024 tokens, LoRA r32" in row and ": fits" in row
+    for phase in ("generation", "repair", "training", "evaluation"):
+        assert f" {phase} " in row, phase
+    fallback = next(x for x in said.splitlines() if x.startswith("fallback bench rows (plan): rec"))
+    assert "qwen3-8b does not fit the plan under 23.5 GiB" in fallback and ": fits" in fallback
+    assert "fallback if bnb_cuda fails" in said and "IBPO_GPU_QUANTIZATION=none" in said
+    report = _report(out)
+    rows = {r["config"]: r for r in report["bench_plan"]["nf4"]}
+    assert rows["recipe"]["plan_phases_gb"]["generation"] > 0 and rows["recipe"]["plan_fits"]
+    assert report["timeouts_worst_case"]["bench_gpu"] >= 240
+
+
+def test_the_budget_guarantees_the_bench_its_share():
+    gc = _module()
+    floor = (
+        gc.RESERVE_S
+        + gc.BENCH_MIN_S
+        + sum(gc.TIMEOUTS[s] for s in gc.STAGES[: gc.STAGES.index("bench_gpu")])
+    )
+    for budget in (floor, floor + 1, 540, 1000):
+        worst = gc.worst_case_timeouts(budget)
+        assert worst["bench_gpu"] >= gc.BENCH_MIN_S, (budget, worst)
+        assert sum(worst.values()) <= budget - gc.RESERVE_S
+    assert gc.STAGES.index("bench_gpu") < gc.STAGES.index("gpu_suite")  # measured first
+
+
+def test_a_failed_bnb_probe_on_a_cuda_device_switches_the_later_stages_to_bf16():
+    gc = _module()
+    report = {"environment": {"cuda_available": True}, "stages": []}
+    report["stages"].append({"name": "bnb_cuda", "status": "failed", "rc": 1})
+    gc.decide_fallback(report)
+    assert report["fallback"]["reason"] == "bnb_cuda failed (rc 1)"
+    bench = gc.with_fallback(gc.Stage("bench_gpu", ["python", "bench/bench_gpu.py"], 10))
+    suite = gc.with_fallback(gc.Stage("gpu_suite", ["python", "-m", "pytest"], 10, {"A": "1"}))
+    assert bench.command[-2:] == ["--quantization", "none"]
+    assert suite.env == {"A": "1", "IBPO_GPU_QUANTIZATION": "none"}
+    # a probe that passed, or no CUDA device at all: no fallback
+    for env, status in (({"cuda_available": True}, "ok"), ({"cuda_available": False}, "failed")):
+        report = {"environment": env, "stages": [{"name": "bnb_cuda", "status": status}]}
+        gc.decide_fallback(report)
+        assert "fallback" not in report
+
+
+def test_a_skipped_test_on_a_cuda_device_is_flagged_with_its_numbers():
+    gc = _module()
+    why = "two identical runs differ on this GPU (max |dLoRA| = 3.1e-05): an exact resume ..."
+    tests = {
+        "test_checkpoints_and_an_exact_resume": {"outcome": "skipped", "message": why},
+        "test_dynamic_sampling": {"outcome": "passed", "message": None},
+    }
+    report, record = {}, {"status": "ok"}
+    gc.flag_skips(report, record, tests, cuda=True)
+    assert record["flag"] == "1 test(s) skipped on a CUDA device: not passes"
+    assert report["flags"] == [f"gpu_suite skipped test_checkpoints_and_an_exact_resume: {why}"]
+    report, record = {}, {"status": "ok"}
+    gc.flag_skips(report, record, tests, cuda=False)  # on CPU every gpu test skips: no flag
+    assert report == {} and "flag" not in record
+
+
+def test_run_all_against_a_fake_device_falls_back_and_keeps_two_files(tmp_path):
+    """The stages' commands replaced by stand-ins: an environment that reports CUDA, a
+    bitsandbytes probe that fails. The bench and the suite then run without 4-bit (their own
+    output shows what they were given), and $OUT holds the report and the log only."""
+    gc = _module()
+    py = sys.executable
+    show = (
+        "import os, sys; print('ARGS', sys.argv[1:], 'Q', os.environ.get('IBPO_GPU_QUANTIZATION'))"
+    )
+    env_line = gc.ENV_MARK + json.dumps({"cuda_available": True, "gpu": "fake"})
+    stages = [
+        gc.Stage("environment", [py, "-c", f"print({env_line!r})"], 30),
+        gc.Stage(
+            "bnb_cuda", [py, "-c", "raise SystemExit('no kernel image')"], 30, needs_cuda=True
+        ),
+        gc.Stage("bench_gpu", [py, "-c", show, "--cap-gb", "23.5"], 30, needs_cuda=True),
+        gc.Stage("gpu_suite", [py, "-c", show], 30, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+    ]
+    out, raw = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    raw.mkdir()
+    report = {"stages": [], "environment": None}
+    rc = gc.run_all(stages, report, out, tmp_path / "site", 300, raw)
+    assert rc == 1  # bnb_cuda failed
+    done = {r["name"]: r for r in report["stages"]}
+    assert report["environment"]["cuda_available"] is True
+    assert done["bnb_cuda"]["status"] == "failed" and report["fallback"]["reason"].startswith(
+        "bnb_cuda failed"
+    )
+    assert done["bench_gpu"]["command"][-4:-2] == ["--quantization", "none"]  # then --budget-s
+    assert "'--quantization', 'none'" in done["bench_gpu"]["output_tail"]
+    assert done["gpu_suite"]["env"]["IBPO_GPU_QUANTIZATION"] == "none"
+    assert "Q none" in done["gpu_suite"]["output_tail"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
+    log = (out / "gpu_check.log").read_text()
+    assert all(f"== {s.name}:" in log for s in stages) and "[bnb_cuda] no kernel image" in log

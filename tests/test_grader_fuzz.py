@@ -26,6 +26,7 @@ from ibpo.rewards import code as code_grader
 from ibpo.rewards import errors
 from ibpo.rewards.math import math_reward
 from ibpo.sandbox import run as sandbox
+from tests.conftest import alive
 
 MODES = [m for m in sandbox.MODES if sandbox.mode_works(m)]
 CASES = 240  # programs, spread over kinds and modes
@@ -122,21 +123,6 @@ def _program(rng: random.Random, kind: str) -> str:
     return code
 
 
-def _alive(tag: str) -> list[int]:
-    found = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                named = f.read().strip() == tag
-            with open(f"/proc/{p}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if named and not zombie:
-            found.append(int(p))
-    return found
-
-
 @pytest.mark.skipif(os.name != "posix", reason="the sandbox needs POSIX")
 def test_hostile_programs_in_every_kind_and_mode():
     if not MODES:
@@ -162,9 +148,9 @@ def test_hostile_programs_in_every_kind_and_mode():
         if kind != "script" and (out["reward"] != 0.0 or passed):
             forged.append((kind, mode, completion))
     deadline = time.monotonic() + 3
-    while _alive(TAG) and time.monotonic() < deadline:
+    while alive(TAG) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = _alive(TAG)
+    left = alive(TAG)
     for pid in left:
         os.kill(pid, 9)
     failures = errors.take()

@@ -19,6 +19,7 @@ from ibpo.cli import main as cli_main
 from ibpo.hub import push as hub
 from ibpo.hub.card import license_for
 from ibpo.hub.push import HubError, build_model_card, check_repo_id, prepare_upload, push
+from ibpo.rewards import REWARDS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 FAKE_TOKEN = "hf_" + "FakeTokenForTests" * 2  # the shape of a real token, 37 characters
@@ -51,12 +52,12 @@ def run(tiny_model_dir, tmp_path_factory):
         ],
     )
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
-    trainer.REWARDS["alternating"] = lambda text, answer: float(next(calls) % 2)
+    REWARDS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
         cfg.objective.reward = "alternating"
         trainer.train(cfg)
     finally:
-        del trainer.REWARDS["alternating"]
+        del REWARDS["alternating"]
     if not list(out.glob("plots/*.png")):  # the trainer may write plots itself
         (out / "plots").mkdir(exist_ok=True)
         (out / "plots" / "reward.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))

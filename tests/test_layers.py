@@ -6,15 +6,20 @@ Layers, bottom to top (a module imports only from its own layer or below):
   core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
                               distributed, repair, sizes (shapes and byte counts, which the
                               planner and the vLLM engine share), quiet (third-party noise
-                              filters), rewards/, sandbox/
+                              filters), catalog (the packaged recipes), rewards/, sandbox/
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
-  top                         trainer (the run around the step), cli
+  top                         trainer (the run around the step), api (ibpo.train), cli
 
 Satellites do not import each other except where an arrow says so below (the Hub card shows
 evaluation rows and checkpoint facts). The graph is read from the source with `ast`, so a
 module-level import and one inside a function count alike; an import is allowed inside a
-function only for heavy optional dependencies, never for a module of this package.
+function only for heavy optional dependencies, never for a module of this package, with one
+exception (LAZY): the package's `__getattr__` imports the API on first use of `ibpo.train`, so
+that `import ibpo` (which every `import ibpo.<module>` runs first) stays light.
+function only for heavy optional dependencies, never for a module of this package. Outside the
+package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
+benchmark's docstring and a call of ibpo/evaluation/cli.py.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ LAYERS = {
     "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
     "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2,
+    "quiet": 2, "catalog": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
-    "trainer": 5, "cli": 5,
+    "trainer": 5, "api": 5, "cli": 5,
 }  # fmt: skip
+# (module, what it may import inside a function): the package's lazy face only
+LAZY = {("ibpo", "ibpo.api")}
 # satellite -> the satellites it may import
 SATELLITE_ARROWS = {"hub": {"evaluation", "run"}, "run": set(), "plan": set(), "evaluation": set()}
 
@@ -78,7 +85,7 @@ def graph() -> tuple[dict[str, set[str]], list[str]]:
         for target, in_function in imports(path, known):
             if target != name and target in known:
                 edges[name].add(target)
-            if in_function:
+            if in_function and (name, target) not in LAZY:
                 local.append(f"{name} imports {target} inside a function")
     return edges, local
 
@@ -156,3 +163,50 @@ def test_the_graph_reader_sees_what_it_must():
         path.write_text(src)
         found = imports(path, {"ibpo.run.checkpoint", "ibpo.plan.fit", "ibpo.step"})
     assert found == [("ibpo.run.checkpoint", False), ("ibpo.plan.fit", True)]
+
+
+def test_import_ibpo_stays_light():
+    """`import ibpo` loads no torch (the sandbox's child and the config tools import
+    ibpo.<module>, which runs the package's __init__ first); `ibpo.train` is there on use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ibpo; assert 'torch' not in sys.modules, 'torch loaded'; "
+        "assert 'ibpo.api' not in sys.modules; f = ibpo.train; "
+        "assert 'ibpo.api' in sys.modules and callable(f); print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent
+    )
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_never_imports_the_measurement_or_script_folders():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        outside = {n for n in _imported_names(path) if n.split(".")[0] in ("bench", "scripts")}
+        assert not outside, f"{path.relative_to(PACKAGE.parent)} imports {sorted(outside)}"
+
+
+def test_each_eval_script_is_one_benchmark_and_a_call_of_the_evaluation_cli():
+    from ibpo.evaluation.benchmarks import BENCHMARKS
+
+    scripts = PACKAGE.parent / "scripts"
+    shims = {p.stem.removeprefix("eval_"): p for p in scripts.glob("eval_*.py")}
+    assert set(shims) == set(BENCHMARKS)
+    for name, path in shims.items():
+        tree = ast.parse(path.read_text())
+        assert _imported_names(path) == {"sys", "ibpo.evaluation.cli"}, path.name
+        assert f'benchmark="{name}"' in path.read_text(), path.name
+        code = [n for n in tree.body if not isinstance(n, ast.Expr)]  # all but the docstring
+        assert len(code) <= 4, f"{path.name}: a shim holds imports, run() and its __main__ only"

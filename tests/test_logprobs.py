@@ -226,7 +226,7 @@ def test_no_grad_and_empty_selections(policy):
 
 def _bench():
     spec = importlib.util.spec_from_file_location(
-        "bench_logprobs", ROOT / "scripts/bench_logprobs.py"
+        "bench_logprobs", ROOT / "bench/bench_logprobs.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -255,7 +255,7 @@ def test_fused_memory_is_one_fp32_chunk_and_nothing_of_it_is_kept(dtype):
 def test_bench_logprobs_smoke():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/bench_logprobs.py"), "--smoke"],
+        [sys.executable, str(ROOT / "bench/bench_logprobs.py"), "--smoke"],
         capture_output=True,
         text=True,
         env=env,

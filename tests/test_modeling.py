@@ -333,7 +333,7 @@ def test_offload_activations_needs_checkpointing():
 
 def _peak_bytes(fn):
     """(fn's result, peak live tensor bytes while it ran) on the CPU."""
-    from scripts.memtrack import LiveTensorBytes
+    from bench.memtrack import LiveTensorBytes
 
     with LiveTensorBytes() as live:
         out = fn()

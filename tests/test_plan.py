@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.memtrack import LiveTensorBytes
 from ibpo import sizes
 from ibpo.cli import main
 from ibpo.config import ConfigError, load_config
 from ibpo.plan import fit as plan
 from ibpo.plan import phases
-from scripts.memtrack import LiveTensorBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -356,7 +356,7 @@ def test_bench_gpu_smoke_runs_on_cpu():
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts/bench_gpu.py"),
+            str(ROOT / "bench/bench_gpu.py"),
             "--smoke",
             "--set",
             "model.offload_activations=true",
@@ -387,7 +387,7 @@ PUBLISHED = {"Qwen/Qwen3-0.6B": (0.6, 0.44), "Qwen/Qwen3-1.7B": (1.7, 1.4),
 def test_known_architectures_match_published_configs_and_totals():
     table = sizes.KNOWN_ARCHITECTURES
     assert set(table) == set(PUBLISHED)
-    # the independent transcriptions above (and in scripts/bench_gpu.py before it imported this)
+    # the independent transcriptions above (and in bench/bench_gpu.py before it imported this)
     assert table["Qwen/Qwen3-8B"] == QWEN3_8B
     assert table["Qwen/Qwen3-4B"] == QWEN3_4B
     assert table["Qwen/Qwen3-1.7B"] == QWEN3_1_7B

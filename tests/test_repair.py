@@ -14,6 +14,7 @@ from ibpo.advantages import (
     token_advantages,
 )
 from ibpo.config import DataConfig, RepairConfig
+from ibpo.data import Example
 from ibpo.repair import (
     edit_masks,
     fill_template,
@@ -22,6 +23,7 @@ from ibpo.repair import (
     run_repairs,
 )
 from ibpo.rollout import Rollout
+from tests.conftest import grader_rewards
 
 # --- shaping ----------------------------------------------------------------------------------
 
@@ -220,11 +222,10 @@ def test_run_repairs_batches_grades_and_masks():
     out = run_repairs(
         fake_generate,
         _Tok(),
-        ["3 + 4"],
+        [Example("3 + 4", "37")],
         rollout,
         rewards,
-        ["37"],
-        _reward,
+        grader_rewards(_reward),
         rep,
         DataConfig(),
         gen,

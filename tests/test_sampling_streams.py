@@ -13,6 +13,7 @@ from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
 from ibpo.rollout import SamplingStreams, hf_generator, sampling_stream, stream_seed
 from ibpo.step import collect_batch
+from tests.conftest import grader_rewards
 
 CPU = torch.device("cpu")
 KEY = (0, 0, 5, "rollout", 0)
@@ -87,11 +88,11 @@ def _two_steps(model_dir, objective: str, streams: bool) -> tuple[list[list[str]
     stream = PromptStream(builtin_examples("arithmetic", "train")[:2] * 2, seed=0, shuffle=False)
     calls = itertools.count()
     reward = lambda text, answer: float(next(calls) % 2)  # noqa: E731  half of each group right
-    texts, repairs = [], 0.0
+    texts, repairs, rewards = [], 0.0, grader_rewards(reward)
     state = torch.get_rng_state()
     for step in range(2):
         batch = collect_batch(
-            hf_generator(model), tok, stream, cfg, resolve_params(cfg.objective), reward,
+            hf_generator(model), tok, stream, cfg, resolve_params(cfg.objective), rewards,
             random.Random(0), SamplingStreams(CPU, cfg.train.seed, 0, step) if streams else None,
         )  # fmt: skip
         texts.append(batch.rollout.texts)

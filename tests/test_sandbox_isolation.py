@@ -14,6 +14,7 @@ import pytest
 from ibpo.sandbox import memory
 from ibpo.sandbox import run as sandbox
 from ibpo.sandbox.run import Limits, TestCase
+from tests.conftest import alive
 
 FS_MODES = [
     pytest.param(
@@ -172,22 +173,6 @@ ALL_MODES = [
 ]
 
 
-def _alive(tag: str) -> list[int]:
-    """Live (not zombie) processes named `tag`."""
-    found = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/comm") as f:
-                named = f.read().strip() == tag
-            with open(f"/proc/{p}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if named and not zombie:
-            found.append(int(p))
-    return found
-
-
 def _daemon(tag: str) -> str:
     # Leaves the test's session and process group, renamed so the host can find it.
     return (
@@ -204,9 +189,9 @@ def _daemon(tag: str) -> str:
 
 def _assert_gone(tag: str) -> None:
     deadline = time.monotonic() + 2
-    while _alive(tag) and time.monotonic() < deadline:
+    while alive(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _alive(tag)
+    left = alive(tag)
     for pid in left:  # never leave one behind, even when the check fails
         os.kill(pid, 9)
     assert not left, f"{len(left)} process(es) outlived the test"

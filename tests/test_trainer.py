@@ -12,6 +12,7 @@ from ibpo.config import load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.objectives import resolve_params
+from ibpo.rewards import REWARDS
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer, train
 
@@ -68,15 +69,14 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     # force a learning signal: rewards from the grader are mostly 0 on a random model
-    import ibpo.trainer as trainer_mod
 
     calls = iter(range(10_000))
-    trainer_mod.REWARDS["alternating"] = lambda text, ans: float(next(calls) % 2)
+    REWARDS["alternating"] = lambda text, ans: float(next(calls) % 2)
     try:
         cfg.objective.reward = "alternating"
         m = _step(model, tok, opt, sched, acc, cfg)
     finally:
-        del trainer_mod.REWARDS["alternating"]
+        del REWARDS["alternating"]
     after = model.state_dict()
     # compare bytes: packed 4-bit weights stored as float32 may contain NaN bit patterns
     changed = [n for n in before if not torch.equal(_bytes(before[n]), _bytes(after[n]))]
@@ -95,7 +95,6 @@ BATCHINGS = (["train.micro_batch_groups=4"], ["train.micro_batch_groups=1"],
 def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[GradRecorder]:
     """One step per batching of BATCHINGS, same seed and rewards; each step's recorder (and its
     metrics appended to `metrics`)."""
-    import ibpo.trainer as trainer_mod
 
     recorders = []
     for batching in BATCHINGS:
@@ -103,7 +102,7 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[Gra
         opt = GradRecorder([p for p in model.parameters() if p.requires_grad], lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         counter = iter(range(10_000))
-        trainer_mod.REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
+        REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
         cfg.objective.reward = "alternating"
         try:
             torch.manual_seed(5)
@@ -111,7 +110,7 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[Gra
             if metrics is not None:
                 metrics.append(m)
         finally:
-            del trainer_mod.REWARDS["alternating"]
+            del REWARDS["alternating"]
         recorders.append(opt)
     return recorders
 

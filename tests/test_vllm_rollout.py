@@ -349,7 +349,7 @@ def test_benchmark_evaluation_on_vllm_equals_hf(fake_vllm, tiny_model_dir, tmp_p
 
 
 def test_bench_vllm_smoke_through_the_stand_in():
-    """scripts/bench_vllm.py (the checks a real engine needs) runs end to end on the stand-in,
+    """bench/bench_vllm.py (the checks a real engine needs) runs end to end on the stand-in,
     and its checks hold there: adapter served, the same after sleep / wake, greedy agreement."""
     import json
     import os
@@ -357,7 +357,7 @@ def test_bench_vllm_smoke_through_the_stand_in():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": FAKE, "HF_HUB_OFFLINE": "1"}
-    script = str(root / "scripts" / "bench_vllm.py")
+    script = str(root / "bench" / "bench_vllm.py")
     proc = subprocess.run(
         [sys.executable, script, "--smoke"],
         capture_output=True,

@@ -21,6 +21,7 @@ import torch
 
 from ibpo.config import ConfigError
 from ibpo.embedded import EMBEDDED_NAME
+from ibpo.evaluation.adapter import fill_from_adapter
 from ibpo.evaluation.benchmarks import BENCHMARKS, grader, load_problems
 from ibpo.evaluation.evaluate import (
     SAMPLE_SEEDS,
@@ -160,14 +161,18 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     if benchmark is None:
         p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
     add = p.add_argument
-    add("--model", default=EMBEDDED_NAME, help="Hub id, local folder, or the embedded default")
+    add(
+        "--model",
+        help="Hub id or local folder (default: the base the --adapter was trained on, else the "
+        f"embedded {EMBEDDED_NAME})",
+    )
     add("--model-revision", help="model commit/branch on the Hub")
     add("--adapter", help="LoRA adapter: local folder or Hub id (loaded on top, never merged)")
     add(
         "--quantization",
         choices=["nf4", "none"],
-        default="none",
-        help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype",
+        help="nf4: 4-bit base as in QLoRA training; none: the base in --dtype (default: as the "
+        "--adapter's run recipe records, else none)",
     )
     add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add("--backend", choices=["hf", "vllm"], default="hf")
@@ -222,6 +227,9 @@ def evaluate(args) -> dict:
 
     bench = BENCHMARKS[args.benchmark]
     grade, extract = grader(bench)
+    for note in fill_from_adapter(args):  # --model/--quantization not given: the adapter's
+        print(f"eval: {note}", file=sys.stderr)
+    args.model = args.model or EMBEDDED_NAME
     if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ConfigError("--n, --batch-size and --max-new-tokens must be >= 1")
     start = time.time()
@@ -270,6 +278,8 @@ def evaluate(args) -> dict:
     wall = round(time.time() - start, 1)
     summary = {**fingerprint, **metrics, "wall_seconds": wall}
     summary["output_dir"] = str(out_dir)
+    if args.adapter and Path(args.adapter).is_dir():  # how `ibpo push` finds this evaluation
+        summary["adapter_path"] = str(Path(args.adapter).resolve())
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "results.md").write_text(markdown_row(summary, header=True))
     return summary

@@ -51,8 +51,9 @@ from pathlib import Path
 import torch
 
 from ibpo.config import ConfigError, DataConfig
-from ibpo.data import Example, render_prompt
+from ibpo.data import Example, render_example, render_prompt
 from ibpo.rewards import errors as grader_errors
+from ibpo.rewards.functions import RewardSet, grade
 from ibpo.rewards.math import answers_match, as_graded
 from ibpo.rollout import Generator
 
@@ -76,21 +77,22 @@ def evaluate_accuracy(
     tokenizer,
     examples: list[Example],
     data_cfg: DataConfig,
-    reward_fn: Callable[[str, str], float],
+    rewards: RewardSet,
     max_new_tokens: int,
     batch_size: int,
     accelerator=None,
 ) -> dict[str, float]:
-    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length}."""
+    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length}.
+    A completion is correct when the run's weighted reward (rewards/functions.py) is >= 1."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     shard = examples[rank::world]
     correct = tokens = 0.0
     for s in range(0, len(shard), batch_size):
         batch = shard[s : s + batch_size]
-        prompts = [render_prompt(tokenizer, ex.question, data_cfg) for ex in batch]
+        prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
-        graded = [as_graded(p, t) for p, t in zip(prompts, out.texts)]
-        correct += sum(reward_fn(t, ex.answer) == 1.0 for t, ex in zip(graded, batch))
+        totals, _ = grade(rewards, batch, prompts, out.texts, out.host_tokens())
+        correct += sum(t >= 1.0 for t in totals)
         tokens += float(sum(out.lengths))
     totals = torch.tensor([correct, tokens, float(len(shard))], device="cpu")
     if accelerator is not None and world > 1:

@@ -7,7 +7,8 @@ datasets, and the adapter's `ibpo eval` results as `model-index` EvalResults, wh
 as evaluation results), dumped, parsed back and checked by huggingface_hub. The body says what the
 adapter is, the objective and its paper, the recipe (credential-like keys dropped and absolute
 local paths hidden by `scrub`), training metrics, the evaluation table (results found under
-`<output_dir>/eval*/` or given explicitly) and a usage snippet. Also the repo-id rule
+`<output_dir>/eval*/`, those `ibpo eval` wrote for this adapter at its default place
+outputs/eval/, or given explicitly) and a usage snippet. Also the repo-id rule
 (`check_repo_id`) and `HubError`.
 
 Not here: staging the upload and talking to the Hub (push.py). The card is never sent to the Hub's
@@ -247,6 +248,25 @@ def find_eval_results(output_dir: Path, eval_dirs=()) -> list[Path]:
     return sorted({p.parent for p in found})
 
 
+def evaluations_of(adapter: Path, run: Path | None) -> set[Path]:
+    """`ibpo eval` folders at their default place (outputs/eval/ under the current folder, and
+    eval/ beside the run folder, i.e. outputs/eval/ for a run in outputs/) that evaluated this
+    adapter: their summary's adapter_path, or for a summary written before that field its
+    --adapter taken from where `ibpo eval` ran (the folder holding outputs/)."""
+    target, places = Path(adapter).resolve(), {Path.cwd() / "outputs" / "eval"}
+    if run is not None:
+        places.add(Path(run).resolve().parent / "eval")
+    found = set()
+    for summary in sorted(s for place in places for s in place.glob("*/summary.json")):
+        s = _read_json(summary)
+        path = s.get("adapter_path")
+        if path is None and isinstance(s.get("adapter"), str):
+            path = summary.parents[3] / s["adapter"]  # <cwd>/outputs/eval/<name>/summary.json
+        if isinstance(path, str | Path) and Path(path).resolve() == target:
+            found.add(summary.parent)
+    return found
+
+
 def _eval_results(s: dict) -> list:
     """One `ibpo eval` summary as model-index entries: avg@n as accuracy, every pass@k, maj@n.
     The dataset is the benchmark's Hub id (with its config, split and revision), or for a local
@@ -419,8 +439,12 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     training = _training_lines(summary, metrics, loc["step"])
     plots = [f"![{p.stem}](plots/{p.name})" for p in plot_files(loc)]
     training += [*plots, ""] if plots else []
-    evaluation, results = _evaluations(find_eval_results(loc["run"] or loc["adapter"], eval_dirs))
+    folders = set(find_eval_results(loc["run"] or loc["adapter"], eval_dirs))
+    folders |= evaluations_of(loc["adapter"], loc["run"])  # `ibpo eval`'s default place
+    evaluation, results = _evaluations(sorted(folders))
     reward, title = cfg.get("objective", {}).get("reward", "math"), repo_id.split("/")[1]
+    # the card's example evaluation: code for a run graded (also) by the code reward
+    rewards = [reward] if isinstance(reward, str) else list(reward)
     body = CARD.format(
         title=title,
         intro=_intro(name, base_id, base_model, cfg, license, loc["step"]),
@@ -430,7 +454,7 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
         base=base_id or "<base model>",
         repo_id=repo_id,
         eval_model=name if name == EMBEDDED_NAME or not base_id else base_id,
-        benchmark="humaneval" if reward == "code" else "math500",
+        benchmark="humaneval" if "code" in rewards else "math500",
         recipe=RECIPE.format(config=yaml.safe_dump(cfg, sort_keys=False)) if cfg else "",
     )
     # ModelCard parses the front matter back (ModelCardData checks the model-index) and writes it.

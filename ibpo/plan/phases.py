@@ -11,7 +11,7 @@ counting the tensors the package's own code path holds:
 Weights, LoRA and KV-cache bytes are exact (tests/test_plan.py checks them against bitsandbytes,
 PEFT and a transformers cache). Activation terms come from reading what the decoder layer,
 PEFT's LoRA forward and logprobs.py keep, and are checked on CPU against live-tensor accounting;
-the CUDA kernels and allocator are what scripts/bench_gpu.py measures. Bytes here (fit.py
+the CUDA kernels and allocator are what bench/bench_gpu.py measures. Bytes here (fit.py
 reports GiB). Worst case throughout: every prompt at data.max_prompt_tokens, every completion at
 full length, paged optimizer state resident.
 

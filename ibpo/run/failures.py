@@ -6,6 +6,7 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
 * `exit_code`: how `ibpo train` exits, by how the run ended (summary.json's status and
   exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
   of memory 3, non-finite steps 4, rollout mismatch over rollout.mismatch_stop_kl 5 (run/alarm.py),
+  reward function that failed (raised, or returned what is not one number per completion) 6,
   interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
 * `StoppedEarly`: Ctrl-C before the loop (loading, the first held-out evaluation): one line.
 
@@ -32,6 +33,7 @@ EXIT_CODES = {
     "out_of_memory": 3,
     "nonfinite": 4,
     "mismatch": 5,
+    "reward_failed": 6,
     "interrupted": 130,
 }
 
@@ -166,12 +168,28 @@ def save_failed_message(error: OSError, last: Path | None) -> str:
     )
 
 
+def reward_failed_message(
+    error: Exception, where: str, done: int, last: Path | None, saved: bool
+) -> str:
+    """A reward function failed `where` (a step, or an evaluation) after `done` steps: the error
+    names the function; `saved`: the checkpoint `last` holds those steps."""
+    kept = (
+        f"The {done} steps done are saved: {last}."
+        if saved
+        else (f"The last checkpoint is {last}." if last else "No checkpoint was saved yet.")
+    )
+    return (
+        f"{error} ({where})\n  {kept} Fix the function, then resume with "
+        "run.resume_from=latest (the failed step's prompts are not trained on)."
+    )
+
+
 def nonfinite_message(state: TrainerState, last: Path | None) -> str:
     first = state.step - state.nonfinite_streak + 1
     return (
         f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
-        "non-finite loss or gradient and were skipped.\n  Likely causes: a reward returning "
-        "NaN/inf, a learning rate too high, float16 overflow (use model.dtype=bfloat16 or "
-        f"float32). Checkpoint: {last}. Raise train.max_nonfinite_steps (0 = never stop) to "
-        "carry on skipping."
+        "non-finite loss or gradient and were skipped.\n  Likely causes: a learning rate too "
+        "high, float16 overflow (use model.dtype=bfloat16 or float32); a NaN or inf reward is "
+        f"an error of its own (reward_failed). Checkpoint: {last}. Raise "
+        "train.max_nonfinite_steps (0 = never stop) to carry on skipping."
     )

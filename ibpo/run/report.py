@@ -11,7 +11,7 @@ last line (killed mid-write) is dropped, and a step logged twice (a resume that 
 keeps its last occurrence. A panel or a table line whose metric was never logged is left out.
 
 Not here: live dashboards (Accelerate's trackers: tensorboard, wandb, trackio), comparisons across
-runs (scripts/compare_objectives.py), any change to a run's files other than `plots/`.
+runs (bench/compare_objectives.py), any change to a run's files other than `plots/`.
 """
 
 from __future__ import annotations

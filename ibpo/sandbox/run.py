@@ -72,7 +72,7 @@ process of the test where cgroups allow (memory.py); every result states it (`me
   Not a sandbox for RL-written code: training with the code reward refuses it unless asked
   (rewards/code.py, training_sandbox).
 
-Cost (scripts/bench_graders.py, 2 shared cores): a stdin, call or script test takes 12-18 ms of
+Cost (bench/bench_graders.py, 2 shared cores): a stdin, call or script test takes 12-18 ms of
 CPU in the child and ~1.5 ms here, in every mode; a check test 21-22 ms (two processes). Starting a
 test inside a cgroup-v1 memory group adds ~2 ms of CPU and 5-15 ms of wall time.
 

@@ -1,6 +1,6 @@
 """Greedy generation time of the embedded model per compute dtype (why `auto` is fp32 on CPU).
 
-Usage: HF_HUB_OFFLINE=1 python scripts/bench_cpu_dtype.py [--sequences 64] [--new-tokens 16]
+Usage: HF_HUB_OFFLINE=1 python bench/bench_cpu_dtype.py [--sequences 64] [--new-tokens 16]
 Prints seconds per dtype and the bf16 / fp32 ratio, both measured in this run.
 """
 

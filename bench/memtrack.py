@@ -1,6 +1,6 @@
 """Peak live tensor bytes on CPU: the counterpart of torch.cuda.max_memory_allocated.
 
-Used by the benchmarks (scripts/bench_logprobs.py) and by the tests that check the memory planner
+Used by the benchmarks (bench/bench_logprobs.py) and by the tests that check the memory planner
 and the log-prob head against what really stays alive. It counts tensor storage as ops return it,
 so it sees forward, checkpoint recomputation and backward alike; it does not see buffers a kernel
 allocates and frees inside itself, nor the allocator's own overhead (RSS measures those).

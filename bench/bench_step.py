@@ -1,8 +1,8 @@
 """Where the time of an RL step goes: per-phase seconds, tokens/s and peak memory of any recipe.
 
-    python scripts/bench_step.py recipes/smollm2_135m/arithmetic_ibpo_cpu.yaml --steps 3
-    python scripts/bench_step.py objective.name=grpo rollout.max_new_tokens=64 --steps 5
-    python scripts/bench_step.py --smoke --model PATH       # tiny 1-step check (CI)
+    python bench/bench_step.py recipes/smollm2_135m/arithmetic_ibpo_cpu.yaml --steps 3
+    python bench/bench_step.py objective.name=grpo rollout.max_new_tokens=64 --steps 5
+    python bench/bench_step.py --smoke --model PATH       # tiny 1-step check (CI)
     (--cpu keeps a CUDA machine's run on the CPU; the device is Accelerate's choice otherwise)
 
 The steps are the package's own: the model, optimizer, scheduler and prompt stream are built as

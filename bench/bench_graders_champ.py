@@ -1,7 +1,7 @@
 r"""Check the math grader on the gold answers of CHAMP (270 competition problems, MIT licence).
 
     pip install champ-dataset   # a measurement aid only, not a dependency of ibpo
-    python scripts/bench_graders_champ.py [-v]
+    python bench/bench_graders_champ.py [-v]
 
 Three counts over the gold answers:
   self       `\boxed{gold}` against the gold: must be accepted;

@@ -1,8 +1,8 @@
 """Rollout-vs-trainer mismatch of each CPU generation path, on the embedded SmolLM2-135M.
 
-    python scripts/bench_mismatch.py                 # 3 steps per path
-    python scripts/bench_mismatch.py --steps 5 train.learning_rate=1e-3
-    python scripts/bench_mismatch.py --smoke --model PATH   # tiny 1-step check (CI)
+    python bench/bench_mismatch.py                 # 3 steps per path
+    python bench/bench_mismatch.py --steps 5 train.learning_rate=1e-3
+    python bench/bench_mismatch.py --smoke --model PATH   # tiny 1-step check (CI)
 
 Each path trains the default demo recipe for a few steps (`ibpo.trainer.train`, no held-out
 evaluation) and reads the per-step mismatch metrics (ibpo/mismatch.py) from metrics.jsonl:

@@ -1,10 +1,10 @@
 """Step time and peak memory of ibpo against TRL's GRPOTrainer, same model, data and budget, CPU.
 
-    HF_HUB_OFFLINE=1 python scripts/bench_vs_trl.py                 # SmolLM2-135M, G=8, 64 tokens
-    HF_HUB_OFFLINE=1 python scripts/bench_vs_trl.py --steps 5 --rounds 3
-    HF_HUB_OFFLINE=1 python scripts/bench_vs_trl.py train.logprob_chunk_tokens=256  # ibpo knob
-    HF_HUB_OFFLINE=1 python scripts/bench_vs_trl.py --smoke --model PATH   # tiny check
-    HF_HUB_OFFLINE=1 python scripts/bench_vs_trl.py --smoke --in-process --model PATH   # CI
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py                 # SmolLM2-135M, G=8, 64 tokens
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --steps 5 --rounds 3
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py train.logprob_chunk_tokens=256  # ibpo knob
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --smoke --model PATH   # tiny check
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --smoke --in-process --model PATH   # CI
 
 Needs TRL (`pip install ibpo[bench]`). Runs alternate trl, ibpo, trl, ibpo, ... (`--rounds` pairs),
 each in a fresh process, so every run's peak memory is its own and a drift of the machine's speed

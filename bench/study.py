@@ -1,9 +1,9 @@
 """The objective study: does IBPO learn better than the GRPO family? (issue 21)
 
-    python scripts/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
-    python scripts/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
-    python scripts/study.py --report-only                   # rebuild study.json/.md/.png
-    python scripts/study.py --smoke --model PATH            # tiny 2-step check (CI)
+    python bench/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
+    python bench/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
+    python bench/study.py --report-only                   # rebuild study.json/.md/.png
+    python bench/study.py --smoke --model PATH            # tiny 2-step check (CI)
 
 Defaults (each a command-line option, passed to every run as an override): the embedded
 SmolLM2-135M-Instruct + LoRA with an fp32 base (model.quantization=none: bitsandbytes' CPU 4-bit
@@ -41,8 +41,9 @@ per-seed differences with an exact sign test and a bootstrap interval; accuracy 
 generated tokens; whether IBPO's edit mask acted; the sweep; the command lines, each run's exact
 one in study.json) and accuracy.png, dynamics.png (sweep.png after
 a sweep). It does not choose the learning rate (read the sweep and pass --lr), judges a
-difference significant only when its paired t 95% interval excludes 0 (`significant`), and needs
-no scipy (math, statistics, random).
+difference significant only when its paired t 95% interval excludes 0 (`significant`). The t
+quantile and the F-test come from scipy.stats (`pip install 'ibpo[study]'`); the exact sign test
+and the bootstrap are written here (math, random).
 """
 
 from __future__ import annotations
@@ -294,20 +295,20 @@ def run_all(runs: list[Run], workers: int, in_process: bool, threads: int) -> di
     return outcomes
 
 
-# --- statistics (pure Python) --------------------------------------------------------------------
+# --- statistics (scipy's distributions: `pip install 'ibpo[study]'`) -----------------------------
 
-# Student's t, two-sided 95%, for 1..10 degrees of freedom; above that a Cornish-Fisher expansion
-# around the normal quantile is within 1e-3.
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+def _stats():
+    try:
+        from scipy import stats
+    except ImportError:
+        sys.exit("study.py: the report's statistics need scipy. Fix: pip install 'ibpo[study]'")
+    return stats
 
 
 def t_critical(df: int) -> float:
-    if df < 1:
-        return math.nan
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = statistics.NormalDist().inv_cdf(0.975)
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    """Student's t two-sided 95% quantile with df degrees of freedom; NaN below 1."""
+    return float(_stats().t.ppf(0.975, df)) if df >= 1 else math.nan
 
 
 def sd(values: list[float]) -> float:
@@ -324,44 +325,10 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def _beta_fraction(x: float, a: float, b: float) -> float:
-    """The continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1 + num * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1) < 1e-14:
-            break
-    return h
-
-
-def incomplete_beta(x: float, a: float, b: float) -> float:
-    """The regularized incomplete beta function I_x(a, b)."""
-    if x <= 0 or x >= 1:
-        return 0.0 if x <= 0 else 1.0
-    log_front = (
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x <= (a + 1) / (a + b + 2):
-        return math.exp(log_front) * _beta_fraction(x, a, b) / a
-    return 1 - incomplete_beta(1 - x, b, a)
-
-
 def f_test_greater(sd_a: float, n_a: int, sd_b: float, n_b: int) -> float:
     """One-sided p that sample a's variance exceeds sample b's only by chance: P(F > s_a^2/s_b^2)
     with (n_a - 1, n_b - 1) degrees of freedom (normal samples)."""
-    d1, d2 = n_a - 1, n_b - 1
-    f = (sd_a / sd_b) ** 2
-    return incomplete_beta(d2 / (d2 + d1 * f), d2 / 2, d1 / 2)
+    return float(_stats().f.sf((sd_a / sd_b) ** 2, n_a - 1, n_b - 1))
 
 
 def sign_test(diffs: list[float]) -> float:

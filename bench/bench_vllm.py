@@ -17,9 +17,9 @@ loaded as 4-bit NF4 + LoRA, with a random non-zero adapter. It reports:
 One JSON line at the end (also written to --out).
 
 On a CUDA machine with vLLM (pip install 'ibpo[vllm]'):
-  python scripts/bench_vllm.py --arch 1.7b --new-tokens 1024 --out bench_vllm.json
+  python bench/bench_vllm.py --arch 1.7b --new-tokens 1024 --out bench_vllm.json
 CPU smoke run through the tests' stand-in (a tiny model, seconds):
-  PYTHONPATH=tests/fake_vllm python scripts/bench_vllm.py --smoke
+  PYTHONPATH=tests/fake_vllm python bench/bench_vllm.py --smoke
 """
 
 from __future__ import annotations

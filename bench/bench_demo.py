@@ -1,9 +1,9 @@
 """The default `ibpo train` (the embedded CPU demo) over several seeds: wall time, held-out accuracy
 before and after, entropy and KL, as a new user would see them.
 
-    HF_HUB_OFFLINE=1 python scripts/bench_demo.py                      # seeds 0, 1, 2
-    HF_HUB_OFFLINE=1 python scripts/bench_demo.py --seeds 0,1,2,3,4 train.learning_rate=2e-4
-    HF_HUB_OFFLINE=1 python scripts/bench_demo.py --smoke --model PATH   # tiny check (CI)
+    HF_HUB_OFFLINE=1 python bench/bench_demo.py                      # seeds 0, 1, 2
+    HF_HUB_OFFLINE=1 python bench/bench_demo.py --seeds 0,1,2,3,4 train.learning_rate=2e-4
+    HF_HUB_OFFLINE=1 python bench/bench_demo.py --smoke --model PATH   # tiny check (CI)
 
 Each seed runs `ibpo train train.seed=S [overrides]` in a fresh process, exactly as README command 1
 runs it (the embedded model must already be cached: a first run converts it, and that time is not

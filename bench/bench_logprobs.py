@@ -1,8 +1,8 @@
 """Peak memory and time of the completion log-prob path: full logits vs the chunked lm_head.
 
-    python scripts/bench_logprobs.py             # memory at vocab 151,936 x 4,096 tokens, speed
-    python scripts/bench_logprobs.py --smoke     # tiny sizes, seconds (CI)
-    python scripts/bench_logprobs.py --only speed --repeats 5
+    python bench/bench_logprobs.py             # memory at vocab 151,936 x 4,096 tokens, speed
+    python bench/bench_logprobs.py --smoke     # tiny sizes, seconds (CI)
+    python bench/bench_logprobs.py --only speed --repeats 5
     (on a CUDA machine the GPU is used, in bf16 unless --dtype says otherwise; --cpu keeps the CPU)
 
 Memory: forward + backward of sum(w * logp) into the LoRA adapters of a small Qwen3 built from a
@@ -52,8 +52,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts.memtrack, run uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.memtrack, run uninstalled
 
+from bench.memtrack import LiveTensorBytes  # noqa: E402
 from ibpo.logprobs import (  # noqa: E402
     checkpointed_head_logprobs,
     completion_hidden,
@@ -63,7 +64,6 @@ from ibpo.logprobs import (  # noqa: E402
     naive_completion_logprobs,
     unwrap,
 )
-from scripts.memtrack import LiveTensorBytes  # noqa: E402
 
 MEMORY = dict(vocab=151_936, hidden=128, sequences=4, tokens=1024, prompt=16, chunk=1024)
 SPEED = dict(vocab=49_152, hidden=576, tokens=1024, chunk=1024)

@@ -15,9 +15,9 @@ Templates (all user turns, as repair.template):
 
 Not here: training, or choosing a default (docs/repairs.md records what a measurement chose).
 
-    python scripts/bench_repairs.py                 # embedded model, default grid
-    python scripts/bench_repairs.py --model DIR --seeds 0 1 2
-    python scripts/bench_repairs.py --quick --model TINY_DIR   # smoke run
+    python bench/bench_repairs.py                 # embedded model, default grid
+    python bench/bench_repairs.py --model DIR --seeds 0 1 2
+    python bench/bench_repairs.py --quick --model TINY_DIR   # smoke run
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import torch
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
 from ibpo.data import builtin_examples, render_prompt
 from ibpo.repair import run_repairs
-from ibpo.rewards import REWARDS
-from ibpo.rewards.math import as_graded
+from ibpo.rewards.functions import grade, reward_set
 from ibpo.rollout import hf_generator
 
 TEMPLATES = {
@@ -93,7 +92,7 @@ def load(model_dir: str | None):
 
 def bench(ns: argparse.Namespace) -> dict:
     model, tok = load(ns.model)
-    generator, reward = hf_generator(model), REWARDS["math"]
+    generator, rewards_fn = hf_generator(model), reward_set("math")
     data = DataConfig(dataset="builtin:mixed")
     problems = builtin_examples("mixed", "test")
     sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
@@ -105,17 +104,15 @@ def bench(ns: argparse.Namespace) -> dict:
         prompts = [render_prompt(tok, ex.question, data) for ex in pick]
         torch.manual_seed(seed)
         rollout = generator(tok, prompts, ns.group_size, ns.budget, ns.batch_size, **sampling)
-        flat = [
-            reward(as_graded(prompts[n // ns.group_size], t), pick[n // ns.group_size].answer)
-            for n, t in enumerate(rollout.texts)
-        ]
+        per = [n // ns.group_size for n in range(len(rollout.texts))]  # completion -> problem
+        examples, rendered = [pick[b] for b in per], [prompts[b] for b in per]
+        flat, _ = grade(rewards_fn, examples, rendered, rollout.texts)
         rewards = torch.tensor(flat, device="cpu").view(len(pick), ns.group_size)
         for name, rep, budget in variants(ns.budget, ns.quick):
             torch.manual_seed(seed + 1)
             t0 = time.perf_counter()
             out = run_repairs(
-                generator, tok, [ex.question for ex in pick], rollout, rewards,
-                [ex.answer for ex in pick], reward, rep, data,
+                generator, tok, pick, rollout, rewards, rewards_fn, rep, data,
                 dict(gen, max_new_tokens=budget), random.Random(seed),
             )  # fmt: skip
             t = totals[name]

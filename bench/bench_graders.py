@@ -4,7 +4,7 @@ wall time per test for each isolation mode and test kind; the 164 canonical Huma
 (always-equal objects, subclasses of built-ins, patched builtins, forged verdicts): the strict
 harness in every isolation mode that works here, the compatible one in the most isolated.
 
-    python scripts/bench_graders.py
+    python bench/bench_graders.py
 
 Figures are wall seconds on this machine; run it alone for stable numbers.
 """

@@ -1,9 +1,9 @@
 """Head-to-head of the objectives on one model, data, seed set and budget: a quick look.
-The study with regimes, ablations, equal compute and statistics is scripts/study.py.
+The study with regimes, ablations, equal compute and statistics is bench/study.py.
 
-    python scripts/compare_objectives.py                      # 6 steps, 3 seeds, all objectives
-    python scripts/compare_objectives.py --seeds 0,1,2 --objectives ibpo,grpo train.steps=20
-    python scripts/compare_objectives.py --smoke --model PATH  # tiny 2-step check (CI)
+    python bench/compare_objectives.py                      # 6 steps, 3 seeds, all objectives
+    python bench/compare_objectives.py --seeds 0,1,2 --objectives ibpo,grpo train.steps=20
+    python bench/compare_objectives.py --smoke --model PATH  # tiny 2-step check (CI)
 
 Every run gets identical settings except `objective.name` (same prompts per step, steps, group
 size, lengths, learning rate; the seed fixes data order and sampling). Each run is a separate
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     before = [r["before"] for rs in results.values() for r in rs if r["before"] is not None]
     if before:
         md = f"Held-out accuracy before training: {before[0]:.3f}\n\n" + md
-    cmd = "python scripts/compare_objectives.py " + " ".join(argv or sys.argv[1:])
+    cmd = "python bench/compare_objectives.py " + " ".join(argv or sys.argv[1:])
     header = f"Command: `{cmd.strip()}`  \nSettings: `{' '.join(overrides)}`\n\n"
     (out / "comparison.md").write_text(header + md)
     (out / "comparison.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -1,0 +1,93 @@
+"""The Python API: `ibpo.train(...)`, a run from Python as `ibpo train` runs it from the shell.
+
+    import ibpo
+
+    def brief(completions, **kwargs):
+        return [1.0 if len(c) < 40 else 0.0 for c in completions]
+
+    result = ibpo.train(
+        overrides={"train.steps": 20},
+        dataset=[{"question": "What is 2 + 3?", "answer": "5"}, ...],
+        reward_funcs=["math", brief],
+        reward_weights=[1.0, 0.5],
+    )
+    result.summary["eval_after"], result.adapter
+
+`recipe`: a YAML path, a Config, or None (the embedded CPU demo's defaults); `overrides`:
+"section.key=value" strings or a mapping {"section.key": value}, applied on top. `dataset`: a
+`datasets.Dataset` or a list of dicts, in place of data.dataset (every column reaches the reward
+functions; the held-out rows are carved out of it as for a local file). `reward_funcs`: a
+reward function in TRL's convention, or a list of them, where a string is a built-in name or an
+import path (ibpo/rewards/functions.py); `reward_weights`: one weight each. The run's config.yaml
+records a Python function by its import path `module:qualname`, which resumes from YAML only
+for a function defined at a module's top level; passing the functions again always does.
+
+The CLI (`ibpo train`, recipes/train.py) calls this function; under `accelerate launch` every
+process calls it, as every process runs the CLI. Configuration errors raise ConfigError (the
+CLI prints its one line and exits 2); how the run ended is `result.status` (summary.json's
+`status` and `exit_code`, as the CLI exits).
+
+Not here: the run itself (trainer.py), the schema (config.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ibpo.catalog import resolve_recipe
+from ibpo.config import Config, ConfigError, load_config, validate
+from ibpo.data import IN_MEMORY
+from ibpo.rewards.functions import import_path
+from ibpo.trainer import train as run_recipe
+
+
+@dataclass
+class TrainResult:
+    """What a run left: its summary (summary.json's), the adapter's folder and the output
+    folder."""
+
+    summary: dict
+    adapter: Path | None
+    output_dir: Path
+
+    @property
+    def status(self) -> str:
+        return self.summary["status"]
+
+
+def train(
+    recipe: str | Path | Config | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] | None = None,
+    *,
+    dataset=None,
+    reward_funcs: Callable | str | Sequence[Callable | str] | None = None,
+    reward_weights: Sequence[float] | None = None,
+) -> TrainResult:
+    """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
+    when given (module docstring). -> TrainResult."""
+    if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
+        recipe = resolve_recipe(str(recipe))
+    cfg = load_config(recipe, overrides)
+    funcs = None
+    if reward_funcs is not None:
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        names = [f if isinstance(f, str) else import_path(f) for f in funcs]
+        cfg.objective.reward = names if len(names) > 1 else names[0]
+    if reward_weights is not None:
+        cfg.objective.reward_weights = [float(w) for w in reward_weights]
+    if dataset is not None:
+        if isinstance(dataset, (str, Path)):
+            raise ConfigError(
+                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
+                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
+            )
+        cfg.data.dataset = IN_MEMORY
+    validate(cfg)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    summary = run_recipe(cfg, rows=dataset, reward_funcs=funcs)
+    adapter = summary.get("adapter")
+    return TrainResult(summary, Path(adapter) if adapter else None, Path(cfg.run.output_dir))
