@@ -174,6 +174,9 @@ def run_repairs(
     stats = {
         "repairs": float(len(jobs)),
         "repair_tokens": 0.0,
+        # the repair phase's work: prompt tokens prefilled and tokens decoded (= repair_tokens)
+        "repair_prefill_tokens": 0.0,
+        "repair_decode_tokens": 0.0,
         "repair_rate": 0.0,
         "repair_success_rate": 0.0,
         "edited_token_fraction": 0.0,
@@ -212,6 +215,8 @@ def run_repairs(
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
     stats.update(
         repair_tokens=float(sum(out.lengths)),
+        repair_prefill_tokens=float(sum(out.host_prompt_lengths())),
+        repair_decode_tokens=float(sum(out.lengths)),
         repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
         repair_success_rate=sum(success) / len(jobs),
         edited_token_fraction=frac,

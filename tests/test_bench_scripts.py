@@ -278,3 +278,30 @@ def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
     assert (rec["alloc_gb"], rec["reserved_gb"], rec["plan_gb"]) == (7.0, 8.0, 6.5)
     assert rec["device_used_gb"] == 24 - 9  # the dip, not the end
     assert rec["tokens"] == 100 and row["phases"]["rollout"] is rec and saves == [1]
+
+
+def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):
+    bench = _script("bench_repairs")
+    assert bench.main(["--quick", "--model", tiny_model_dir]) == 0
+    res = _json_line(capsys.readouterr().out)
+    assert list(res["variants"]) == ["default budget=4", "template=terse"]
+    for r in res["variants"].values():
+        # 2 problems x G = 2: every failed member is repaired once (K = 2), each with 1-4 tokens
+        assert 1 <= r["repairs"] <= 4
+        assert 0.0 <= r["ci95"][0] <= r["success"] <= r["ci95"][1] <= 1.0
+        assert r["repairs"] <= r["decode_tokens_per_seed"] <= 4 * r["repairs"]
+        assert r["prefill_tokens_per_seed"] > r["decode_tokens_per_seed"]
+    # the terse template's prompts are shorter than today's
+    v = res["variants"]
+    assert (
+        v["template=terse"]["prefill_tokens_per_seed"]
+        < v["default budget=4"]["prefill_tokens_per_seed"]
+    )
+
+
+def test_wilson_interval():
+    bench = _script("bench_repairs")
+    assert bench.wilson(0, 0) == (0.0, 1.0)
+    lo, hi = bench.wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    assert bench.wilson(0, 20)[0] == 0.0 and 0 < bench.wilson(0, 20)[1] < 0.2

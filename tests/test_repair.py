@@ -238,6 +238,8 @@ def test_run_repairs_batches_grades_and_masks():
     assert out.edited[3].all() and out.edited[0].all()
     assert out.stats["repairs"] == 2 and out.stats["repair_success_rate"] == 0.5
     assert out.stats["repair_rate"] == 1.0 and out.stats["repair_tokens"] == 5
+    # the phase's work: 2 prompts of 2 real tokens prefilled, 2 + 3 tokens decoded
+    assert out.stats["repair_prefill_tokens"] == 4 and out.stats["repair_decode_tokens"] == 5
 
 
 def _reward(text: str, answer: str) -> float:

@@ -233,6 +233,20 @@ def test_summary_table_reports_the_runs_figures(tmp_path):
     assert table_value(table, "resumed from") == summary["resumed_from"]
 
 
+def test_summary_table_reports_the_repair_cost(tmp_path):
+    out = tmp_path / "run"
+    make_run(out, summary=False)
+    assert "repair cost" not in report.summary_table(out)  # a run that logged no repairs
+    rows = [
+        {"step": s, "repair_prefill_tokens": p, "repair_decode_tokens": d, "time_repair": t}
+        for s, p, d, t in [(1, 100.0, 40.0, 1.0), (2, 300.0, 60.0, 2.0)]
+    ]
+    (out / report.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert table_value(report.summary_table(out), "repair cost") == (
+        "200 prefill + 50 decode tokens, 1.50 s  (mean per step)"
+    )
+
+
 def test_summary_table_of_a_run_without_summary(tmp_path):
     out = tmp_path / "run"
     final, _, _ = make_run(out, steps=12, evals=(2, 4, 6, 8, 10), summary=False)

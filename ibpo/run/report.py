@@ -293,6 +293,20 @@ def _run_items(rows: list[dict], summary: dict | None) -> list[tuple[str, str]]:
     return items
 
 
+def _repair_cost(rows: list[dict]) -> str | None:
+    """The repair phase per step (means over the steps that logged it): prompt tokens
+    prefilled, tokens decoded and seconds; None for a run without repairs."""
+    _, prefill = series(rows, "repair_prefill_tokens")
+    _, decode = series(rows, "repair_decode_tokens")
+    _, seconds = series(rows, "time_repair")
+    if not (prefill and decode and seconds):
+        return None
+    return (
+        f"{_mean(prefill):.0f} prefill + {_mean(decode):.0f} decode tokens, "
+        f"{_mean(seconds):.2f} s  (mean per step)"
+    )
+
+
 def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
     items = []
     _, reward = series(rows, "reward")
@@ -314,6 +328,9 @@ def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
         _, values = series(rows, key)
         if values:
             items.append((label, f"{reduce(values):{fmt}}"))
+    repair = _repair_cost(rows)
+    if repair:
+        items.append(("repair cost", repair))
     # overall rate = all completion tokens / all step time (a plain mean would weigh a fast
     # step like a slow one)
     timed = [

@@ -1,0 +1,186 @@
+"""Repairability bench: how often the policy repairs its own failures, and how locally.
+
+For the embedded model (SmolLM2-135M-Instruct, fp32 on CPU) or any --model, on held-out problems
+of builtin:mixed: sample G completions per problem, grade them, then run the repairs of
+ibpo/repair.py on the same groups under each variant (repair budget, reference selection, K,
+template), over several seeds. Per variant it prints the repair success rate with a 95% Wilson
+interval, the locality (share of the attempt's tokens its most local successful repair kept, i.e.
+1 - the edited fraction), and the repair phase's prefill / decode tokens and seconds. A template
+that succeeds by rewriting from scratch shows a low locality beside its success.
+
+Templates (all user turns, as repair.template):
+  default  today's repair.template (keep what is right, change only what is wrong)
+  terse    a short instruction with the same three fields
+  rewrite  asks for a fresh solution: the from-scratch baseline that locality must expose
+
+Not here: training, or choosing a default (docs/repairs.md records what a measurement chose).
+
+    python bench/bench_repairs.py                 # embedded model, default grid
+    python bench/bench_repairs.py --model DIR --seeds 0 1 2
+    python bench/bench_repairs.py --quick --model TINY_DIR   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
+from ibpo.data import builtin_examples, render_prompt
+from ibpo.repair import run_repairs
+from ibpo.rewards.functions import grade, reward_set
+from ibpo.rollout import hf_generator
+
+TEMPLATES = {
+    "default": DEFAULT_REPAIR_TEMPLATE,
+    "terse": (
+        "{question}\n\nAttempt:\n{attempt}\n\nReference:\n{reference}\n\n"
+        "Fix the attempt's mistake with the smallest change and write it out in full."
+    ),
+    "rewrite": (
+        "{question}\n\nA worked solution:\n{reference}\n\n"
+        "Solve the problem from scratch. (Earlier attempt, for reference: {attempt})"
+    ),
+}
+
+
+def variants(budget: int, quick: bool) -> list[tuple[str, RepairConfig, int]]:
+    """(name, repair config, max_new_tokens) per variant; the first is today's default."""
+    base = RepairConfig(enabled=True)
+    out = [(f"default budget={budget}", base, budget)]
+    if quick:
+        return out + [("template=terse", replace(base, template=TEMPLATES["terse"]), budget)]
+    out.append((f"budget={budget // 2}", base, budget // 2))
+    out.append(("reference=random", replace(base, reference_selection="random"), budget))
+    out.append(("K=3", replace(base, references=2), budget))
+    for name in ("terse", "rewrite"):
+        out.append((f"template={name}", replace(base, template=TEMPLATES[name]), budget))
+    return out
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (0, 1 with no trials)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def load(model_dir: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_dir is None:
+        from ibpo.embedded import embedded_model_path
+
+        model_dir = str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, tok
+
+
+def bench(ns: argparse.Namespace) -> dict:
+    model, tok = load(ns.model)
+    generator, rewards_fn = hf_generator(model), reward_set("math")
+    data = DataConfig(dataset="builtin:mixed")
+    problems = builtin_examples("mixed", "test")
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
+    gen = dict(sampling, batch_size=ns.batch_size)
+    totals = {name: dict(repairs=0, hits=0.0, kept=[], prefill=0.0, decode=0.0, s=0.0)
+              for name, _, _ in variants(ns.budget, ns.quick)}  # fmt: skip
+    for seed in ns.seeds:
+        pick = random.Random(seed).sample(problems, min(ns.problems, len(problems)))
+        prompts = [render_prompt(tok, ex.question, data) for ex in pick]
+        torch.manual_seed(seed)
+        rollout = generator(tok, prompts, ns.group_size, ns.budget, ns.batch_size, **sampling)
+        per = [n // ns.group_size for n in range(len(rollout.texts))]  # completion -> problem
+        examples, rendered = [pick[b] for b in per], [prompts[b] for b in per]
+        flat, _ = grade(rewards_fn, examples, rendered, rollout.texts)
+        rewards = torch.tensor(flat, device="cpu").view(len(pick), ns.group_size)
+        for name, rep, budget in variants(ns.budget, ns.quick):
+            torch.manual_seed(seed + 1)
+            t0 = time.perf_counter()
+            out = run_repairs(
+                generator, tok, pick, rollout, rewards, rewards_fn, rep, data,
+                dict(gen, max_new_tokens=budget), random.Random(seed),
+            )  # fmt: skip
+            t = totals[name]
+            st = out.stats
+            t["repairs"] += int(st["repairs"])
+            t["hits"] += st["repair_success_rate"] * st["repairs"]
+            if st["repair_success_rate"] > 0:
+                t["kept"].append(1.0 - st["edited_token_fraction"])
+            t["prefill"] += st["repair_prefill_tokens"]
+            t["decode"] += st["repair_decode_tokens"]
+            t["s"] += time.perf_counter() - t0
+    return {name: summarise(t, len(ns.seeds)) for name, t in totals.items()}
+
+
+def summarise(t: dict, seeds: int) -> dict:
+    hits = round(t["hits"])
+    lo, hi = wilson(hits, t["repairs"])
+    return {
+        "repairs": t["repairs"],
+        "success": hits / t["repairs"] if t["repairs"] else 0.0,
+        "ci95": [lo, hi],
+        # mean over seeds with a success of the kept share of successfully repaired attempts
+        "locality": sum(t["kept"]) / len(t["kept"]) if t["kept"] else None,
+        "prefill_tokens_per_seed": t["prefill"] / seeds,
+        "decode_tokens_per_seed": t["decode"] / seeds,
+        "seconds_per_seed": t["s"] / seeds,
+    }
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| variant | repairs | success [95% CI] | kept | edited | prefill | decode | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        loc = r["locality"]
+        kept = "-" if loc is None else f"{loc:.2f}"
+        edited = "-" if loc is None else f"{1 - loc:.2f}"
+        lines.append(
+            f"| {name} | {r['repairs']} | {r['success']:.3f} [{r['ci95'][0]:.3f}, "
+            f"{r['ci95'][1]:.3f}] | {kept} | {edited} | {r['prefill_tokens_per_seed']:.0f} | "
+            f"{r['decode_tokens_per_seed']:.0f} | {r['seconds_per_seed']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="a local model folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--problems", type=int, default=8, help="held-out problems per seed")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--budget", type=int, default=64, help="rollout and repair max_new_tokens")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 2 problems, 2 variants")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.seeds, ns.problems, ns.group_size, ns.budget = [0], 2, 2, 4
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(sys.argv[1:] if argv is None else argv)
+    results = bench(ns)
+    print(table(results))
+    print(json.dumps({"seeds": ns.seeds, "problems": ns.problems, "variants": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
