@@ -79,7 +79,7 @@ from ibpo.objectives import (
 )
 from ibpo.repair import run_repairs
 from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.functions import RewardSet, grade, reward_means, reward_set
+from ibpo.rewards.functions import RewardSet, grade, reward_means, run_reward_set
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
 # --- what the stages hand each other ------------------------------------------------------------
@@ -158,8 +158,7 @@ def rl_step(
     `rewards`: the run's reward functions (rewards/functions.py; None: objective.reward's)."""
     model, device = parts.model, accelerator.device
     if rewards is None:
-        obj = cfg.objective
-        rewards = reward_set(obj.reward, obj.reward_weights, obj.reward_workers)
+        rewards = run_reward_set(cfg.objective)
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)

@@ -48,7 +48,7 @@ from ibpo.objectives import (
     resolve_params,
 )
 from ibpo.rewards.code import training_sandbox
-from ibpo.rewards.functions import RewardError, RewardSet, reward_set
+from ibpo.rewards.functions import RewardError, RewardSet, run_reward_set
 from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
@@ -94,15 +94,6 @@ def lr_lambda(cfg: Config):
         return 1.0
 
     return f
-
-
-def run_rewards(cfg: Config, reward_funcs=None) -> RewardSet:
-    """The run's reward functions: `reward_funcs` (callables given in Python, with
-    objective.reward_weights) or those objective.reward names."""
-    obj = cfg.objective
-    return reward_set(
-        obj.reward if reward_funcs is None else reward_funcs, obj.reward_weights, obj.reward_workers
-    )
 
 
 def _build(cfg: Config, accelerator, rows=None, rewards: RewardSet | None = None):
@@ -231,7 +222,8 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     from accelerate.utils import set_seed
 
     start, tr = time.time(), cfg.train
-    rewards = run_rewards(cfg, reward_funcs)  # an import path that fails: before anything else
+    # a reward's import path that fails, fails here: before anything else
+    rewards = run_reward_set(cfg.objective, reward_funcs)
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
@@ -331,7 +323,7 @@ class Run:
                 self.tokenizer,
                 self.eval_examples,
                 cfg.data,
-                self.rewards or run_rewards(cfg),
+                self.rewards or run_reward_set(cfg.objective),
                 cfg.rollout.eval_max_new_tokens,
                 cfg.rollout.eval_batch_size,
                 self.accelerator,

@@ -294,6 +294,13 @@ def _check_signature(name: str, fn: RewardFn) -> None:
         )
 
 
+def run_reward_set(objective, reward_funcs=None) -> RewardSet:
+    """The run's reward functions: `reward_funcs` (given in Python) or those objective.reward
+    names, with objective.reward_weights and objective.reward_workers (an ObjectiveConfig)."""
+    spec = objective.reward if reward_funcs is None else reward_funcs
+    return reward_set(spec, objective.reward_weights, objective.reward_workers)
+
+
 def grade(rewards: RewardSet, examples: list, rendered: list[str], texts: list[str], ids=None):
     """Grade completions: `examples[n]` (data.Example) is the problem completion n answers and
     `rendered[n]` the prompt it continued. -> RewardSet.score's (totals, per-function values).
