@@ -332,6 +332,11 @@ class RolloutConfig:
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
     # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
     kv_cache: str = choice("dynamic", "static")
+    # hf backend: prompts of one generate() call that begin alike (a group's repair prompts, the
+    # held-out questions' shared chat preamble) run their common prefix through the model once;
+    # what is sampled is unchanged. Needs the dynamic cache, sdpa or eager attention and no
+    # sliding-window layers (rollout.shares_prefixes); elsewhere each prompt runs whole.
+    share_prefixes: bool = True
     # Who generates rollouts, repairs and held-out answers: hf (the policy's own generate()) |
     # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
     # with the adapter as a LoRA request re-sent each step; one process; ibpo/vllm_rollout.py)

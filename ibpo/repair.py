@@ -174,8 +174,11 @@ def run_repairs(
     stats = {
         "repairs": float(len(jobs)),
         "repair_tokens": 0.0,
-        # the repair phase's work: prompt tokens prefilled and tokens decoded (= repair_tokens)
+        # the repair phase's work: prompt tokens the model ran (a prefix repair prompts share,
+        # counted once), the prompts' tokens (what prefill would cost without the sharing) and
+        # tokens decoded (= repair_tokens)
         "repair_prefill_tokens": 0.0,
+        "repair_prompt_tokens": 0.0,
         "repair_decode_tokens": 0.0,
         "repair_rate": 0.0,
         "repair_success_rate": 0.0,
@@ -211,11 +214,15 @@ def run_repairs(
         reward_set, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
     )
     success = [t >= 1.0 for t in totals]
+    prompt_tokens = sum(out.host_prompt_lengths())
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
     stats.update(
         repair_tokens=float(sum(out.lengths)),
-        repair_prefill_tokens=float(sum(out.host_prompt_lengths())),
+        repair_prefill_tokens=float(
+            prompt_tokens if out.prefill_tokens is None else out.prefill_tokens
+        ),
+        repair_prompt_tokens=float(prompt_tokens),
         repair_decode_tokens=float(sum(out.lengths)),
         repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
         repair_success_rate=sum(success) / len(jobs),

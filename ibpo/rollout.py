@@ -65,6 +65,9 @@ class Rollout:
     # backend sampled it from (0 past the completion); None for greedy decoding or a backend that
     # does not report them
     logprobs: Tensor | None = None
+    # prompt tokens the backend ran through the model (a prompt repeated G times, or a prefix that
+    # rows share, counts once); None: not reported (the sum of host_prompt_lengths is the bound)
+    prefill_tokens: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -309,6 +312,165 @@ def prefill(model: nn.Module, ids: Tensor, mask: Tensor, num_samples: int):
     return cache
 
 
+# A run of rows shares its prefix only where the prefix is at least this long: a shorter one saves
+# less than the extra forward costs.
+MIN_SHARED_PREFIX = 8
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _runs(rows: list[list[int]], min_len: int) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows and the prefix each shares, maximising the prompt tokens not
+    recomputed, the sum of (rows - 1) x L (dynamic programming over the row order, O(N^2))."""
+    n = len(rows)
+    lcp = [_common_prefix(rows[i], rows[i + 1]) for i in range(n - 1)]
+    best = [0] * (n + 1)  # best[j]: tokens saved on rows[:j]
+    cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # (start of the last run, its L)
+    for j in range(1, n + 1):
+        best[j], cut[j] = best[j - 1], (j - 1, 0)  # row j-1 alone
+        shared = len(rows[j - 1]) - 1
+        for i in range(j - 2, -1, -1):  # the run rows[i:j]
+            shared = min(shared, lcp[i], len(rows[i]) - 1)
+            if shared < min_len:
+                break
+            gain = best[i] + (j - i - 1) * shared
+            if gain > best[j]:
+                best[j], cut[j] = gain, (i, shared)
+    runs, j = [], n
+    while j > 0:
+        i, shared = cut[j]
+        runs.append((i, j, shared))
+        j = i
+    return runs[::-1]
+
+
+def padded_cost(rows: list[list[int]], runs: list[tuple[int, int, int]] | None) -> int:
+    """Token slots a dense batch computes, padding included: N x the longest prompt without
+    sharing (runs None); with it, the prefix batch (runs that share x their longest prefix) plus
+    the rest of every row (N x the longest rest)."""
+    if runs is None:
+        return len(rows) * max(len(r) for r in rows)
+    shared = [length for _, _, length in runs if length > 0]
+    rest = max(len(rows[i]) - length for a, b, length in runs for i in range(a, b))
+    return len(shared) * max(shared, default=0) + len(rows) * rest
+
+
+def plan_shared_prefixes(
+    rows: list[list[int]], min_len: int = MIN_SHARED_PREFIX
+) -> list[tuple[int, int, int]] | None:
+    """rows: the real prompt ids of one generate() call -> (start, end, L) per run of consecutive
+    rows, covering every row in order: rows[start:end] share their first L tokens (L = 0: the run
+    shares nothing), or None when sharing would not compute fewer token slots than the plain
+    left-padded batch. L stays below each row's length, so every row keeps a token for
+    generate() to start from. A row that shares with no neighbour either runs whole with the
+    rests (L = 0) or puts all but its last token in the prefix batch, whichever pads less: a long
+    lone row would otherwise keep every row's rest as long as itself."""
+    runs = _runs(rows, min_len)
+    if not any(length for _, _, length in runs):
+        return None
+    alone = [(a, b, len(rows[a]) - 1 if b - a == 1 else length) for a, b, length in runs]
+    plan = min((runs, alone), key=lambda r: padded_cost(rows, r))
+    return plan if padded_cost(rows, plan) < padded_cost(rows, None) else None
+
+
+def shares_prefixes(model: nn.Module) -> bool:
+    """Whether generate() may give rows that begin alike one forward of their common prefix: the
+    rows' padding then sits between that prefix and the rest, which the causal mask and position
+    ids (both from the attention mask) see through, but a sliding attention window (it counts
+    cache slots, padding included) and flash-attention's packed batches would not. So: full
+    attention in every layer, sdpa or eager, and the dynamic cache."""
+    config = unwrap(model).config
+    text = getattr(config, "get_text_config", lambda: config)()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        if any(t != "full_attention" for t in layer_types):
+            return False
+    elif getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return False
+    generation = unwrap(model).generation_config
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and (
+        getattr(generation, "cache_implementation", None) is None
+    )
+
+
+@dataclass
+class SharedPrefixes:
+    """generate()'s inputs for rows that share prefixes: ids and mask [N, Q + S] (each row's
+    shared prefix right-aligned in the first Q columns, the rest of its prompt right-aligned in
+    the last S), the KV cache of all but the last column and the prompt tokens actually computed."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    cache: object
+    computed_tokens: int
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """generate()'s position ids: the cumulative sum of the mask, 1 on padding."""
+    positions = mask.long().cumsum(-1) - 1
+    return positions.masked_fill_(mask == 0, 1)
+
+
+def shared_prefix_inputs(
+    model: nn.Module, rows: list[list[int]], runs: list[tuple[int, int, int]], pad_id: int, device
+) -> SharedPrefixes:
+    """One forward of each shared prefix (all prefixes batched), its cache repeated to its run's
+    rows, then one forward of every row's remaining prompt tokens but the last on top: the cache
+    generate() would have built for the same prompts, at the cost of their distinct tokens."""
+    shared = [length for _, _, length in runs if length > 0]
+    Q = max(shared)
+    prefix_rows = [rows[start][:length] for start, _, length in runs if length > 0]
+    owner, k = [], 0  # row -> its run's row in the prefix batch (0 for a row that shares nothing)
+    for start, end, length in runs:
+        owner += [k if length > 0 else 0] * (end - start)
+        k += length > 0
+    lengths = [length for start, end, length in runs for _ in range(start, end)]
+    rests = [row[length:] for row, length in zip(rows, lengths)]
+    S = max(len(r) for r in rests)
+
+    def pad_left(seq: list[int], width: int) -> tuple[list[int], list[int]]:
+        return [pad_id] * (width - len(seq)) + seq, [0] * (width - len(seq)) + [1] * len(seq)
+
+    pre = [pad_left(r, Q) for r in prefix_rows]
+    pre_ids = torch.tensor([p[0] for p in pre], dtype=torch.long, device=device)
+    pre_mask = torch.tensor([p[1] for p in pre], dtype=torch.long, device=device)
+    out = model(
+        input_ids=pre_ids,
+        attention_mask=pre_mask,
+        position_ids=_positions(pre_mask),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_select_indices(torch.tensor(owner, dtype=torch.long, device=device))
+    ids, mask = [], []
+    for row, length, rest in zip(rows, lengths, rests):
+        a_ids, a_mask = pad_left(row[:length], Q)
+        b_ids, b_mask = pad_left(rest, S)
+        ids.append(a_ids + b_ids)
+        mask.append(a_mask + b_mask)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+    mask_t = torch.tensor(mask, dtype=torch.long, device=device)
+    if S > 1:  # the rest of each prompt but its last token
+        out = model(
+            input_ids=ids_t[:, Q:-1],
+            attention_mask=mask_t[:, :-1],
+            position_ids=_positions(mask_t)[:, Q:-1],
+            use_cache=True,
+            logits_to_keep=1,
+            **{CACHE_KWARG: cache},
+        )
+        cache = getattr(out, "cache", None) or out.past_key_values
+    computed = sum(len(r) for r in prefix_rows) + sum(len(r) for r in rests)
+    return SharedPrefixes(ids_t, mask_t, cache, computed)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -322,12 +484,16 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     logits_processor=None,
+    share_prefixes: bool = True,
 ) -> Rollout:
     """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G.
     `logits_processor`: extra processing after the model's (e.g. evaluation's per-row seeded
     sampling over greedy decoding). A sampled rollout carries its behaviour log-probs."""
     device = next(p for p in model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, num_samples, device)
+    # the host copies give each row's real ids (prefix sharing plans on them) without a read
+    # from the device
+    host_ids, host_mask = encode_prompts(tokenizer, prompts, num_samples, "cpu")
+    prompt_ids, prompt_mask = host_ids.to(device), host_mask.to(device)
     eos = eos_ids(tokenizer, model)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
@@ -359,6 +525,7 @@ def generate(
     # DistributedDataParallel has no .generate; the PEFT model under it does (adapter included)
     gen_model = getattr(model, "module", model)
     pieces, logprobs = [], []
+    computed = 0  # prompt tokens the model ran: repeated and shared prefixes count once
     # slices after the first sample from streams of their own (sampling streams, below), so that
     # what a slice draws does not depend on how long the slices before it decoded
     key = stream_position(device) if do_sample else None
@@ -370,21 +537,40 @@ def generate(
             processors = list(logits_processor or [])
             recorder = SampledLogprobs(temperature, top_k, top_p) if do_sample else None
             ids, mask = prompt_ids[s : s + batch_size], prompt_mask[s : s + batch_size]
-            shared = shares_prefill(gen_model, ids.shape, num_samples)
+            inputs = dict(input_ids=ids, attention_mask=mask)
+            width = ids.shape[1]  # left-padded: a row's real ids are its last ones
+            host = zip(host_ids[s : s + batch_size].tolist(), host_mask[s : s + batch_size].sum(-1))
+            real = [row[width - int(m) :] for row, m in host]
+            if shares_prefill(gen_model, ids.shape, num_samples):
+                inputs[CACHE_KWARG] = prefill(gen_model, ids, mask, num_samples)
+                computed += sum(len(r) - 1 for r in real[::num_samples]) + len(real)
+            elif share_prefixes and num_samples == 1 and shares_prefixes(gen_model):
+                runs = plan_shared_prefixes(real)
+                if runs is not None:
+                    plan = shared_prefix_inputs(
+                        gen_model, real, runs, tokenizer.pad_token_id, device
+                    )
+                    inputs = dict(input_ids=plan.input_ids, attention_mask=plan.attention_mask)
+                    inputs[CACHE_KWARG] = plan.cache
+                    computed += plan.computed_tokens
+                else:
+                    computed += sum(len(r) for r in real)
+            else:
+                computed += sum(len(r) for r in real)
             with sampling_stream(device, key, k) if key and k else nullcontext():
                 out = gen_model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
                     logits_processor=processors + ([recorder] if recorder else []),
-                    **({CACHE_KWARG: prefill(gen_model, ids, mask, num_samples)} if shared else {}),
+                    **inputs,
                     **kwargs,
                 )
-            pieces.append(out[:, prompt_ids.shape[1] :])
+            pieces.append(out[:, inputs["input_ids"].shape[1] :])
             if recorder is not None:
                 logprobs.append(recorder.finish(pieces[-1]))
     finally:
         model.train(was_training)
-    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None)
+    ro = assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None)
+    ro.prefill_tokens = computed
+    return ro
 
 
 def assemble(
@@ -433,9 +619,10 @@ def assemble(
 Generator = Callable[..., Rollout]
 
 
-def hf_generator(model: nn.Module) -> Generator:
-    """The policy's own generate() as a Generator (rollout.backend=hf)."""
-    return partial(generate, model)
+def hf_generator(model: nn.Module, share_prefixes: bool = True) -> Generator:
+    """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`:
+    rollout.share_prefixes."""
+    return partial(generate, model, share_prefixes=share_prefixes)
 
 
 # --- sampling streams ----------------------------------------------------------------------------

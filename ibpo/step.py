@@ -212,7 +212,7 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
     fast = use_dequantized_base(cfg.model, device, model)
     with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            yield hf_generator(model)
+            yield hf_generator(model, cfg.rollout.share_prefixes)
 
 
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:

@@ -240,6 +240,7 @@ def test_run_repairs_batches_grades_and_masks():
     assert out.stats["repair_rate"] == 1.0 and out.stats["repair_tokens"] == 5
     # the phase's work: 2 prompts of 2 real tokens prefilled, 2 + 3 tokens decoded
     assert out.stats["repair_prefill_tokens"] == 4 and out.stats["repair_decode_tokens"] == 5
+    assert out.stats["repair_prompt_tokens"] == 4  # a backend that reports no sharing
 
 
 def _reward(text: str, answer: str) -> float:
