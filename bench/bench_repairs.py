@@ -12,6 +12,9 @@ Templates (all user turns, as repair.template):
   default  today's repair.template (keep what is right, change only what is wrong)
   terse    a short instruction with the same three fields
   rewrite  asks for a fresh solution: the from-scratch baseline that locality must expose
+  head     today's instruction and fields, the instruction before the attempts: the question and
+           instruction are then a prefix every repair of a group shares (rollout.share_prefixes
+           runs it once), so only the two attempts are each prompt's own
 
 Not here: training, or choosing a default (docs/repairs.md records what a measurement chose).
 
@@ -44,6 +47,12 @@ TEMPLATES = {
         "{question}\n\nAttempt:\n{attempt}\n\nReference:\n{reference}\n\n"
         "Fix the attempt's mistake with the smallest change and write it out in full."
     ),
+    "head": (
+        "{question}\n\nBelow are two attempts at this problem. The first may contain a mistake. "
+        "Repair it locally: keep every part of it that is right, change only what is wrong, and "
+        "write the repaired first attempt in full.\n\nFirst attempt:\n{attempt}\n\n"
+        "Second attempt:\n{reference}"
+    ),
     "rewrite": (
         "{question}\n\nA worked solution:\n{reference}\n\n"
         "Solve the problem from scratch. (Earlier attempt, for reference: {attempt})"
@@ -51,17 +60,20 @@ TEMPLATES = {
 }
 
 
-def variants(budget: int, quick: bool) -> list[tuple[str, RepairConfig, int]]:
-    """(name, repair config, max_new_tokens) per variant; the first is today's default."""
+def variants(budget: int, quick: bool) -> list[tuple[str, RepairConfig, int, bool]]:
+    """(name, repair config, max_new_tokens, shared prefixes) per variant; the first is today's
+    default. `unshared` is the default with rollout.share_prefixes=false: the same repairs, the
+    cost without the sharing, measured in the same run."""
     base = RepairConfig(enabled=True)
-    out = [(f"default budget={budget}", base, budget)]
+    out = [(f"default budget={budget}", base, budget, True)]
     if quick:
-        return out + [("template=terse", replace(base, template=TEMPLATES["terse"]), budget)]
-    out.append((f"budget={budget // 2}", base, budget // 2))
-    out.append(("reference=random", replace(base, reference_selection="random"), budget))
-    out.append(("K=3", replace(base, references=2), budget))
-    for name in ("terse", "rewrite"):
-        out.append((f"template={name}", replace(base, template=TEMPLATES[name]), budget))
+        return out + [("template=terse", replace(base, template=TEMPLATES["terse"]), budget, True)]
+    out.append(("unshared", base, budget, False))
+    out.append((f"budget={budget // 2}", base, budget // 2, True))
+    out.append(("reference=random", replace(base, reference_selection="random"), budget, True))
+    out.append(("K=3", replace(base, references=2), budget, True))
+    for name in ("terse", "head", "rewrite"):
+        out.append((f"template={name}", replace(base, template=TEMPLATES[name]), budget, True))
     return out
 
 
@@ -92,13 +104,22 @@ def load(model_dir: str | None):
 
 def bench(ns: argparse.Namespace) -> dict:
     model, tok = load(ns.model)
-    generator, rewards_fn = hf_generator(model), reward_set("math")
+    generators = {share: hf_generator(model, share) for share in (True, False)}
+    rewards_fn = reward_set("math")
+    generator = generators[True]
     data = DataConfig(dataset="builtin:mixed")
     problems = builtin_examples("mixed", "test")
     sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
     gen = dict(sampling, batch_size=ns.batch_size)
-    totals = {name: dict(repairs=0, hits=0.0, kept=[], prefill=0.0, decode=0.0, s=0.0)
-              for name, _, _ in variants(ns.budget, ns.quick)}  # fmt: skip
+    chosen = variants(ns.budget, ns.quick)
+    if ns.variants:
+        wanted = [v.strip() for v in ns.variants.split(",") if v.strip()]
+        unknown = sorted(set(wanted) - {v[0] for v in chosen})
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; variants: {[v[0] for v in chosen]}")
+        chosen = [v for v in chosen if v[0] in wanted]
+    totals = {name: dict(repairs=0, hits=0.0, kept=[], prompt=0.0, prefill=0.0, decode=0.0, s=0.0)
+              for name, *_ in chosen}  # fmt: skip
     for seed in ns.seeds:
         pick = random.Random(seed).sample(problems, min(ns.problems, len(problems)))
         prompts = [render_prompt(tok, ex.question, data) for ex in pick]
@@ -108,11 +129,11 @@ def bench(ns: argparse.Namespace) -> dict:
         examples, rendered = [pick[b] for b in per], [prompts[b] for b in per]
         flat, _ = grade(rewards_fn, examples, rendered, rollout.texts)
         rewards = torch.tensor(flat, device="cpu").view(len(pick), ns.group_size)
-        for name, rep, budget in variants(ns.budget, ns.quick):
+        for name, rep, budget, share in chosen:
             torch.manual_seed(seed + 1)
             t0 = time.perf_counter()
             out = run_repairs(
-                generator, tok, pick, rollout, rewards, rewards_fn, rep, data,
+                generators[share], tok, pick, rollout, rewards, rewards_fn, rep, data,
                 dict(gen, max_new_tokens=budget), random.Random(seed),
             )  # fmt: skip
             t = totals[name]
@@ -121,6 +142,7 @@ def bench(ns: argparse.Namespace) -> dict:
             t["hits"] += st["repair_success_rate"] * st["repairs"]
             if st["repair_success_rate"] > 0:
                 t["kept"].append(1.0 - st["edited_token_fraction"])
+            t["prompt"] += st["repair_prompt_tokens"]
             t["prefill"] += st["repair_prefill_tokens"]
             t["decode"] += st["repair_decode_tokens"]
             t["s"] += time.perf_counter() - t0
@@ -136,6 +158,8 @@ def summarise(t: dict, seeds: int) -> dict:
         "ci95": [lo, hi],
         # mean over seeds with a success of the kept share of successfully repaired attempts
         "locality": sum(t["kept"]) / len(t["kept"]) if t["kept"] else None,
+        # the repair prompts' tokens, and those the model ran (a shared prefix once)
+        "prompt_tokens_per_seed": t["prompt"] / seeds,
         "prefill_tokens_per_seed": t["prefill"] / seeds,
         "decode_tokens_per_seed": t["decode"] / seeds,
         "seconds_per_seed": t["s"] / seeds,
@@ -144,8 +168,8 @@ def summarise(t: dict, seeds: int) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| variant | repairs | success [95% CI] | kept | edited | prefill | decode | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | repairs | success [95% CI] | kept | edited | prompt | prefill | decode | s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         loc = r["locality"]
@@ -153,7 +177,8 @@ def table(results: dict) -> str:
         edited = "-" if loc is None else f"{1 - loc:.2f}"
         lines.append(
             f"| {name} | {r['repairs']} | {r['success']:.3f} [{r['ci95'][0]:.3f}, "
-            f"{r['ci95'][1]:.3f}] | {kept} | {edited} | {r['prefill_tokens_per_seed']:.0f} | "
+            f"{r['ci95'][1]:.3f}] | {kept} | {edited} | {r['prompt_tokens_per_seed']:.0f} | "
+            f"{r['prefill_tokens_per_seed']:.0f} | "
             f"{r['decode_tokens_per_seed']:.0f} | {r['seconds_per_seed']:.1f} |"
         )
     return "\n".join(lines)
@@ -167,6 +192,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--budget", type=int, default=64, help="rollout and repair max_new_tokens")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--variants", help="comma-separated variant names to run (default: all)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 2 problems, 2 variants")
     ns = p.parse_args(argv)
     if ns.quick:

@@ -5,6 +5,9 @@ is put in eval mode (dropout off, KV cache on, no gradient checkpointing) and re
 Completions are right-padded to T; a completion's mask covers its tokens up to and including the
 first EOS. Large rollouts are generated in slices of `batch_size` sequences. The G copies of a
 prompt share one prompt forward (`prefill`): its KV cache is computed once and repeated.
+Distinct prompts that begin alike (a group's repair prompts, held-out questions under one chat
+preamble) share the forward of their common prefix the same way (`plan_shared_prefixes`,
+`shared_prefix_inputs`; rollout.share_prefixes), wherever that computes fewer token slots.
 
 Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
 here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.

@@ -291,12 +291,17 @@ def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):
         assert 0.0 <= r["ci95"][0] <= r["success"] <= r["ci95"][1] <= 1.0
         assert r["repairs"] <= r["decode_tokens_per_seed"] <= 4 * r["repairs"]
         assert r["prefill_tokens_per_seed"] > r["decode_tokens_per_seed"]
+        assert r["prefill_tokens_per_seed"] <= r["prompt_tokens_per_seed"]
     # the terse template's prompts are shorter than today's
     v = res["variants"]
     assert (
-        v["template=terse"]["prefill_tokens_per_seed"]
-        < v["default budget=4"]["prefill_tokens_per_seed"]
+        v["template=terse"]["prompt_tokens_per_seed"]
+        < v["default budget=4"]["prompt_tokens_per_seed"]
     )
+    assert bench.main(["--quick", "--model", tiny_model_dir, "--variants", "template=terse"]) == 0
+    assert list(_json_line(capsys.readouterr().out)["variants"]) == ["template=terse"]
+    with pytest.raises(SystemExit, match="unknown variants"):
+        bench.main(["--quick", "--model", tiny_model_dir, "--variants", "nope"])
 
 
 def test_wilson_interval():

@@ -245,6 +245,12 @@ def test_summary_table_reports_the_repair_cost(tmp_path):
     assert table_value(report.summary_table(out), "repair cost") == (
         "200 prefill + 50 decode tokens, 1.50 s  (mean per step)"
     )
+    for r, prompt in zip(rows, (150.0, 450.0)):  # a run that shares prompt prefixes
+        r["repair_prompt_tokens"] = prompt
+    (out / report.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert table_value(report.summary_table(out), "repair cost") == (
+        "200 prefill (of 300 prompt tokens) + 50 decode tokens, 1.50 s  (mean per step)"
+    )
 
 
 def test_summary_table_of_a_run_without_summary(tmp_path):

@@ -295,14 +295,17 @@ def _run_items(rows: list[dict], summary: dict | None) -> list[tuple[str, str]]:
 
 def _repair_cost(rows: list[dict]) -> str | None:
     """The repair phase per step (means over the steps that logged it): prompt tokens
-    prefilled, tokens decoded and seconds; None for a run without repairs."""
+    prefilled (of the prompts' tokens, where a shared prefix ran once), tokens decoded and
+    seconds; None for a run without repairs."""
     _, prefill = series(rows, "repair_prefill_tokens")
+    _, prompt = series(rows, "repair_prompt_tokens")
     _, decode = series(rows, "repair_decode_tokens")
     _, seconds = series(rows, "time_repair")
     if not (prefill and decode and seconds):
         return None
+    of = f" (of {_mean(prompt):.0f} prompt tokens)" if prompt else ""
     return (
-        f"{_mean(prefill):.0f} prefill + {_mean(decode):.0f} decode tokens, "
+        f"{_mean(prefill):.0f} prefill{of} + {_mean(decode):.0f} decode tokens, "
         f"{_mean(seconds):.2f} s  (mean per step)"
     )
 
