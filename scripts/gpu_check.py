@@ -25,7 +25,8 @@ default: the device allows 600 s a command), each recorded as ok / failed / time
                   models while its --budget-s lasts. It runs before the suite and is guaranteed
                   BENCH_MIN_S even if every earlier stage runs to its timeout;
   5. learning     bench_gpu.py --learn: 20 steps of a tiny Qwen3 whose training reward must rise;
-  6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
+  6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` (and GPU_TESTS' other files) with
+                  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
                   in what the others left; a test skipped on a CUDA device is flagged in the
                   report's "flags" with its reason (the exact-resume test's carries its numbers).
 Stages 3-5 run only with a CUDA device. Progress is printed as it goes (each child's output,
@@ -80,6 +81,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The bench runs before the suite: the 8B recipe's row is what only the device can measure.
+# the suite: the end-to-end harness first, then the gpu-marked tests of the CPU suite's files
+# (the device side of code the CPU suite checks with host tensors)
+GPU_TESTS = (
+    "tests/test_gpu_e2e.py",
+    "tests/test_shared_prefixes.py",
+    "tests/test_sampling_streams.py",
+)
 STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
 # Each stage's own timeout (s); the overall --budget-s caps them further. The quick stages are
 # quick unless something hangs (a driver, a lock); the suite gets what the others leave.
@@ -263,7 +271,7 @@ def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
         "pytest",
         "-m",
         "gpu",
-        "tests/test_gpu_e2e.py",
+        *GPU_TESTS,
         "-v",
         "-rA",
         "-p",

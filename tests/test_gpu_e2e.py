@@ -196,8 +196,9 @@ class Harness:
             self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
 
     def _generator(self, real):
-        def factory(model):
-            generate = real(model)  # one Generator serves rollouts, repairs and evaluation
+        def factory(model, *args, **kwargs):
+            # one Generator serves rollouts, repairs and evaluation
+            generate = real(model, *args, **kwargs)
 
             def measured(*args, **kwargs):
                 phase = self.labels[-1] if self.labels else "generation"

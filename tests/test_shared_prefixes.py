@@ -189,3 +189,29 @@ def test_models_that_cannot_take_interior_padding_run_every_prompt_whole(tiny_mo
     assert not shares_prefixes(sliding)
     ro = generate(sliding, tok, PROMPTS, 1, 4, 8)
     assert ro.prefill_tokens == sum(ro.host_prompt_lengths())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shared_prefixes_on_cuda_carry_the_teacher_forced_log_probs():
+    """On the device: every tensor of the shared-prefix path on CUDA, the sampler's log-probs
+    those of a plain forward (float32, sdpa), and the same greedy tokens as the plain batch."""
+    tok = make_tokenizer()
+    model = make_tiny_qwen3(len(tok), seed=4).cuda()
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    assert shares_prefixes(model)
+    torch.manual_seed(2)
+    ro = generate(model, tok, PROMPTS, 1, 10, 8, share_prefixes=True)
+    assert ro.input_ids.is_cuda and ro.logprobs.is_cuda
+    assert ro.prefill_tokens < sum(ro.host_prompt_lengths())
+    logp, _ = completion_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask, 64, 1.0
+    )
+    torch.testing.assert_close(logp * ro.completion_mask, ro.logprobs, atol=1e-4, rtol=0)
+    greedy = [
+        generate(model, tok, PROMPTS, 1, 10, 8, do_sample=False, share_prefixes=s)
+        for s in (False, True)
+    ]
+    assert torch.equal(greedy[0].input_ids, greedy[1].input_ids)
