@@ -362,6 +362,7 @@ STEP_KEYS = (
     "truncated",
     "loss",
     "lifted_blame_fraction",  # logged by later versions of the step; None where absent
+    "edited_token_fraction",
 )
 
 
@@ -645,6 +646,39 @@ def mask_md(arms: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def repairs_md(arms: dict[str, list[dict]]) -> str:
+    """Per run of an arm that repairs: repair success (pooled), locality (the share of an
+    attempt's tokens its most local successful repair kept, mean over the steps with a success)
+    and the mask's action (steps where it lowered some blame; the share of completion tokens
+    whose blame it lowered, mean over steps)."""
+    lines = [
+        "| arm | seed | repairs | success | steps with a success | locality (kept) "
+        "| steps the mask acted | lifted blame (mean share) | final acc. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in arms.items():
+        for r in runs:
+            attempted = sum(x or 0.0 for x in r.get("repairs") or [])
+            if not attempted:
+                continue
+            rates = r.get("repair_success_rate") or []
+            edited = r.get("edited_token_fraction") or []
+            kept = [1.0 - e for ok, e in zip(rates, edited) if ok and e is not None]
+            lifted = [x for x in r.get("lifted_blame_fraction") or [] if x is not None]
+            acted = sum(1 for x in lifted if x > 0)
+            lines.append(
+                f"| {name} | {r['seed']} | {attempted:.0f} | {_f(r['repair_success'])} "
+                f"| {sum(1 for x in rates if x)} of {len(rates)} "
+                f"| {_f(statistics.fmean(kept)) if kept else '-'} "
+                f"| {acted if lifted else 'n/a'} of {len(lifted) if lifted else len(rates)} "
+                f"| {_f(statistics.fmean(lifted), '.4f') if lifted else 'n/a'} "
+                f"| {_f(r['after'])} |"
+            )
+    if len(lines) == 2:
+        return "No finished run repaired.\n"
+    return "\n".join(lines) + "\n"
+
+
 def commands_md(records: list[dict]) -> str:
     """The command lines, compactly: the part every run shares, then each arm's own overrides;
     study.json keeps every run's exact line."""
@@ -740,6 +774,7 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         ]
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
+        md += ["## Repairs per run\n", repairs_md(arms)]
         md += ["## Did the edit mask act?\n", mask_md(arms)]
         md += ["## What the design can resolve\n", spread_md(arms, comps)]
         md.append(
