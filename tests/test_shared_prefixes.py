@@ -73,15 +73,22 @@ def test_plan_declines_where_nothing_is_shared_or_padding_would_cost_more():
     assert padded_cost(rows, plan) < padded_cost(rows, None)
 
 
-@pytest.mark.parametrize("batch_size", [8, 4])  # one slice; slices of different plans
-def test_shared_prefixes_sample_what_the_plain_batch_samples(tiny_model_dir, batch_size):
+# identical prompts and a lone long one: every row's rest is its last token (no second forward)
+TWINS = [QUESTION_A + " 41"] * 3 + [QUESTION_B * 2]
+
+
+@pytest.mark.parametrize(
+    "prompts, batch_size",
+    [(PROMPTS, 8), (PROMPTS, 4), (TWINS, 8)],  # one slice; slices of different plans; twins
+)
+def test_shared_prefixes_sample_what_the_plain_batch_samples(tiny_model_dir, prompts, batch_size):
     """The same tokens from the same streams, log-probs equal to float error, and fewer prompt
     tokens run (the prefixes once per run)."""
     model, tok = _policy(tiny_model_dir)
     found = {}
     for share in (False, True):
         torch.manual_seed(5)
-        found[share] = generate(model, tok, PROMPTS, 1, 12, batch_size, share_prefixes=share)
+        found[share] = generate(model, tok, prompts, 1, 12, batch_size, share_prefixes=share)
     plain, shared = found[False], found[True]
     assert torch.equal(plain.input_ids, shared.input_ids)  # prompts left-padded as always
     assert torch.equal(plain.completion_mask, shared.completion_mask)
@@ -91,7 +98,7 @@ def test_shared_prefixes_sample_what_the_plain_batch_samples(tiny_model_dir, bat
     assert plain.prefill_tokens == total
     assert shared.prefill_tokens < total - len(QUESTION_A)  # at least one run's prefix saved
     greedy = [
-        generate(model, tok, PROMPTS, 1, 12, batch_size, do_sample=False, share_prefixes=s)
+        generate(model, tok, prompts, 1, 12, batch_size, do_sample=False, share_prefixes=s)
         for s in (False, True)
     ]
     assert torch.equal(greedy[0].input_ids, greedy[1].input_ids)
