@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from ibpo.catalog import resolve_recipe
-from ibpo.config import Config, ConfigError, load_config, validate
+from ibpo.config import Config, ConfigError
 from ibpo.data import IN_MEMORY
+from ibpo.recipe import load_config, validate
 from ibpo.rewards.functions import import_path
 from ibpo.trainer import train as run_recipe
 

@@ -34,12 +34,13 @@ import yaml
 
 from ibpo import catalog
 from ibpo.api import train
-from ibpo.config import ConfigError, load_config
+from ibpo.config import ConfigError
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
 from ibpo.hub.push import main as push_main
 from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
+from ibpo.recipe import load_config
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
 

@@ -9,20 +9,16 @@ learning built-in arithmetic with the ``ibpo`` objective.
 Each field declares its own rule (`choice`, `positive`, `at_least`, `within`, `containing`,
 `inherits`: a dataclass field with the rule in its metadata); `validate` walks them and then
 checks what spans fields, one ConfigError per problem naming the key and the fix, raised before
-anything is loaded. `resolve` then fills every field whose None means "inherit" (the repair
-settings from the rollout's, the held-out columns from training's, the objective's parameters
-from its declaration), so that what `ibpo config` prints and a run's config.yaml holds are
-the values the run uses; resolving a resolved config changes nothing.
+anything is loaded. `inherit` fills every field whose None means "inherit" (the repair settings
+from the rollout's, the held-out columns from training's) and the values a registry declares for
+the run (the objective's parameters), so that what `ibpo config` prints and a run's config.yaml
+holds are the values the run uses; inheriting again changes nothing.
 
-Each objective is declared here once, as data (`ObjectiveSpec` in OBJECTIVE_SPECS: its
-surrogate's name, importance-weight level, repair and dynamic-sampling defaults, parameter
-defaults), so that a config resolves without the torch code; objectives.py pairs each
-declaration with its surrogate function and turns a run's section into the one resolved type
-(`objectives.resolve_params`), and `objectives.register_objective` declares a new one here.
-
-This module imports nothing from ibpo (the names other modules register are declared here and
-tests/test_config.py checks them against the registries) and holds no logic about *how* the
-values are used; classes receive plain arguments.
+This module imports nothing from ibpo and knows no registry: which objectives, reward functions,
+group weights, gates, aggregations and KL estimators exist is the package's (ibpo.algo,
+ibpo.rewards), and ibpo/recipe.py checks those values and fills what an objective declares when
+it loads a recipe (`ibpo.recipe.load_config`, the entry point). It holds no logic about *how*
+the values are used; classes receive plain arguments.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import copy
 import dataclasses
 import math
 import re
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,96 +40,11 @@ class ConfigError(ValueError):
     """A user-facing configuration problem (bad key, bad type, bad value)."""
 
 
-# --- names the other modules register (tests/test_config.py keeps them equal) -----------------
+# --- choices the schema fixes -------------------------------------------------------------------
 
-REWARD_NAMES = ("math", "code")  # ibpo.rewards.REWARDS as shipped
-WEIGHTS = ("min_replace", "adv_orthogonal")  # objectives.WEIGHT_TRANSFORMS
-GATES = ("none", "group", "token")  # objectives.GATES
-AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")  # objectives.step_normaliser
-KL_ESTIMATORS = ("k3", "k3_ratio")  # objectives.KL_ESTIMATORS
-BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.micro_batch_loss
-IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # objectives.importance_weights
-IS_LEVELS = ("token", "sequence")  # objectives.importance_ratio
+BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.behaviour_policy
+IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # algo.objectives.importance_weights
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
-# The surrogate keyword arguments; an objective whose defaults lack one does not take it.
-SURROGATE_KEYS = ("weights", "gate", "eps_low", "eps_high")
-# What every objective declares a default for (the surrogate keys it takes come on top).
-OBJECTIVE_KEYS = ("aggregation", "scale_rewards", "overlong_buffer", "overlong_penalty")
-
-
-# --- the objectives: each declared once -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ObjectiveSpec:
-    """One objective as declared: everything a run takes from its name. `surrogate` names the
-    loss function in objectives.SURROGATES (data here: this module imports no torch); `level`
-    is what importance weights weigh (each token, or each sequence); `repairs` and
-    `dynamic_sampling` are the defaults of repair.enabled and rollout.dynamic_sampling;
-    `defaults` what the objective section's None fields resolve to (OBJECTIVE_KEYS and the
-    SURROGATE_KEYS its surrogate takes)."""
-
-    name: str
-    surrogate: str
-    level: str
-    defaults: dict[str, Any]
-    repairs: bool = False
-    dynamic_sampling: bool = False
-
-    @property
-    def takes(self) -> tuple[str, ...]:
-        """The surrogate keyword arguments this objective takes (its SURROGATE_KEYS)."""
-        return tuple(k for k in SURROGATE_KEYS if k in self.defaults)
-
-
-# name -> declaration, in declaration order: the one table of objectives (objectives.py adds
-# user-defined ones through register_objective; OBJECTIVES there resolves each at its defaults).
-OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {}
-
-
-def declare_objective(spec: ObjectiveSpec, replace: bool = False) -> ObjectiveSpec:
-    """Add `spec` to OBJECTIVE_SPECS once check_spec passes. -> spec."""
-    check_spec(spec, replace)
-    OBJECTIVE_SPECS[spec.name] = spec
-    return spec
-
-
-def check_spec(spec: ObjectiveSpec, replace: bool = False) -> None:
-    """A declaration as plain data: a new name (or `replace`), a known level, a default for
-    each of OBJECTIVE_KEYS, no key the objective section lacks, every value within its field's
-    rule. The surrogate's own checks are objectives.register_objective's."""
-    where = f"objective {spec.name!r}"
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", spec.name or ""):
-        raise ConfigError(f"{where}: a name is lower-case letters, digits and '_' (e.g. my_pg)")
-    if spec.name in OBJECTIVE_SPECS and not replace:
-        raise ConfigError(f"{where} is already declared; pick another name or pass replace=True")
-    if spec.level not in IS_LEVELS:
-        raise ConfigError(f"{where}: level={spec.level!r}; choose one of: {', '.join(IS_LEVELS)}")
-    missing = [k for k in OBJECTIVE_KEYS if k not in spec.defaults]
-    unknown = [k for k in spec.defaults if k not in (*OBJECTIVE_KEYS, *SURROGATE_KEYS)]
-    if missing or unknown:
-        raise ConfigError(
-            f"{where}: declare a default for each of {', '.join(OBJECTIVE_KEYS)}"
-            + (f" (missing: {', '.join(missing)})" if missing else "")
-            + (f"; not an objective parameter: {', '.join(unknown)}" if unknown else "")
-        )
-    section = ObjectiveConfig(name=spec.name)
-    try:
-        _apply(section, "objective", dict(spec.defaults))  # the fields' types
-        check_fields(section, "objective")
-    except ConfigError as e:
-        raise ConfigError(f"{where}: default {e}") from None
-
-
-def objective_spec(name: str) -> ObjectiveSpec:
-    """The declaration of objective `name`, or a ConfigError naming the declared ones."""
-    spec = OBJECTIVE_SPECS.get(name)
-    if spec is None:
-        raise ConfigError(
-            f"objective.name={name!r}; choose one of: {', '.join(OBJECTIVE_SPECS)} (or register "
-            "your own with ibpo.objectives.register_objective, docs/objectives.md)"
-        )
-    return spec
 
 
 # The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
@@ -192,8 +102,21 @@ def containing(default: str, *parts: str) -> Any:
 
 
 def inherits(key: str) -> Any:
-    """None (the default) = the value of `key` ("section.key"); `resolve` copies it."""
+    """None (the default) = the value of `key` ("section.key"); `inherit` copies it."""
     return field(default=None, metadata={"inherit": key})
+
+
+_OWN = "the objective's default"
+
+
+def declared(rule: Any = None, *, surrogate: bool = False) -> Any:
+    """None (the default) = the objective's own default, from its registration (filled in when
+    the recipe resolves); `rule` is the field's range where it has one. `surrogate`: a keyword
+    argument of the objective's loss, which an objective that declares no default for it does
+    not take, so setting it then is an error."""
+    base = rule if rule is not None else field(default=None)
+    meta = {**base.metadata, "null": _OWN, "surrogate": surrogate}
+    return field(default=None, metadata=meta)
 
 
 def _bounded(default, low, high, open_low, open_high, why, null, inherit) -> Any:
@@ -240,6 +163,16 @@ def check_fields(section_obj: Any, section: str) -> None:
         problem = _field_problem(getattr(section_obj, f.name), f.metadata)
         if problem:
             raise ConfigError(f"{section}.{f.name}{problem}")
+
+
+def section_with(section: str, values: typing.Mapping[str, Any]) -> Any:
+    """A fresh `section` (e.g. "objective") with `values` set as a recipe sets them: each a key
+    of the section, of its field's type and within its field's rule, or a ConfigError naming the
+    first that is not."""
+    obj = next(f for f in dataclasses.fields(Config) if f.name == section).default_factory()
+    _apply(obj, section, dict(values))
+    check_fields(obj, section)
+    return obj
 
 
 # --- the sections ----------------------------------------------------------------------------
@@ -325,8 +258,9 @@ class RolloutConfig:
     eval_batch_size: int = positive(100)
     # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
     # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
-    # None: the objective's default (ObjectiveSpec.dynamic_sampling: on for 'dapo', which is DAPO
-    # only with it; off for the others); filled in by resolve. Any objective may set it.
+    # None: the objective's default (its registration's dynamic_sampling: on for 'dapo', which is
+    # DAPO only with it; off for the others), filled in when the recipe resolves. Any objective
+    # may set it.
     dynamic_sampling: bool | None = None
     max_resample_rounds: int = at_least(0, 3)
     # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
@@ -354,40 +288,41 @@ class RolloutConfig:
     mismatch_stop_kl: float | None = positive(None, null="never stop")
 
 
-_OWN = "the objective's default"
-
-
 @dataclass
 class ObjectiveConfig:
     # ibpo | dfpo | grpo | dr_grpo | dapo | gspo, or one registered with
-    # objectives.register_objective: a name in OBJECTIVE_SPECS (checked by check_objective)
+    # ibpo.algo.objectives.register_objective (checked when the recipe resolves)
     name: str = "ibpo"
-    # Fields left at None take the objective's own default (its ObjectiveSpec.defaults, filled
-    # in by resolve); weights and gate stay None for the objectives they do not apply to.
-    weights: str | None = choice(*WEIGHTS, default=None, null=_OWN)  # ibpo/dfpo
-    gate: str | None = choice(*GATES, default=None, null=_OWN)  # ibpo/dfpo trust region
-    eps_low: float | None = within(0.0, 1.0, None, open_high=True, null=_OWN)
-    eps_high: float | None = at_least(0.0, None, null=_OWN)
-    scale_rewards: bool | None = None  # divide group-centred rewards by the group std
-    aggregation: str | None = choice(*AGGREGATIONS, default=None, null=_OWN)
+    # Fields left at None take the objective's own default (from its registration, filled in
+    # when the recipe resolves); weights, gate, eps_low and eps_high are its surrogate's keyword
+    # arguments and stay None for the objectives they do not apply to. The names weights, gate,
+    # aggregation and kl_estimator take are the algorithm's (algo.objectives: WEIGHT_TRANSFORMS,
+    # GATES, AGGREGATIONS, KL_ESTIMATORS).
+    weights: str | None = declared(surrogate=True)  # ibpo/dfpo: min_replace | adv_orthogonal
+    gate: str | None = declared(surrogate=True)  # ibpo/dfpo trust region: none | group | token
+    eps_low: float | None = declared(within(0.0, 1.0, None, open_high=True), surrogate=True)
+    eps_high: float | None = declared(at_least(0.0, None), surrogate=True)
+    scale_rewards: bool | None = declared()  # divide group-centred rewards by the group std
+    aggregation: str | None = declared()  # token_mean | token_sum | seq_mean
     # k3 KL to the reference (the base with the adapter disabled)
     kl_coef: float = at_least(0.0, 0.1, "0 = no KL term")
     # k3: the per-token k3 estimate as the loss term | k3_ratio: k3 times the token's ratio to the
     # rollout policy (differentiable), whose gradient is the unbiased reverse-KL gradient, also
     # on-policy (TRL's GRPOTrainer default since 1.x: use_bias_correction_kl)
-    kl_estimator: str = choice(*KL_ESTIMATORS)
+    kl_estimator: str = "k3"
     # DAPO's soft overlong punishment, for any objective (dapo's default: 0.2 and 0.5; others 0):
     # completions longer than (1 - overlong_buffer) x rollout.max_new_tokens lose reward linearly,
     # up to overlong_penalty at full length
-    overlong_buffer: float | None = within(
-        0.0,
-        1.0,
-        None,
-        "a share of rollout.max_new_tokens; 0 = no overlong penalty",
-        open_high=True,
-        null=_OWN,
+    overlong_buffer: float | None = declared(
+        within(
+            0.0,
+            1.0,
+            None,
+            "a share of rollout.max_new_tokens; 0 = no overlong penalty",
+            open_high=True,
+        )
     )
-    overlong_penalty: float | None = at_least(0.0, None, "it is subtracted", null=_OWN)
+    overlong_penalty: float | None = declared(at_least(0.0, None, "it is subtracted"))
     # The behaviour policy of the ratios (IBPO/DFPO's exchangeable weights, the clipped
     # objectives' ratios, k3_ratio): trainer (the trainer's own log-probs before the update, which
     # assumes the rollout came from exactly that policy) | rollout (the log-probs the generation
@@ -400,7 +335,7 @@ class ObjectiveConfig:
     # member masked drops its whole group).
     importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
     is_cap: float = positive(2.0)
-    # The reward: a built-in grader's name (ibpo.rewards.REWARDS; see reward_names), an import
+    # The reward: a built-in grader's name (ibpo.rewards.REWARDS), an import
     # path 'package.module:function' of a reward function in TRL's convention
     # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), or a list
     # of them, whose weighted sum (None: does not apply) is the reward
@@ -432,8 +367,8 @@ DEFAULT_REPAIR_TEMPLATE = (
 class RepairConfig:
     """Counterfactual repairs (IBPO.md Part 2); the defaults are the paper's values."""
 
-    # None: the objective's default (ObjectiveSpec.repairs: on for 'ibpo'), off for the
-    # baselines; filled in by resolve
+    # None: the objective's default (its registration's repairs: on for 'ibpo'), off for the
+    # baselines; filled in when the recipe resolves
     enabled: bool | None = None
     references: int = positive(1)  # K - 1 sibling references per incorrect completion (K = 2)
     # correct_first: correct siblings first, then others | correct_only: skip a member whose
@@ -559,18 +494,10 @@ def check_repo_id(
     return repo_id
 
 
-def reward_names() -> tuple[str, ...]:
-    """The names objective.reward may take: ibpo.rewards.REWARDS as it is now once that module
-    is loaded (tests and bench scripts add graders to it at run time), else REWARD_NAMES. Read
-    from sys.modules, never imported: this module imports nothing from ibpo."""
-    rewards = getattr(sys.modules.get("ibpo.rewards"), "REWARDS", None)
-    return tuple(rewards) if rewards is not None else REWARD_NAMES
-
-
 def check_objective(obj: ObjectiveConfig) -> None:
-    """The objective section alone: a declared name, its fields' rules, and no parameter its
-    objective lacks."""
-    spec = objective_spec(obj.name)
+    """The objective section's own rules: its fields' and the one between its corrections.
+    What the registry knows (the name, the names of weights, gates, aggregations and KL
+    estimators, the parameters the objective takes) is ibpo.recipe.check_objective's."""
     check_fields(obj, "objective")
     if obj.behavior_policy == "rollout" and obj.importance_sampling != "none":
         raise ConfigError(
@@ -578,13 +505,6 @@ def check_objective(obj: ObjectiveConfig) -> None:
             "which objective.behavior_policy=rollout already uses in every ratio: choose one "
             "(objective.importance_sampling=none, or objective.behavior_policy=trainer)"
         )
-    takes = spec.takes
-    for key in SURROGATE_KEYS:
-        if getattr(obj, key) is not None and key not in takes:
-            raise ConfigError(
-                f"objective.{key} does not apply to '{obj.name}' (it takes: "
-                f"{', '.join(takes) or 'none'}); set objective.{key}=null"
-            )
 
 
 def reward_list(obj: ObjectiveConfig) -> list[str]:
@@ -593,17 +513,11 @@ def reward_list(obj: ObjectiveConfig) -> list[str]:
 
 
 def _check_reward(obj: ObjectiveConfig) -> None:
-    """Each reward a built-in name or an import path (imported when the run starts:
-    rewards/functions.py), and one weight per reward."""
+    """At least one reward, and one finite weight per reward. That each is a built-in name or an
+    import path is ibpo.recipe's check (the names are ibpo.rewards.REWARDS)."""
     names = reward_list(obj)
     if not names:
         raise ConfigError("objective.reward is an empty list; name at least one reward")
-    for name in names:
-        if name not in reward_names() and ":" not in name:
-            raise ConfigError(
-                f"objective.reward={name!r}; choose one of: {', '.join(reward_names())}, or an "
-                "import path 'package.module:function'"
-            )
     weights = obj.reward_weights
     if weights is not None and len(weights) != len(names):
         raise ConfigError(
@@ -636,7 +550,8 @@ def _check_reward_and_answers(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Every section's field rules, then what spans fields; -> cfg, unchanged."""
+    """Every section's field rules, then what spans fields; -> cfg, unchanged. The values a
+    registry backs are ibpo.recipe.validate's, which runs this first."""
     for f in dataclasses.fields(cfg):
         if f.name != "objective":
             check_fields(getattr(cfg, f.name), f.name)
@@ -668,34 +583,22 @@ def validate(cfg: Config) -> Config:
 # --- what None inherits ----------------------------------------------------------------------
 
 
-def resolve_objective(obj: ObjectiveConfig) -> ObjectiveConfig:
-    """A checked copy of `obj` with each None parameter its objective takes set to that
-    objective's default (its ObjectiveSpec); weights and gate stay None where they do not apply."""
-    check_objective(obj)
-    obj = copy.copy(obj)
-    for key, value in OBJECTIVE_SPECS[obj.name].defaults.items():
-        if getattr(obj, key) is None:
-            setattr(obj, key, value)
-    return obj
-
-
-def resolve(cfg: Config) -> Config:
+def inherit(cfg: Config, declared: typing.Mapping[str, Any] | None = None) -> Config:
     """A copy of a validated `cfg` with every None-means-inherit field set to what it inherits:
-    the fields declared with `inherits` / `inherit=` (repair.max_new_tokens, temperature,
-    batch_size from the rollout's; data.eval_question_column, eval_answer_column and
-    eval_answer_format from training's), repair.enabled and rollout.dynamic_sampling (the
-    objective's declared defaults: on for ibpo and for dapo) and the objective's parameters
-    (resolve_objective). Idempotent. Other None fields (a Hub revision, vllm_kv_cache_gb sized at
-    run time, data.eval_dataset / eval_subset: "the same source", not a copy...) mean something
-    else and stay None."""
+    first `declared` ("section.key" -> value: what a registry declares for this run, such as the
+    objective's parameters, repair.enabled and rollout.dynamic_sampling, which ibpo.recipe.resolve
+    passes), then the fields declared with `inherits` / `inherit=` (repair.max_new_tokens,
+    temperature, batch_size from the rollout's; data.eval_question_column, eval_answer_column and
+    eval_answer_format from training's). A field the user set keeps its value. Idempotent. Other
+    None fields (a Hub revision, vllm_kv_cache_gb sized at run time, data.eval_dataset /
+    eval_subset: "the same source", not a copy...) mean something else and stay None. `inherited`
+    lists what was filled, so that the recipe form (to_dict(recipe=True)) inherits afresh."""
     before = cfg.to_dict(recipe=True)
     cfg = copy.deepcopy(cfg)
-    cfg.objective = resolve_objective(cfg.objective)
-    spec = OBJECTIVE_SPECS[cfg.objective.name]
-    if cfg.repair.enabled is None:
-        cfg.repair.enabled = spec.repairs
-    if cfg.rollout.dynamic_sampling is None:
-        cfg.rollout.dynamic_sampling = spec.dynamic_sampling
+    for key, value in (declared or {}).items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) is None:
+            setattr(getattr(cfg, section), name, value)
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):
@@ -817,23 +720,24 @@ def migrate_renamed(tree: Any) -> Any:
     return tree
 
 
-def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
+def read_saved(tree: dict[str, Any], origin: str = "config") -> Config:
     """A nested dict such as Config.to_dict() gives (a run's config.yaml or config.json, also
     one an older version wrote: with nulls, or with keys since renamed, which move to their new
-    names) -> the Config, validated and resolved. Recipes and overrides (load_config) are not
-    migrated: an old name there is an error that names the new one."""
+    names) -> the Config as read, neither validated nor resolved (ibpo.recipe.from_dict does
+    both). Recipes and overrides (read_recipe) are not migrated: an old name there is an error
+    that names the new one."""
     cfg = Config()
     _update(cfg, migrate_renamed(tree), origin)
-    return resolve(validate(cfg))
+    return cfg
 
 
-def load_config(
+def read_recipe(
     recipe: str | Path | Config | None = None,
     overrides: list[str] | typing.Mapping[str, Any] | None = None,
 ) -> Config:
     """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
-    `section.key=value` overrides (or a mapping {"section.key": value}), validated, then
-    resolved."""
+    `section.key=value` overrides (or a mapping {"section.key": value}), as read: neither
+    validated nor resolved (ibpo.recipe.load_config does both)."""
     cfg = Config()
     if isinstance(recipe, Config):
         _update(cfg, recipe.to_dict(recipe=True), "the given Config")
@@ -859,65 +763,4 @@ def load_config(
             text = item
             section, key, value = parse_override(text)
         _update(cfg, {section: {key: value}}, f"override '{text}'")
-    return resolve(validate(cfg))
-
-
-# --- the shipped objectives, each declared once ----------------------------------------------
-
-_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
-_NO_OVERLONG = {"overlong_buffer": 0.0, "overlong_penalty": 0.0}
-# DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on
-# 0..1. DAPO is DAPO only with dynamic sampling; IBPO's shaped rewards need its repairs.
-_BUILTIN_OBJECTIVES = (
-    ObjectiveSpec(
-        "ibpo",
-        "exchangeable",
-        "sequence",
-        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-        repairs=True,
-    ),
-    ObjectiveSpec(
-        "dfpo",
-        "exchangeable",
-        "sequence",
-        {**_EXCHANGEABLE, "aggregation": "token_mean", "scale_rewards": True, **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "grpo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "seq_mean", "scale_rewards": True,
-         **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "dr_grpo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.2, "aggregation": "token_sum", "scale_rewards": False,
-         **_NO_OVERLONG},
-    ),
-    ObjectiveSpec(
-        "dapo",
-        "clipped_token",
-        "token",
-        {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean", "scale_rewards": True,
-         "overlong_buffer": 0.2, "overlong_penalty": 0.5},
-        dynamic_sampling=True,
-    ),
-    ObjectiveSpec(
-        "gspo",
-        "gspo_sequence",
-        "sequence",
-        {"eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean", "scale_rewards": True,
-         **_NO_OVERLONG},
-    ),
-)  # fmt: skip
-
-for _spec in _BUILTIN_OBJECTIVES:
-    declare_objective(_spec)
-# The shipped objectives' names, repair and dynamic-sampling defaults and parameter defaults,
-# derived from their declarations (a snapshot: registered objectives are in OBJECTIVE_SPECS).
-OBJECTIVE_NAMES = tuple(s.name for s in _BUILTIN_OBJECTIVES)
-COUNTERFACTUAL_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.repairs)
-DYNAMIC_SAMPLING_OBJECTIVES = tuple(s.name for s in _BUILTIN_OBJECTIVES if s.dynamic_sampling)
-OBJECTIVE_DEFAULTS = {s.name: dict(s.defaults) for s in _BUILTIN_OBJECTIVES}
+    return cfg

@@ -1,27 +1,20 @@
-"""Counterfactual repairs (IBPO.md Part 2): the group's own members as counterfactuals.
+"""Counterfactual repairs (IBPO.md Part 2), run: one step's repairs generated and graded.
 
-For each failed completion y_i of a group (reward 0; at most `max_repairs_per_group` per group),
-K - 1 sibling references are chosen (correct siblings, reward 1, first by default) and the policy
-is asked, through
-a documented template, to repair y_i *locally* given the question and the reference. All repairs of
-a step are generated in one batched call (adapter on, no gradient) and graded by the run's
-reward functions (rewards/functions.py), with the original problem's row, as its completions
-are: a repair succeeds when its weighted reward is >= 1. A conversational prompt keeps its
-earlier turns; the repair request takes the place of its last user message. From them:
+The plan (which failed members are repaired against which siblings), phi and the edit masks are
+the algorithm's (algo/counterfactual.py); this module runs the model for them. All repairs of a
+step are generated in one batched call (adapter on, no gradient) and graded by the run's reward
+functions (rewards/functions.py), with the original problem's row, as its completions are: a
+repair succeeds when its weighted reward is >= 1. A conversational prompt keeps its earlier
+turns; the repair request takes the place of its last user message.
 
-    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 unless R_i = 0)
-    edited[i, t] = token t of y_i was changed by its most local successful repair
-                   (token-level Levenshtein alignment; all True when no repair succeeded)
+`advantages.shape_rewards` and `advantages.token_advantages` turn phi and the masks into R' and
+token advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the
+rewards they come from (the grader's verdicts, token alignments of host token lists): this
+module reads no value from the device, and step.py moves the masks to the rollout's device in
+one place. Repairs are scored, never trained on.
 
-`advantages.shape_rewards` and `advantages.token_advantages` turn these into R' and token
-advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the rewards they
-come from (the grader's verdicts, token alignments of host token lists): this module reads no
-value from the device, and step.py moves the masks to the rollout's device in one place.
-Repairs are scored, never trained on. A partly correct completion (0 < R < 1, e.g. a
-fraction of a problem's code tests) is neither repaired nor a preferred reference: IBPO.md's phi
-needs R_i = 0, and a bonus on R_i = 0.9 could lift it above a fully correct sibling.
-
-Not here: the reward shaping arithmetic (advantages.py) or the loss.
+Not here: the repair arithmetic (algo/counterfactual.py), the reward shaping (algo/advantages.py)
+or the loss.
 """
 
 from __future__ import annotations
@@ -29,100 +22,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from ibpo.advantages import edited_tokens
+from ibpo.algo.counterfactual import edit_masks, fill_template, phi_from_repairs, plan_repairs
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
 from ibpo.rewards.functions import RewardSet, grade
 from ibpo.rollout import Generator, Rollout
-
-
-@dataclass(frozen=True)
-class RepairJob:
-    group: int  # b in [0, B)
-    member: int  # i in [0, G): the failed attempt (reward 0)
-    reference: int  # j in [0, G): the sibling shown as a reference
-
-
-def choose_references(
-    correct: list[bool], member: int, k: int, selection: str, rng: random.Random
-) -> list[int]:
-    """Up to k sibling indices for `member` of one group (never the member itself)."""
-    siblings = [j for j in range(len(correct)) if j != member]
-    rng.shuffle(siblings)
-    if selection == "random":
-        return siblings[:k]
-    good = [j for j in siblings if correct[j]]
-    if selection == "correct_only":
-        return good[:k]
-    return (good + [j for j in siblings if not correct[j]])[:k]
-
-
-def plan_repairs(
-    rewards: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
-) -> list[RepairJob]:
-    """rewards [B, G] (host) -> the repair generations of a step (at most max_per_group x K-1 per
-    group): failed members (R = 0) get references, correct ones (R >= 1) first. Which failed
-    members are repaired when the cap binds is random, not positional."""
-    jobs = []
-    for b, row in enumerate(rewards.tolist()):
-        correct = [r >= 1.0 for r in row]
-        failed = [i for i, r in enumerate(row) if r <= 0.0]
-        rng.shuffle(failed)
-        for i in failed[:max_per_group]:
-            for j in choose_references(correct, i, references, selection, rng):
-                jobs.append(RepairJob(b, i, j))
-    return jobs
-
-
-def phi_from_repairs(
-    jobs: list[RepairJob], success: list[bool], shape: tuple[int, int], rho: float
-) -> Tensor:
-    """phi [B, G] = rho * (share of a member's repairs that succeeded); 0 where none ran."""
-    hits, runs = torch.zeros(shape, device="cpu"), torch.zeros(shape, device="cpu")
-    for job, ok in zip(jobs, success):
-        runs[job.group, job.member] += 1
-        hits[job.group, job.member] += float(ok)
-    return rho * hits / runs.clamp_min(1)
-
-
-def fill_template(template: str, question: str, attempt: str, reference: str) -> str:
-    # str.replace, not str.format: templates and answers may contain LaTeX braces
-    return (
-        template.replace("{question}", question)
-        .replace("{attempt}", attempt.strip())
-        .replace("{reference}", reference.strip())
-    )
-
-
-def edit_masks(
-    attempts: list[list[int]],
-    width: int,
-    jobs: list[RepairJob],
-    repairs: list[list[int]],
-    success: list[bool],
-    group_size: int,
-) -> tuple[Tensor, float]:
-    """edited [N, width] bool on the host (True = carries blame) and the edited share of repaired
-    attempts. An attempt with several successful repairs takes the most local one (fewest edited
-    tokens); with no jobs every token carries blame (the mask is then a no-op).
-    """
-    edited = torch.ones(len(attempts), width, dtype=torch.bool, device="cpu")
-    best: dict[int, list[bool]] = {}
-    for job, rep, ok in zip(jobs, repairs, success):
-        if not ok:
-            continue
-        n = job.group * group_size + job.member
-        marks = edited_tokens(attempts[n], rep)
-        if n not in best or sum(marks) < sum(best[n]):
-            best[n] = marks
-    n_edit = n_tok = 0
-    for n, marks in best.items():
-        edited[n, : len(marks)] = torch.tensor(marks, dtype=torch.bool, device="cpu")
-        n_edit, n_tok = n_edit + sum(marks), n_tok + len(marks)
-    return edited, (n_edit / n_tok if n_tok else 0.0)
 
 
 @dataclass

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibpo.config import VLLM_BATCHED_TOKENS as VLLM_BATCHED_TOKENS  # re-exported
-from ibpo.config import ConfigError, ModelConfig, objective_spec
+from ibpo.config import ConfigError, ModelConfig
 from ibpo.embedded import EMBEDDED_NAME
+from ibpo.recipe import objective_spec
 
 GIB = 2**30
 F32 = 4  # bytes of fp32: LoRA weights and grads, upcast activations, logits

@@ -10,11 +10,11 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
      graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py). With
      dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
   5. advantages: group-centred (std-scaled when the objective says so), DAPO's length penalty
-     where on, broadcast to tokens [N, T] with the edit masks applied (advantages.py);
+     where on, broadcast to tokens [N, T] with the edit masks applied (algo/advantages.py);
   6. frozen log-probs: old (only when a rollout is reused, updates_per_rollout > 1) and
      reference (only when kl_coef > 0 or the KL is logged: the same model, adapter disabled);
   7. micro-batches of whole groups: log-probs with grad -> objective -> backward, each loss
-     divided by a normaliser from the whole step and all processes (objectives.py);
+     divided by a normaliser from the whole step and all processes (algo/objectives.py);
   8. clip, then the optimizer and scheduler step, unless a loss or the gradient is not finite;
   9. metrics, gathered over processes.
 Stages hand each other small dataclasses: `Round` (one generation round), `ScoredBatch` (what
@@ -32,7 +32,8 @@ and FSDP gathers weights in each), a process with fewer micro-batches repeating 
 with zero weight. Under FSDP generation runs on gathered weights (distributed.gathered).
 
 Not here: the run around the step (trainer.py: output dir, resume, signals, evaluation,
-checkpoints, summary), the math (objectives, advantages, repair, diagnostics), model loading.
+checkpoints, summary), the math (algo/: objectives, advantages, counterfactual, cancellation,
+mismatch), model loading.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ibpo.advantages import (
+from ibpo.algo.advantages import (
     flat_groups,
     group_advantages,
     lifted_blame_fraction,
@@ -56,26 +57,26 @@ from ibpo.advantages import (
     shape_rewards,
     token_advantages,
 )
-from ibpo.batching import MicroBatch, micro_batches
-from ibpo.config import Config, ConfigError
-from ibpo.data import PromptStream, render_example
-from ibpo.diagnostics import cancellation_residual
-from ibpo.distributed import agreed_count, gather_metrics, gathered
-from ibpo.logprobs import completion_logprobs
-from ibpo.mismatch import mismatch_stats
-from ibpo.modeling import (
-    dequantized_base,
-    offloaded_activations,
-    reference_mode,
-    use_dequantized_base,
-)
-from ibpo.objectives import (
+from ibpo.algo.cancellation import cancellation_residual
+from ibpo.algo.mismatch import mismatch_stats
+from ibpo.algo.objectives import (
     ResolvedObjective,
     aggregate,
     importance_ratio,
     importance_weights,
     step_normaliser,
     token_weights,
+)
+from ibpo.batching import MicroBatch, micro_batches
+from ibpo.config import Config, ConfigError
+from ibpo.data import PromptStream, render_example
+from ibpo.distributed import agreed_count, gather_metrics, gathered
+from ibpo.logprobs import completion_logprobs
+from ibpo.modeling import (
+    dequantized_base,
+    offloaded_activations,
+    reference_mode,
+    use_dequantized_base,
 )
 from ibpo.repair import run_repairs
 from ibpo.rewards import errors as grader_errors
@@ -216,12 +217,12 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
 
 
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
-    """repair.enabled as config.resolve filled it from the objective's declaration: read, not
+    """repair.enabled as recipe.resolve filled it from the objective's registration: read, not
     re-derived, so an unresolved config is refused rather than guessed."""
     if cfg.repair.enabled is None:
         raise ValueError(
             f"repair.enabled is unresolved for objective {objective.name!r}: build the config "
-            "with ibpo.config.load_config or pass it through ibpo.config.resolve"
+            "with ibpo.recipe.load_config or pass it through ibpo.recipe.resolve"
         )
     return cfg.repair.enabled
 
@@ -519,7 +520,7 @@ def micro_batch_loss(
     """Log-probs with grad, the objective and the loss of one micro-batch (backward is the
     caller's); also its stats and the coefficients the cancellation diagnostic needs. On the
     first update after the rollout (`first`) the trainer's log-probs are compared with the
-    rollout's behaviour log-probs (mismatch.py): the frozen old ones when they were computed,
+    rollout's behaviour log-probs (algo/mismatch.py): the frozen old ones when they were computed,
     else this forward's, so the check costs no forward of its own."""
     tr, G = cfg.train, cfg.rollout.group_size
     with offloaded_activations(cfg.model.offload_activations):
@@ -546,7 +547,7 @@ def micro_batch_loss(
 
 def behaviour_policy(trainer_logp, behaviour, mask, objective):
     """(old_logp for the ratios, importance weights or None, their stats) under
-    objective.behavior_policy and objective.importance_sampling (objectives.py's module doc)."""
+    objective.behavior_policy and objective.importance_sampling (algo/objectives.py's doc)."""
     correcting = objective.behavior_policy == "rollout" or objective.importance_sampling != "none"
     if not correcting:
         return trainer_logp, None, {}

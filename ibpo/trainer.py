@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ibpo.algo.objectives import ResolvedObjective
 from ibpo.config import Config
 from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_note
 from ibpo.distributed import (
@@ -43,10 +44,7 @@ from ibpo.modeling import (
     load_policy,
     use_dequantized_base,
 )
-from ibpo.objectives import (
-    ResolvedObjective,
-    resolve_params,
-)
+from ibpo.recipe import resolve_params
 from ibpo.rewards.code import training_sandbox
 from ibpo.rewards.functions import RewardError, RewardSet, run_reward_set
 from ibpo.rollout import set_kv_cache

@@ -5,11 +5,9 @@
 * `shape_rewards`: R'_i = R_i + lambda * phi_i, phi only on failed members (the counterfactual
   repair bonus; phi itself comes from repair generations, which this module does not run).
 * `overlong_penalty`: DAPO's soft length penalty, a reward term added before centring.
-* `edited_tokens`: which tokens of an attempt its repair changed, from a token-level Levenshtein
-  alignment (rapidfuzz's C implementation over token ids).
-* `token_advantages`: broadcast A_i over tokens, and where an edit mask is given, reduce the blame
-  on tokens a successful repair left unchanged (negative A only; never increases |A|, never flips
-  its sign; unchanged_weight = 1 is a no-op).
+* `token_advantages`: broadcast A_i over tokens, and where an edit mask is given
+  (counterfactual.edit_masks), reduce the blame on tokens a successful repair left unchanged
+  (negative A only; never increases |A|, never flips its sign; unchanged_weight = 1 is a no-op).
 * `lifted_blame_fraction`: the share of a step's completion tokens whose blame the edit mask
   lowers (how often Part 2's mask acts at all, as opposed to its shaping term).
 
@@ -60,23 +58,6 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: float, penalty: floa
 def shape_rewards(rewards: Tensor, phi: Tensor, lam: float, correct: Tensor) -> Tensor:
     """R' = R + lambda * phi on incorrect members only; correct members keep R exactly."""
     return torch.where(correct, rewards, rewards + lam * phi)
-
-
-def edited_tokens(attempt: list[int], repair: list[int]) -> list[bool]:
-    """For each token of `attempt`: True when the minimal alignment to `repair` changes it.
-
-    Replaced and deleted tokens are edited. An insertion before position j means the policy
-    emitted attempt[j] where the repair wrote something else first, so attempt[j] is marked too
-    (an insertion at the very end marks the last token: stopping there was the mistake).
-    """
-    from rapidfuzz.distance import Levenshtein
-
-    edited = [False] * len(attempt)
-    if not attempt:
-        return edited
-    for op in Levenshtein.editops(attempt, repair):
-        edited[min(op.src_pos, len(attempt) - 1)] = True
-    return edited
 
 
 def token_advantages(

@@ -1,4 +1,5 @@
-r"""Policy-gradient surrogates as pure functions over flat tensors, plus a registry by name.
+r"""Policy-gradient surrogates as pure functions over flat tensors, each objective registered
+beside its loss.
 
 Every objective is written per token and then aggregated:
 
@@ -31,40 +32,30 @@ exchangeable surrogate, where it multiplies w_i *before* the group transform, so
 of a group still shares one coefficient and cancellation stays exact. With rollout and trainer
 log-probs equal, rho = 1 exactly and both corrections reduce to the uncorrected objective.
 
-Each objective is declared once, as data in config.OBJECTIVE_SPECS (its surrogate's name in
-SURROGATES, its importance-weight level, whether repairs and dynamic sampling are on by default,
-its parameter defaults), so that config.py resolves a run's section without importing this
-module; `resolve_params` turns that section into the one resolved type the step calls
-(ResolvedObjective), once per run; `register_objective` declares a new objective the same way
-(docs/objectives.md). OBJECTIVES views every declared objective at its defaults.
+Each objective is one `register_objective(...)` call beside its surrogate: the six below (ibpo and
+dfpo on the exchangeable surrogate; grpo, dr_grpo and dapo on the clipped token ratio; gspo) are
+registered exactly as a user's own is (docs/layout.md). An ObjectiveSpec holds the loss function
+itself, the level its importance weights take, its defaults (aggregation, std scaling, DAPO's
+overlong penalty, the surrogate's keyword arguments) and whether repairs and dynamic sampling are
+on by default; OBJECTIVES is the one table of them. ResolvedObjective is an objective with a
+run's parameters: what the step calls.
 
-What this module does not do: compute advantages (advantages.py), log-probs (logprobs.py), or
-read configs beyond `resolve_params`.
+What this module does not do: read a recipe (ibpo/recipe.py turns the objective section into a
+ResolvedObjective and checks its values against the tables here), compute advantages
+(advantages.py) or log-probs (logprobs.py).
 Shapes: n sequences in the micro-batch (whole groups, group-major), T completion tokens.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from ibpo.config import (
-    OBJECTIVE_NAMES,
-    OBJECTIVE_SPECS,
-    ConfigError,
-    ObjectiveConfig,
-    ObjectiveSpec,
-    check_objective,
-    check_spec,
-    declare_objective,
-    objective_spec,
-    resolve_objective,
-)
 
 
 def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -75,6 +66,149 @@ def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """log of GSPO's length-normalised sequence ratio: mean_t(logp - old_logp) -> [n]."""
     return _seq_mean(logp - old_logp, mask)
+
+
+# --- aggregation: normaliser from the whole step ----------------------------------------------
+
+
+def step_normaliser(aggregation: str, lengths: list[int], max_new_tokens: int) -> float:
+    """Z for the whole step, given the completion lengths of all its sequences."""
+    n_seq = len(lengths)
+    if aggregation == "token_mean":
+        return max(float(sum(lengths)), 1.0)
+    if aggregation == "token_sum":
+        return float(n_seq * max_new_tokens)
+    if aggregation == "seq_mean":
+        return float(max(n_seq, 1))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normaliser: float) -> Tensor:
+    """Reduce a micro-batch's per-token loss with the step-wide normaliser."""
+    if aggregation == "seq_mean":
+        return _seq_mean(per_token, mask).sum() / normaliser
+    return (per_token * mask).sum() / normaliser
+
+
+def token_weights(mask: Tensor, aggregation: str) -> Tensor:
+    """The per-token factor `aggregate` applies before dividing by Z: [n, T].
+
+    1/|y_i| under seq_mean (one reason GRPO's coefficients differ between members), else 1.
+    """
+    if aggregation == "seq_mean":
+        return mask / mask.sum(-1, keepdim=True).clamp_min(1)
+    return mask
+
+
+AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
+
+
+# --- the registry: one call per objective ------------------------------------------------------
+
+Surrogate = Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
+# The arguments every surrogate is called with, by position, and `rho` by name (step.py).
+_POSITIONAL = ("logp", "old_logp", "adv", "mask", "seq_adv", "group_size")
+# What importance weights weigh (importance_ratio): each token, or each sequence.
+LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One objective as registered: its loss function, the level its importance weights take,
+    its defaults (what the objective section's None fields become) and whether repairs and
+    dynamic sampling are on by default. `kwargs`: the surrogate's own keyword arguments (eps_low,
+    eps_high, weights, gate...) at their defaults; an objective takes no other."""
+
+    name: str
+    surrogate: Surrogate
+    level: str
+    aggregation: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    scale_rewards: bool = True  # A = (R - mean) / std  (True)  or  R - mean  (False)
+    # DAPO's soft overlong punishment (advantages.overlong_penalty); 0 = off
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 0.0
+    repairs: bool = False  # IBPO.md Part 2: counterfactual repairs, shaped rewards, edit masks
+    dynamic_sampling: bool = False  # DAPO's: flat groups dropped and refilled
+
+
+# name -> spec, in registration order: every objective a recipe may name.
+OBJECTIVES: dict[str, ObjectiveSpec] = {}
+# The objectives this module registers (set at its end): a user's cannot replace or remove them.
+SHIPPED: tuple[str, ...] = ()
+
+
+def register_objective(
+    name: str,
+    surrogate: Surrogate | None = None,
+    *,
+    level: str,
+    aggregation: str,
+    scale_rewards: bool = True,
+    repairs: bool = False,
+    dynamic_sampling: bool = False,
+    overlong_buffer: float = 0.0,
+    overlong_penalty: float = 0.0,
+    replace: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Register objective `name`, then selectable as objective.name=<name>: its surrogate (a
+    function with the signature of the ones below), the level its importance weights take, its
+    defaults (aggregation, scale_rewards, overlong_*, and one per keyword argument of the
+    surrogate it takes, such as eps_high=0.28), whether repairs and dynamic sampling are on by
+    default. Without `surrogate` it is a decorator. -> the surrogate.
+
+    A bad call (a shipped or taken name, an unknown level or aggregation, a function that does
+    not take the step's arguments) raises ValueError before anything is registered; the
+    defaults' values are checked against the recipe's field rules when a recipe names the
+    objective (ibpo/recipe.py)."""
+    if surrogate is None:
+        return lambda fn: register_objective(
+            name, fn, level=level, aggregation=aggregation, scale_rewards=scale_rewards,
+            repairs=repairs, dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer,
+            overlong_penalty=overlong_penalty, replace=replace, **kwargs,
+        )  # fmt: skip
+    where = f"objective {name!r}"
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"{where}: a name is lower-case letters, digits and '_' (e.g. my_pg)")
+    if name in SHIPPED:
+        raise ValueError(f"{where} ships with ibpo; register yours under another name")
+    if name in OBJECTIVES and not replace:
+        raise ValueError(f"{where} is already registered; pick another name or pass replace=True")
+    if level not in LEVELS:
+        raise ValueError(f"{where}: level={level!r}; choose one of: {', '.join(LEVELS)}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"{where}: aggregation={aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}"
+        )
+    _check_signature(name, surrogate, kwargs)
+    OBJECTIVES[name] = ObjectiveSpec(
+        name, surrogate, level, aggregation, dict(kwargs), scale_rewards, overlong_buffer,
+        overlong_penalty, repairs, dynamic_sampling,
+    )  # fmt: skip
+    return surrogate
+
+
+def _check_signature(name: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    """A surrogate must take the step's arguments and the keyword arguments it declares."""
+    if not callable(fn):
+        raise ValueError(f"objective {name!r}: the surrogate must be a function, got {fn!r}")
+    params = inspect.signature(fn).parameters
+    wanted = [*_POSITIONAL, "rho", *kwargs]
+    missing = [p for p in wanted if p not in params]
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(
+            f"objective {name!r}: {getattr(fn, '__name__', fn)} does not take "
+            f"{', '.join(missing)}; a surrogate is f({', '.join(_POSITIONAL)}, *, rho=None, "
+            "<its keyword arguments>) -> (per-token loss, coefficient, stats)"
+        )
+
+
+def unregister_objective(name: str) -> None:
+    """Remove a registered objective; the shipped ones stay."""
+    if name in SHIPPED:
+        raise ValueError(f"objective {name!r} ships with ibpo and cannot be removed")
+    OBJECTIVES.pop(name, None)
 
 
 # --- group weight transforms (IBPO.md Part 1, v1 Eq. 17/18) -----------------------------------
@@ -178,6 +312,16 @@ def exchangeable(
     return loss, coef.expand_as(logp), {"gate_fraction": gated, "weight_mean": w_t.mean()}
 
 
+# IBPO's shaped rewards need its repairs; DFPO is the same surrogate without them (Part 1 alone).
+_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
+register_objective(
+    "ibpo", exchangeable, level="sequence", aggregation="token_mean", repairs=True, **_EXCHANGEABLE
+)
+register_objective(
+    "dfpo", exchangeable, level="sequence", aggregation="token_mean", **_EXCHANGEABLE
+)
+
+
 def clipped_token(
     logp: Tensor,
     old_logp: Tensor,
@@ -202,6 +346,33 @@ def clipped_token(
     if rho is not None:
         loss, coef = loss * rho, coef * rho
     return loss, coef, {"clip_fraction": frac}
+
+
+register_objective(
+    "grpo", clipped_token, level="token", aggregation="seq_mean", eps_low=0.2, eps_high=0.2
+)
+register_objective(
+    "dr_grpo",
+    clipped_token,
+    level="token",
+    aggregation="token_sum",
+    scale_rewards=False,
+    eps_low=0.2,
+    eps_high=0.2,
+)
+# DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1.
+# DAPO is DAPO only with dynamic sampling.
+register_objective(
+    "dapo",
+    clipped_token,
+    level="token",
+    aggregation="token_mean",
+    dynamic_sampling=True,
+    overlong_buffer=0.2,
+    overlong_penalty=0.5,
+    eps_low=0.2,
+    eps_high=0.28,
+)
 
 
 def gspo_sequence(
@@ -236,6 +407,11 @@ def gspo_sequence(
     return loss, coef, {"clip_fraction": frac}
 
 
+register_objective(
+    "gspo", gspo_sequence, level="sequence", aggregation="seq_mean", eps_low=3e-4, eps_high=4e-4
+)
+
+
 def _share(flags: Tensor, mask: Tensor) -> Tensor:
     """The masked share of flagged tokens, a 0-dim float64 tensor on their device: no host read
     per micro-batch (the step reads all its statistics at once)."""
@@ -264,63 +440,14 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 }
 
 
-# --- aggregation: normaliser from the whole step ----------------------------------------------
-
-
-def step_normaliser(aggregation: str, lengths: list[int], max_new_tokens: int) -> float:
-    """Z for the whole step, given the completion lengths of all its sequences."""
-    n_seq = len(lengths)
-    if aggregation == "token_mean":
-        return max(float(sum(lengths)), 1.0)
-    if aggregation == "token_sum":
-        return float(n_seq * max_new_tokens)
-    if aggregation == "seq_mean":
-        return float(max(n_seq, 1))
-    raise ValueError(f"unknown aggregation {aggregation!r}")
-
-
-def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normaliser: float) -> Tensor:
-    """Reduce a micro-batch's per-token loss with the step-wide normaliser."""
-    if aggregation == "seq_mean":
-        return _seq_mean(per_token, mask).sum() / normaliser
-    return (per_token * mask).sum() / normaliser
-
-
-def token_weights(mask: Tensor, aggregation: str) -> Tensor:
-    """The per-token factor `aggregate` applies before dividing by Z: [n, T].
-
-    1/|y_i| under seq_mean (one reason GRPO's coefficients differ between members), else 1.
-    """
-    if aggregation == "seq_mean":
-        return mask / mask.sum(-1, keepdim=True).clamp_min(1)
-    return mask
-
-
-AGGREGATIONS = ("token_mean", "token_sum", "seq_mean")
-
-
-# --- registry: each objective declared once --------------------------------------------------
-
-Surrogate = Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
-# The loss functions by the name an ObjectiveSpec gives (config.OBJECTIVE_SPECS declares the
-# objectives, with their defaults; register_objective adds to both).
-SURROGATES: dict[str, Surrogate] = {
-    "exchangeable": exchangeable,
-    "clipped_token": clipped_token,
-    "gspo_sequence": gspo_sequence,
-}
-# The arguments every surrogate is called with, by position, and `rho` by name (step.py).
-_POSITIONAL = ("logp", "old_logp", "adv", "mask", "seq_adv", "group_size")
-
-
 @dataclass(frozen=True)
 class ResolvedObjective:
-    """An objective with a run's parameters: what the step calls, built once per run
-    (resolve_params) from the objective section and its declaration; plain values only."""
+    """An objective with a run's parameters: what the step calls, built once per run from
+    the objective section and its spec (ibpo.recipe.resolve_params); plain values only."""
 
     name: str
     surrogate: Surrogate
-    kwargs: dict[str, Any]  # the surrogate keyword arguments (its SURROGATE_KEYS)
+    kwargs: dict[str, Any]  # the surrogate keyword arguments (its spec's kwargs)
     aggregation: str
     scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
     counterfactual: bool  # declared with repairs (IBPO.md Part 2 shaped rewards) by default
@@ -336,133 +463,5 @@ class ResolvedObjective:
     # what `importance_weights` weighs: each token, or each sequence (sequence-level surrogates)
     is_level: str = "token"
 
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The surrogate keyword arguments (`kwargs`), as OBJECTIVES' entries are read."""
-        return self.kwargs
 
-
-def resolve_params(cfg: Any) -> ResolvedObjective:
-    """An objective section -> its ResolvedObjective: the declaration's surrogate and level with
-    the section's parameters. The section is checked (config.check_objective); one that
-    config.resolve filled is used as it is (a run's config resolves once), an unfilled one (an
-    ObjectiveConfig built by hand) is filled by config.resolve_objective first."""
-    spec = objective_spec(cfg.name)
-    if any(getattr(cfg, key) is None for key in spec.defaults):
-        cfg = resolve_objective(cfg)
-    else:
-        check_objective(cfg)
-    return ResolvedObjective(
-        cfg.name,
-        SURROGATES[spec.surrogate],
-        {key: getattr(cfg, key) for key in spec.takes},
-        cfg.aggregation,
-        cfg.scale_rewards,
-        spec.repairs,
-        cfg.kl_coef,
-        cfg.overlong_buffer,
-        cfg.overlong_penalty,
-        KL_ESTIMATORS[cfg.kl_estimator],
-        cfg.behavior_policy,
-        cfg.importance_sampling,
-        cfg.is_cap,
-        spec.level,
-    )
-
-
-class _Objectives(Mapping[str, ResolvedObjective]):
-    """name -> the objective resolved at its declared defaults, for every objective in
-    config.OBJECTIVE_SPECS (a live view: one registered later is in it too)."""
-
-    def __getitem__(self, name: str) -> ResolvedObjective:
-        if name not in OBJECTIVE_SPECS:
-            raise KeyError(name)
-        return resolve_params(ObjectiveConfig(name=name))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(OBJECTIVE_SPECS))
-
-    def __len__(self) -> int:
-        return len(OBJECTIVE_SPECS)
-
-
-OBJECTIVES: Mapping[str, ResolvedObjective] = _Objectives()
-
-
-def register_objective(
-    name: str,
-    surrogate: Surrogate | str | None = None,
-    *,
-    level: str,
-    aggregation: str,
-    scale_rewards: bool = True,
-    repairs: bool = False,
-    dynamic_sampling: bool = False,
-    overlong_buffer: float = 0.0,
-    overlong_penalty: float = 0.0,
-    replace: bool = False,
-    **surrogate_defaults: Any,
-) -> Any:
-    """Declare objective `name` (then selectable as objective.name=<name>): its surrogate (a
-    function with the built-in ones' signature, or the name of one in SURROGATES), the level its
-    importance weights take, its defaults (aggregation, scale_rewards, overlong_*, and one per
-    surrogate keyword argument it takes: weights, gate, eps_low, eps_high), whether repairs and
-    dynamic sampling are on by default. Without `surrogate` it is a decorator. -> the surrogate."""
-    if surrogate is None:
-        return lambda fn: register_objective(
-            name, fn, level=level, aggregation=aggregation, scale_rewards=scale_rewards,
-            repairs=repairs, dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer,
-            overlong_penalty=overlong_penalty, replace=replace, **surrogate_defaults,
-        )  # fmt: skip
-    if name in OBJECTIVE_NAMES:
-        raise ConfigError(f"objective {name!r} ships with ibpo; register yours under another name")
-    if isinstance(surrogate, str):
-        if surrogate not in SURROGATES:
-            raise ConfigError(
-                f"objective {name!r}: surrogate {surrogate!r}; choose one of: "
-                f"{', '.join(SURROGATES)}, or pass the function"
-            )
-        key, fn = surrogate, SURROGATES[surrogate]
-    else:
-        key, fn = name, surrogate
-        if key in SURROGATES and SURROGATES[key] is not fn and not replace:
-            raise ConfigError(
-                f"objective {name!r}: a surrogate of that name exists; pass replace=True"
-            )
-    defaults = {
-        "aggregation": aggregation,
-        "scale_rewards": scale_rewards,
-        "overlong_buffer": overlong_buffer,
-        "overlong_penalty": overlong_penalty,
-        **surrogate_defaults,
-    }
-    spec = ObjectiveSpec(name, key, level, defaults, repairs, dynamic_sampling)
-    check_spec(spec, replace)
-    _check_signature(name, fn, surrogate_defaults)
-    declare_objective(spec, replace=replace)
-    SURROGATES[key] = fn
-    return fn
-
-
-def _check_signature(name: str, fn: Any, surrogate_defaults: dict[str, Any]) -> None:
-    """A surrogate must take the step's arguments and the keyword arguments it declares."""
-    if not callable(fn):
-        raise ConfigError(f"objective {name!r}: the surrogate must be a function, got {fn!r}")
-    params = inspect.signature(fn).parameters
-    wanted = [*_POSITIONAL, "rho", *surrogate_defaults]
-    missing = [p for p in wanted if p not in params]
-    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        raise ConfigError(
-            f"objective {name!r}: {getattr(fn, '__name__', fn)} does not take "
-            f"{', '.join(missing)}; a surrogate is f({', '.join(_POSITIONAL)}, *, rho=None, "
-            "<its keyword arguments>) -> (per-token loss, coefficient, stats)"
-        )
-
-
-def unregister_objective(name: str) -> None:
-    """Remove a registered objective (and its own surrogate); the shipped ones stay."""
-    if name in OBJECTIVE_NAMES:
-        raise ConfigError(f"objective {name!r} ships with ibpo and cannot be removed")
-    spec = OBJECTIVE_SPECS.pop(name, None)
-    if spec is not None and spec.surrogate == name:
-        SURROGATES.pop(name, None)
+SHIPPED = tuple(OBJECTIVES)

@@ -23,7 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ibpo.config import Config, ConfigError, RunConfig, from_dict
+from ibpo.config import Config, ConfigError, RunConfig
+from ibpo.recipe import from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
 
