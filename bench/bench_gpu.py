@@ -53,12 +53,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from ibpo import sizes, step, trainer  # noqa: E402
-from ibpo.config import load_config  # noqa: E402
 from ibpo.data import Example, PromptStream, render_prompt  # noqa: E402
 from ibpo.logprobs import unwrap  # noqa: E402
 from ibpo.modeling import compute_dtype, load_policy, quantize_nf4  # noqa: E402
-from ibpo.objectives import resolve_params  # noqa: E402
 from ibpo.plan import fit as plan  # noqa: E402
+from ibpo.recipe import load_config, resolve_params  # noqa: E402
 from ibpo.rewards import REWARDS  # noqa: E402
 from ibpo.rollout import set_kv_cache  # noqa: E402
 

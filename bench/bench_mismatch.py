@@ -59,7 +59,7 @@ def adapter_dropped():
 
 
 def run_path(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
     from ibpo.trainer import train
 
     cfg = load_config(

@@ -86,7 +86,7 @@ def build(cfg, cpu: bool = False) -> Run:
 
     from ibpo.data import PromptStream, load_splits
     from ibpo.modeling import load_policy
-    from ibpo.objectives import resolve_params
+    from ibpo.recipe import resolve_params
     from ibpo.rollout import set_kv_cache
     from ibpo.trainer import build_optimizer, lr_lambda
 
@@ -302,7 +302,8 @@ def parse(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     recipe, overrides, steps, warmup, cpu = parse(argv)
     try:

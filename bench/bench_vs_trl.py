@@ -154,8 +154,8 @@ def ibpo_overrides(ns) -> list[str]:
 def run_ibpo(ns) -> dict:
     import bench_step  # the ibpo side is bench_step's build and timed-step loop
 
-    from ibpo.config import load_config
     from ibpo.logprobs import unwrap
+    from ibpo.recipe import load_config
 
     cfg = load_config(None, ibpo_overrides(ns))
     run = bench_step.build(cfg, cpu=True)

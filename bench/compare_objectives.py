@@ -98,7 +98,7 @@ def run_one(
     ]
     print(f"[run] {objective} seed {seed}", flush=True)
     if in_process:  # smoke mode: no interpreter start-up per run
-        from ibpo.config import load_config
+        from ibpo.recipe import load_config
         from ibpo.trainer import train
 
         train(load_config(None, args))

@@ -196,7 +196,8 @@ def plan(ns: argparse.Namespace, out: Path) -> list[Run]:
 
 def check(runs: list[Run]) -> None:
     """Every run's configuration, before any starts: a bad override fails now, not hours in."""
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     for run in runs:
         try:
@@ -259,7 +260,7 @@ def _train_here(args: list[str], threads: int) -> None:
     oversubscribed threads on a busy machine make tiny matmuls spin)."""
     import torch
 
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
     from ibpo.trainer import train
 
     before = torch.get_num_threads()

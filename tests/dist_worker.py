@@ -30,7 +30,7 @@ OBJECTIVES = ("ibpo", "dapo", "grpo")  # group transform, token_mean, seq_mean
 
 def fixed_batch(tok, rows_of_groups: list[int]):
     """Deterministic prompts, completions of varied lengths and rewards; the chosen groups."""
-    from ibpo.advantages import group_advantages, token_advantages
+    from ibpo.algo.advantages import group_advantages, token_advantages
     from ibpo.rollout import Rollout
     from ibpo.step import ScoredBatch
 
@@ -106,8 +106,8 @@ def cpu_fsdp() -> None:
 
 def make_policy(model_dir: str, objective: str, device):
     """The tiny policy with a seeded, non-zero adapter (every LoRA matrix gets a gradient)."""
-    from ibpo.config import load_config
     from ibpo.modeling import load_policy
+    from ibpo.recipe import load_config
 
     cfg = load_config(
         None,
@@ -135,7 +135,7 @@ def make_policy(model_dir: str, objective: str, device):
 def run_update(model_dir: str, objective: str, groups: list[int], accelerator):
     """Two updates (off-policy on the second) of update_policy on the fixed batch's groups."""
     from ibpo.distributed import is_fsdp, load_optimizer_state, optimizer_state
-    from ibpo.objectives import resolve_params
+    from ibpo.recipe import resolve_params
     from ibpo.step import update_policy
     from ibpo.trainer import build_optimizer
 
@@ -231,8 +231,8 @@ def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
 def run_train(model_dir: str, overrides: list[str]) -> dict:
     """A whole `train()`; its summary and the live policy's full LoRA tensors after it."""
     import ibpo.trainer as trainer
-    from ibpo.config import load_config
     from ibpo.distributed import is_fsdp
+    from ibpo.recipe import load_config
     from ibpo.rewards import REWARDS
 
     # deterministic in the text and about half right on the random tiny model: real advantages

@@ -70,7 +70,7 @@ def test_bench_step_arguments():
 
 
 def test_trl_matched_ibpo_settings_are_a_valid_config():
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
 
     cmp = _script("bench_vs_trl")
     ns = cmp.parse(["--group-size", "4", "--prompts-per-step", "3", "train.seed=5"])

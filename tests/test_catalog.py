@@ -130,9 +130,9 @@ def test_an_installed_wheel_resolves_packaged_names(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
     code = (
-        "from ibpo import catalog, config; import ibpo; "
+        "from ibpo import catalog, recipe; import ibpo; "
         f"print(ibpo.__file__); print(catalog.recipes_root()); "
-        f"print(config.load_config(catalog.resolve_recipe('{NAME}')).model.name)"
+        f"print(recipe.load_config(catalog.resolve_recipe('{NAME}')).model.name)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True

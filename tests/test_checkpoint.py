@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import load_file
 
 import ibpo.trainer as trainer_mod
-from ibpo.config import ConfigError, load_config
+from ibpo.config import ConfigError
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
+from ibpo.recipe import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
 from ibpo.step import StepParts

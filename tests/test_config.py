@@ -1,7 +1,8 @@
 import pytest
 
 from ibpo.cli import main
-from ibpo.config import ConfigError, load_config, parse_override
+from ibpo.config import ConfigError, parse_override
+from ibpo.recipe import load_config
 
 
 def test_defaults_are_the_embedded_demo():
@@ -104,6 +105,19 @@ def test_every_declared_rule_rejects_a_value_outside_it():
             assert message in str(e.value), (key, value, str(e.value))
             checked += 1
     assert checked > 50
+
+
+def test_every_registry_backed_choice_rejects_a_name_outside_it():
+    """The objective's names that the algorithm's tables give (recipe.CHOICES), checked when the
+    recipe resolves: another word is one message naming the key and every choice."""
+    from ibpo.recipe import CHOICES
+
+    for key, names in CHOICES.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"objective.{key}=nope"])
+        assert f"objective.{key}='nope'; choose one of: {', '.join(names)}" in str(e.value)
+        for name in names:  # each choice is accepted (by an objective that takes the key)
+            load_config(None, ["objective.name=ibpo", f"objective.{key}={name}"])
 
 
 def test_fields_that_allow_null_accept_it():

@@ -1,5 +1,5 @@
-"""What None inherits (config.resolve), the names config.py declares for the registries it may not
-import, and that it imports nothing from ibpo."""
+"""What None inherits (recipe.resolve: config.inherit and the objective's registration), that
+config.py imports nothing from ibpo, and that each registration is one the recipe can set."""
 
 import ast
 import dataclasses
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ibpo import config
+from ibpo import config, recipe
+from ibpo.algo.objectives import AGGREGATIONS, OBJECTIVES, SHIPPED, step_normaliser
 from ibpo.cli import main
-from ibpo.config import Config, ConfigError, ObjectiveConfig, load_config, resolve
+from ibpo.config import Config, ConfigError, ObjectiveConfig
+from ibpo.recipe import load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,31 +36,24 @@ def test_config_imports_nothing_from_ibpo():
     assert not (ROOT / "ibpo/config_checks.py").exists()
 
 
-# --- names declared for the registries ------------------------------------------------------------
+# --- the registrations, as a recipe reads them ----------------------------------------------------
 
 
-def test_declared_names_equal_the_registries():
-    from ibpo import objectives
-    from ibpo.rewards import REWARDS
-
-    assert (
-        config.OBJECTIVE_NAMES == tuple(objectives.OBJECTIVES) == tuple(config.OBJECTIVE_DEFAULTS)
-    )
-    shipped = {k for k, fn in REWARDS.items() if fn.__module__.startswith("ibpo.rewards")}
-    assert set(config.REWARD_NAMES) == shipped
-    assert config.WEIGHTS == tuple(objectives.WEIGHT_TRANSFORMS)
-    assert config.GATES == objectives.GATES
-    assert config.AGGREGATIONS == objectives.AGGREGATIONS
-    assert config.KL_ESTIMATORS == tuple(objectives.KL_ESTIMATORS)
-    for aggregation in config.AGGREGATIONS:  # what the step normaliser accepts
-        objectives.step_normaliser(aggregation, [3, 4], 8)
+def test_each_registration_is_settable_from_a_recipe():
+    """Every keyword argument a shipped surrogate takes that the objective section can set has a
+    default in the registration (so the recipe's value reaches the loss), and every aggregation
+    the registry accepts is one the step normaliser computes."""
+    for name in SHIPPED:
+        spec = OBJECTIVES[name]
+        params = inspect.signature(spec.surrogate).parameters
+        settable = {k for k in recipe.SURROGATE_PARAMETERS if k in params}
+        assert set(spec.kwargs) == settable, name
+        assert recipe.objective_spec(name) is spec  # its defaults pass the fields' rules
+    for aggregation in AGGREGATIONS:
+        step_normaliser(aggregation, [3, 4], 8)
     with pytest.raises(ValueError):
-        objectives.step_normaliser("sum", [3, 4], 8)
-    counterfactual = tuple(n for n, o in objectives.OBJECTIVES.items() if o.counterfactual)
-    assert config.COUNTERFACTUAL_OBJECTIVES == counterfactual == ("ibpo",)
-    for name, obj in objectives.OBJECTIVES.items():  # the surrogates take exactly those keys
-        params = inspect.signature(obj.surrogate).parameters
-        assert set(obj.defaults) == {k for k in config.SURROGATE_KEYS if k in params}, name
+        step_normaliser("sum", [3, 4], 8)
+    assert tuple(n for n in SHIPPED if OBJECTIVES[n].repairs) == ("ibpo",)
 
 
 def test_moved_names_are_importable_from_their_old_homes():
@@ -111,17 +106,17 @@ def test_resolve_fills_every_inherit_field():
     assert own.repair.enabled is False
 
 
-@pytest.mark.parametrize("name", config.OBJECTIVE_NAMES)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_resolve_fills_the_objective_defaults(name):
-    from ibpo.objectives import resolve_params
+    from ibpo.recipe import resolve_params
 
     cfg = load_config(None, [f"objective.name={name}"])
-    obj, defaults = cfg.objective, config.OBJECTIVE_DEFAULTS[name]
+    obj, defaults = cfg.objective, recipe.defaults(OBJECTIVES[name])
     for key, value in defaults.items():
         assert getattr(obj, key) == value, key
-    for key in config.SURROGATE_KEYS:  # one it does not take stays null
+    for key in recipe.SURROGATE_PARAMETERS:  # one it does not take stays null
         assert (getattr(obj, key) is None) == (key not in defaults)
-    assert cfg.repair.enabled is (name in config.COUNTERFACTUAL_OBJECTIVES)
+    assert cfg.repair.enabled is OBJECTIVES[name].repairs
     # the unresolved section resolves to the same parameters
     assert resolve_params(cfg.objective) == resolve_params(ObjectiveConfig(name=name))
 
@@ -137,13 +132,13 @@ def test_resolve_is_idempotent_and_a_written_config_loads_back_to_itself(tmp_pat
         path = tmp_path / "config.yaml"  # what the trainer writes to output_dir
         path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         assert load_config(path) == cfg
-        assert config.from_dict(yaml.safe_load(path.read_text())) == cfg
+        assert recipe.from_dict(yaml.safe_load(path.read_text())) == cfg
 
 
 def test_a_config_written_with_nulls_by_an_older_version_loads():
     old = Config().to_dict()  # unresolved: every inherit field null, as older versions wrote it
     assert old["repair"]["max_new_tokens"] is None and old["objective"]["eps_low"] is None
-    assert config.from_dict(old) == load_config()
+    assert recipe.from_dict(old) == load_config()
 
 
 def test_a_resolved_config_keeps_its_objective_parameters_under_another_objective():
@@ -153,7 +148,7 @@ def test_a_resolved_config_keeps_its_objective_parameters_under_another_objectiv
     tree = cfg.to_dict()
     tree["objective"]["name"] = "grpo"
     with pytest.raises(ConfigError, match=r"objective\.weights does not apply to 'grpo'.*=null"):
-        config.from_dict(tree)
+        recipe.from_dict(tree)
 
 
 def test_ibpo_config_prints_the_resolved_config(capsys):
@@ -178,7 +173,7 @@ def test_a_runs_config_yaml_is_its_recipe_and_inherits_afresh(tmp_path):
     rerun = load_config(path, ["objective.name=grpo", "rollout.max_new_tokens=20"])
     assert rerun.repair.max_new_tokens == 20 and rerun.repair.temperature == 0.5
     assert rerun.objective.weights is None and rerun.repair.enabled is False
-    assert rerun.objective.eps_high == config.OBJECTIVE_DEFAULTS["grpo"]["eps_high"]
+    assert rerun.objective.eps_high == OBJECTIVES["grpo"].kwargs["eps_high"]
 
 
 def test_resume_compares_resolved_settings(tmp_path):
@@ -219,7 +214,7 @@ def test_a_saved_config_with_the_run_keys_under_train_is_migrated(tmp_path):
     for tree in (cfg.to_dict(), cfg.to_dict(recipe=True)):
         old = _train_layout(tree)
         assert "output_dir" in old["train"] and "run" not in old
-        assert config.from_dict(old) == cfg  # silently: config.yaml / config.json of an old run
+        assert recipe.from_dict(old) == cfg  # silently: config.yaml / config.json of an old run
         assert "run" not in old and "output_dir" in old["train"]  # the input is left as it was
     # a recipe or an override with the old names is an error naming the new ones, not migrated
     path = tmp_path / "config.yaml"
@@ -230,7 +225,7 @@ def test_a_saved_config_with_the_run_keys_under_train_is_migrated(tmp_path):
     both = cfg.to_dict()
     both["train"]["output_dir"] = "elsewhere"
     with pytest.raises(ConfigError, match=r"'train\.output_dir' was renamed to 'run\.output_dir'"):
-        config.from_dict(both)
+        recipe.from_dict(both)
 
 
 def test_an_older_checkpoint_with_the_run_keys_under_train_still_resumes(tmp_path):
@@ -248,7 +243,7 @@ def test_an_older_checkpoint_with_the_run_keys_under_train_still_resumes(tmp_pat
     assert changed == ["train.seed: 0 -> 1"]
 
 
-@pytest.mark.parametrize("name", config.OBJECTIVE_NAMES)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_dynamic_sampling_is_dapos_default_and_any_objective_may_set_it(name, tmp_path):
     cfg = load_config(None, [f"objective.name={name}"])
     assert cfg.rollout.dynamic_sampling is (name == "dapo")

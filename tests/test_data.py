@@ -318,7 +318,7 @@ def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
     assert [(e.question, e.answer) for e in ev] == [("Half of 8?", "4"), ("3 squared?", "9")]
     with pytest.raises(ConfigError, match="no column 'prompt'"):  # training's columns by default
         load_splits(DataConfig(**base))
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
 
     with pytest.raises(ConfigError, match="eval_answer_format"):
         load_config(None, ["data.eval_answer_format=latex"])

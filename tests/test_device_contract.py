@@ -23,14 +23,8 @@ import random
 import pytest
 import torch
 
-from ibpo.config import load_config
-from ibpo.objectives import (
-    KL_ESTIMATORS,
-    OBJECTIVES,
-    aggregate,
-    resolve_params,
-    token_weights,
-)
+from ibpo.algo.objectives import KL_ESTIMATORS, OBJECTIVES, aggregate, token_weights
+from ibpo.recipe import load_config, resolve_params
 from ibpo.rollout import Rollout
 from tests.conftest import grader_rewards
 
@@ -150,9 +144,9 @@ def test_repairs_and_overlong_penalty_join_rounds_on_the_device():
 def test_update_stages_read_no_device_value(case):
     """Micro-batches, the step normaliser, each objective with the reference KL, the
     cancellation diagnostic, the statistics stack and the step's metrics, on the device batch."""
+    from ibpo.algo.cancellation import cancellation_residual
+    from ibpo.algo.mismatch import mismatch_stats
     from ibpo.batching import micro_batches
-    from ibpo.diagnostics import cancellation_residual
-    from ibpo.mismatch import mismatch_stats
     from ibpo.step import (
         UpdateResult,
         behaviour_policy,
@@ -234,7 +228,7 @@ def test_objectives_under_fake_cuda_tensors():
         adv = seq_adv.unsqueeze(-1) * mask
         for name, obj in OBJECTIVES.items():
             per_token, coef, info = obj.surrogate(
-                logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults
+                logp, logp.detach(), adv, mask, seq_adv, G, **obj.kwargs
             )
             loss = aggregate(per_token, mask, obj.aggregation, 10.0)
             assert loss.device.type == "cuda" and coef.device.type == "cuda", name
@@ -247,13 +241,13 @@ def test_objectives_under_fake_cuda_tensors():
                 mask,
                 seq_adv,
                 G,
-                **OBJECTIVES["ibpo"].defaults,
+                **OBJECTIVES["ibpo"].kwargs,
             )
 
 
 def test_the_stand_in_device_catches_a_cpu_mask():
     """The check itself: a CPU edit mask meeting device advantages fails, as on CUDA."""
-    from ibpo.advantages import token_advantages
+    from ibpo.algo.advantages import token_advantages
 
     seq_adv = torch.zeros(G, device=DEVICE)
     mask = torch.ones(G, 3, device=DEVICE)

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from ibpo.advantages import group_advantages, token_advantages
-from ibpo.diagnostics import cancellation_residual, prefix_node_ids
-from ibpo.objectives import OBJECTIVES, token_weights
+from ibpo.algo.advantages import group_advantages, token_advantages
+from ibpo.algo.cancellation import cancellation_residual, prefix_node_ids
+from ibpo.algo.objectives import OBJECTIVES, token_weights
 
 G = 4
 # one group: members 0-2 share "5 1", member 3 shares only "5"; lengths differ
@@ -34,7 +34,7 @@ def test_prefix_nodes_identify_same_token_at_same_context():
 
 def _residual(name, old_shift, rewards=(1.0, 0.0, 1.0, 0.0), **overrides):
     obj = OBJECTIVES[name]
-    kwargs = {**obj.defaults, **overrides}
+    kwargs = {**obj.kwargs, **overrides}
     logp = -torch.rand(G, 4, generator=torch.Generator().manual_seed(0)) - 0.1
     old = logp - torch.tensor(old_shift).view(G, 1)
     seq_adv = group_advantages(torch.tensor([rewards]), obj.scale_rewards).flatten()
@@ -73,7 +73,7 @@ def test_adv_orthogonal_cancels_the_token_shared_by_the_whole_group():
     old = logp - torch.tensor(SHIFTS).view(G, 1)
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), True).flatten()
     adv = token_advantages(seq_adv, mask)
-    kw = {**obj.defaults, "weights": "adv_orthogonal"}
+    kw = {**obj.kwargs, "weights": "adv_orthogonal"}
     _, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **kw)
     r = {k: float(v) for k, v in cancellation_residual(coef, adv, host(tokens, mask), G).items()}
     assert r["residual_num"] == pytest.approx(0.0, abs=1e-6 * r["residual_den"])
@@ -123,7 +123,7 @@ def _fake_rounds(monkeypatch, reward_rows):
 
 
 def _cfg(dynamic, rounds, B=3):
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
 
     return load_config(
         None,
@@ -137,7 +137,7 @@ def _cfg(dynamic, rounds, B=3):
 
 
 def _collect(cfg):
-    from ibpo.objectives import resolve_params
+    from ibpo.recipe import resolve_params
     from ibpo.step import collect_batch
 
     stream = _Stream()
@@ -183,7 +183,7 @@ def test_without_dynamic_sampling_flat_groups_stay(monkeypatch):
 
 
 def test_overlong_penalty_is_zero_before_the_buffer_then_linear_to_the_maximum():
-    from ibpo.advantages import overlong_penalty
+    from ibpo.algo.advantages import overlong_penalty
 
     lengths = torch.arange(17)
     p = overlong_penalty(lengths, max_len=16, buffer=0.25, penalty=0.5)  # buffer: tokens 13..16
@@ -216,7 +216,7 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     """An all-correct group (no task signal) whose members are 4 and 16 tokens long, with
     max_new_tokens 16: DAPO's default (20% buffer) gives the short one the positive advantage;
     objectives without the penalty, or dapo with it off, leave the group at zero."""
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
 
     def collect(extra):
         _lengths_round(monkeypatch, [[1.0, 1.0]], [4, 16])
@@ -274,7 +274,8 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     ],
 )
 def test_overlong_settings_are_checked(bad):
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     with pytest.raises(ConfigError, match="overlong"):
         load_config(None, [bad])

@@ -241,8 +241,9 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
 def test_launch_check_refuses_what_the_loop_does_not_run():
     from accelerate.utils import DistributedType
 
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
     from ibpo.distributed import check_launch
+    from ibpo.recipe import load_config
 
     class Fake:
         distributed_type, is_fsdp2 = DistributedType.FSDP, False
@@ -273,8 +274,9 @@ def test_accelerate_mixed_precision_is_refused_on_every_path(kind):
     not: one precision switch (model.dtype), so 1 and 2 GPUs compute the same numbers."""
     from accelerate.utils import DistributedType
 
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
     from ibpo.distributed import check_launch
+    from ibpo.recipe import load_config
 
     class Fake:
         distributed_type, is_fsdp2, num_processes = DistributedType[kind], True, 1

@@ -43,9 +43,9 @@ from safetensors.torch import load_file
 import ibpo.modeling as modeling
 import ibpo.step as step_mod
 import ibpo.trainer as trainer_mod
-from ibpo.config import load_config
 from ibpo.logprobs import unwrap
 from ibpo.plan import fit as plan
+from ibpo.recipe import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
 

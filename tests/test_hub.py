@@ -30,8 +30,8 @@ RUN_RECORD = {"ibpo_config.yaml", "summary.json", "metrics.jsonl", "README.md"}
 def run(tiny_model_dir, tmp_path_factory):
     """A finished run's output_dir (adapter, checkpoints, records, a plot, an evaluation)."""
     import ibpo.trainer as trainer
-    from ibpo.config import load_config
     from ibpo.evaluation.cli import main as eval_main
+    from ibpo.recipe import load_config
 
     out = tmp_path_factory.mktemp("hub") / "run"
     cfg = load_config(
@@ -367,7 +367,7 @@ def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, mo
     the staged ibpo_config.yaml and the card's recipe hold run.*, so the file reruns."""
     import yaml
 
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
     from ibpo.rewards import REWARDS
 
     out = _copy(run, tmp_path)

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from ibpo.cli import main
-from ibpo.config import load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
-from ibpo.objectives import resolve_params
+from ibpo.recipe import load_config, resolve_params
 from ibpo.rollout import generate
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer

@@ -325,7 +325,8 @@ def test_offloaded_activations_take_the_layer_inputs_and_keep_the_gradients(
 
 
 def test_offload_activations_needs_checkpointing():
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     with pytest.raises(ConfigError, match="gradient_checkpointing=true"):
         load_config(None, ["model.offload_activations=true", "model.gradient_checkpointing=false"])

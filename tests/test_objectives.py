@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from ibpo.advantages import group_advantages, token_advantages
-from ibpo.config import ConfigError, ObjectiveConfig
-from ibpo.objectives import (
+from ibpo.algo.advantages import group_advantages, token_advantages
+from ibpo.algo.objectives import (
     OBJECTIVES,
     adv_orthogonal,
     aggregate,
@@ -14,9 +13,10 @@ from ibpo.objectives import (
     gspo_sequence,
     k3_kl,
     min_replace,
-    resolve_params,
     step_normaliser,
 )
+from ibpo.config import ConfigError, ObjectiveConfig
+from ibpo.recipe import resolve_params
 
 G = 4
 
@@ -183,7 +183,7 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
     adv = token_advantages(seq_adv, mask)
     for name, obj in OBJECTIVES.items():
         agg = obj.aggregation
-        full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.defaults)
+        full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.kwargs)
         (g_full,) = torch.autograd.grad(
             aggregate(full, mask, agg, step_normaliser(agg, seq_lengths(mask), 6)), logp
         )
@@ -191,7 +191,7 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
         total = 0
         for sl in (slice(0, 4), slice(4, 8)):
             part, _, _ = obj.surrogate(
-                logp[sl], logp[sl].detach(), adv[sl], mask[sl], seq_adv[sl], G, **obj.defaults
+                logp[sl], logp[sl].detach(), adv[sl], mask[sl], seq_adv[sl], G, **obj.kwargs
             )
             total = total + aggregate(part, mask[sl], agg, norm)
         (g_split,) = torch.autograd.grad(total, logp)
@@ -215,7 +215,7 @@ def test_resolve_params_defaults_and_errors():
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_reported_coefficient_is_the_applied_one(name):
     """coef * adv * token_weights equals -Z * dloss/dlogp: the diagnostic reads what ran."""
-    from ibpo.objectives import token_weights
+    from ibpo.algo.objectives import token_weights
 
     obj = OBJECTIVES[name]
     torch.manual_seed(0)
@@ -227,7 +227,7 @@ def test_reported_coefficient_is_the_applied_one(name):
     old = logp.detach() + 0.4 * torch.randn(n, T)  # large shifts: clipping active
     seq_adv = group_advantages(torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 0]]), True).flatten()
     adv = token_advantages(seq_adv, mask)
-    per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.defaults)
+    per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.kwargs)
     Z = step_normaliser(obj.aggregation, seq_lengths(mask), T)
     aggregate(per_tok, mask, obj.aggregation, Z).backward()
     expected = coef * adv * token_weights(mask, obj.aggregation)
@@ -238,7 +238,7 @@ def test_kl_estimators_agree_in_value_and_differ_in_gradient_on_policy():
     """On-policy both estimators read k3; k3's gradient is (1 - ref/pi) per token, while the
     ratio-weighted one's is (logp - ref): the score-function gradient of KL(pi || ref), what
     TRL's use_bias_correction_kl computes."""
-    from ibpo.objectives import KL_ESTIMATORS
+    from ibpo.algo.objectives import KL_ESTIMATORS
 
     g = torch.Generator().manual_seed(0)
     ref = -torch.rand(3, 5, generator=g) - 0.1

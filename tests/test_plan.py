@@ -11,9 +11,10 @@ import torch
 from bench.memtrack import LiveTensorBytes
 from ibpo import sizes
 from ibpo.cli import main
-from ibpo.config import ConfigError, load_config
+from ibpo.config import ConfigError
 from ibpo.plan import fit as plan
 from ibpo.plan import phases
+from ibpo.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from ibpo.cli import main
-from ibpo.config import load_config
 from ibpo.plan import fit as plan
+from ibpo.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(ROOT.glob("recipes/*/*.yaml"))

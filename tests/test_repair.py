@@ -6,22 +6,22 @@ import re
 import pytest
 import torch
 
-from ibpo.advantages import (
-    edited_tokens,
+from ibpo.algo.advantages import (
     group_advantages,
     lifted_blame_fraction,
     shape_rewards,
     token_advantages,
 )
-from ibpo.config import DataConfig, RepairConfig
-from ibpo.data import Example
-from ibpo.repair import (
+from ibpo.algo.counterfactual import (
     edit_masks,
+    edited_tokens,
     fill_template,
     phi_from_repairs,
     plan_repairs,
-    run_repairs,
 )
+from ibpo.config import DataConfig, RepairConfig
+from ibpo.data import Example
+from ibpo.repair import run_repairs
 from ibpo.rollout import Rollout
 from tests.conftest import grader_rewards
 
@@ -163,7 +163,7 @@ def test_lifted_blame_counts_exactly_the_tokens_the_mask_scales():
 
 
 def test_edit_masks_take_the_most_local_successful_repair():
-    from ibpo.repair import RepairJob
+    from ibpo.algo.counterfactual import RepairJob
 
     attempts = [[1, 2], [3, 4, 5, 6], [7, 8, 9]]
     jobs = [RepairJob(0, 1, 0), RepairJob(0, 1, 2), RepairJob(0, 2, 0)]
@@ -259,15 +259,15 @@ def _reward(text: str, answer: str) -> float:
     ],
 )
 def test_repair_config_errors_name_the_key(override, message):
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
 
 
 def test_repairs_default_on_for_ibpo_only():
-    from ibpo.config import load_config
-    from ibpo.objectives import resolve_params
+    from ibpo.recipe import load_config, resolve_params
     from ibpo.step import repairs_enabled
 
     for name, expected in [("ibpo", True), ("dfpo", False), ("grpo", False)]:

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from ibpo.config import ConfigError, DataConfig, load_config
+from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, load_splits, render_example, rows_to_examples
+from ibpo.recipe import load_config
 from ibpo.repair import repair_prompt
 from ibpo.rewards import REWARDS
 from ibpo.rewards.functions import RewardError, grade, reward_means, reward_set

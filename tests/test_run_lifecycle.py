@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ibpo.trainer as trainer_mod
-from ibpo.config import load_config
+from ibpo.recipe import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures

@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-from ibpo.config import load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
-from ibpo.objectives import resolve_params
+from ibpo.recipe import load_config, resolve_params
 from ibpo.rollout import SamplingStreams, hf_generator, sampling_stream, stream_seed
 from ibpo.step import collect_batch
 from tests.conftest import grader_rewards

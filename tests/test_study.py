@@ -215,7 +215,7 @@ def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
 
 
 def test_every_planned_run_is_a_valid_config(study, tmp_path):
-    from ibpo.config import load_config
+    from ibpo.recipe import load_config
 
     runs = study.plan(study.parse([]), tmp_path)
     assert len(runs) == 13 * 5 and len({r.dir for r in runs}) == len(runs)

@@ -154,7 +154,8 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
 
 
 def test_a_config_and_a_mapping_of_overrides_load_as_a_recipe_and_key_value_pairs_do():
-    from ibpo.config import ConfigError, load_config
+    from ibpo.config import ConfigError
+    from ibpo.recipe import load_config
 
     base = load_config(None, ["objective.name=grpo", "train.steps=7"])
     cfg = load_config(

@@ -8,10 +8,9 @@ import sys
 import pytest
 import torch
 
-from ibpo.config import load_config
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
-from ibpo.objectives import resolve_params
+from ibpo.recipe import load_config, resolve_params
 from ibpo.rewards import REWARDS
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer, train

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ibpo.config import ConfigError, load_config
+from ibpo.config import ConfigError
 from ibpo.modeling import load_policy
+from ibpo.recipe import load_config
 from ibpo.rollout import generate
 
 FAKE = str(Path(__file__).parent / "fake_vllm")

@@ -10,15 +10,15 @@ import torch
 import yaml
 
 from ibpo import config
-from ibpo.config import ConfigError, ObjectiveConfig, load_config
-from ibpo.objectives import (
+from ibpo.algo.objectives import (
     OBJECTIVES,
     SURROGATES,
     clipped_token,
     register_objective,
-    resolve_params,
     unregister_objective,
 )
+from ibpo.config import ConfigError, ObjectiveConfig
+from ibpo.recipe import load_config, resolve_params
 
 CALLS: list[tuple[int, float]] = []
 
