@@ -1,12 +1,15 @@
 """The package's import graph: no cycles, one direction of imports, no imports hidden in functions.
 
 Layers, bottom to top (a module imports only from its own layer or below):
-  config                      imports nothing of the package
-  math                        advantages, diagnostics, mismatch, objectives: torch and config only
-  core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
-                              distributed, repair, sizes (shapes and byte counts, which the
-                              planner and the vLLM engine share), quiet (third-party noise
-                              filters), catalog (the packaged recipes), rewards/, sandbox/
+  config                      the schema: imports nothing of the package
+  algo/                       the algorithm: nothing of the package outside algo/, and of the
+                              rest only torch, rapidfuzz (edit alignments) and the standard library
+  core                        recipe (a recipe checked against the registries and resolved), data,
+                              embedded, modeling, rollout, vllm_rollout, logprobs, batching,
+                              distributed, repair (a step's repairs, run), sizes (shapes and byte
+                              counts, which the planner and the vLLM engine share), quiet
+                              (third-party noise filters), catalog (the packaged recipes),
+                              rewards/, sandbox/
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), api (ibpo.train), cli
@@ -16,8 +19,7 @@ evaluation rows and checkpoint facts). The graph is read from the source with `a
 module-level import and one inside a function count alike; an import is allowed inside a
 function only for heavy optional dependencies, never for a module of this package, with one
 exception (LAZY): the package's `__getattr__` imports the API on first use of `ibpo.train`, so
-that `import ibpo` (which every `import ibpo.<module>` runs first) stays light.
-function only for heavy optional dependencies, never for a module of this package. Outside the
+that `import ibpo` (which every `import ibpo.<module>` runs first) stays light. Outside the
 package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
 benchmark's docstring and a call of ibpo/evaluation/cli.py.
 """
@@ -25,22 +27,25 @@ benchmark's docstring and a call of ibpo/evaluation/cli.py.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ibpo"
 
 LAYERS = {
     "config": 0,
-    "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
-    "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
-    "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2, "catalog": 2,
+    "algo": 1,
+    "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2,
+    "logprobs": 2, "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2,
+    "sizes": 2, "quiet": 2, "catalog": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,
 }  # fmt: skip
 # (module, what it may import inside a function): the package's lazy face only
 LAZY = {("ibpo", "ibpo.api")}
+# What the algorithm may import besides the standard library and its own folder.
+ALGO_IMPORTS = {"torch", "rapidfuzz"}
 # satellite -> the satellites it may import
 SATELLITE_ARROWS = {"hub": {"evaluation", "run"}, "run": set(), "plan": set(), "evaluation": set()}
 
@@ -136,11 +141,33 @@ def test_imports_go_down_the_layers():
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_config_imports_nothing_of_the_package_and_math_only_config():
+def test_config_imports_nothing_of_the_package():
     edges, _ = graph()
     assert edges["ibpo.config"] == set()
-    for m in ("ibpo.advantages", "ibpo.diagnostics", "ibpo.objectives"):
-        assert edges[m] <= {"ibpo.config"}, (m, edges[m])
+
+
+def _outside(path: Path) -> set[str]:
+    """The top-level packages a file imports that are neither ibpo nor the standard library."""
+    tops = {n.split(".")[0] for n in _imported_names(path)}
+    return tops - {"ibpo", "__future__"} - set(sys.stdlib_module_names)
+
+
+def test_the_algorithm_imports_only_torch_and_its_own_folder():
+    edges, _ = graph()
+    algo = sorted(m for m in edges if top(m) == "algo")
+    assert {"ibpo.algo.objectives", "ibpo.algo.advantages"} <= set(algo)
+    for m in algo:
+        assert all(t == "ibpo.algo" or t.startswith("ibpo.algo.") for t in edges[m]), (m, edges[m])
+        assert _outside(modules()[m]) <= ALGO_IMPORTS, (m, _outside(modules()[m]))
+
+
+def test_the_third_party_reader_sees_an_import_of_another_library():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.py"
+        path.write_text("import os\nimport torch.nn\nfrom transformers import AutoModel\n")
+        assert _outside(path) == {"torch", "transformers"}
 
 
 def test_no_package_import_inside_a_function():
