@@ -18,7 +18,7 @@ normaliser taken from the whole step (objectives.step_normaliser).
 Plans and widths come from the rollout's host copies of its lengths: cutting a micro-batch
 reads no value from the device.
 
-Not here: the loss itself (objectives.py) or how rows were generated (rollout.py).
+Not here: the loss itself (algo/objectives.py) or how rows were generated (rollout.py).
 """
 
 from __future__ import annotations

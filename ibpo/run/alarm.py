@@ -7,7 +7,7 @@ likely causes, then again only when the mismatch has doubled since the last warn
 that drifts keeps being told, without a line per step). Above rollout.mismatch_stop_kl the loop
 saves a checkpoint and ends with status "mismatch" (exit code 5).
 
-Not here: the measurement (mismatch.py) or the correction (objectives.py).
+Not here: the measurement (algo/mismatch.py) or the correction (algo/objectives.py).
 """
 
 from __future__ import annotations
