@@ -22,9 +22,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
-
-from ibpo import __version__
 
 UNKNOWN = "unknown"
 PACKAGE = Path(__file__).resolve().parents[1]  # the ibpo package's folder
@@ -48,7 +47,10 @@ def code_version(package: Path | None = None) -> dict:
     """The commit the package folder (ibpo's own by default) was checked out at and whether its
     tree was dirty."""
     package = Path(package or PACKAGE)
-    unknown = {"version": __version__, "commit": UNKNOWN, "dirty": UNKNOWN}
+    # the package's version: `ibpo` is always loaded before any of its modules (an import of
+    # it here would be an edge to its lazy API, and a cycle)
+    released = getattr(sys.modules.get("ibpo"), "__version__", UNKNOWN)
+    unknown = {"version": released, "commit": UNKNOWN, "dirty": UNKNOWN}
     if not package.is_dir():
         return unknown
     # tracked here: a package folder that is untracked or ignored (site-packages in a venv kept
