@@ -549,6 +549,9 @@ def read_run(run_dir: Path) -> dict:
         ),
         # older runs did not log the rollouts' prompt tokens: their prompt + decode axis lacks them
         "rollout_prompts_recorded": all("rollout_prefill_tokens" in r for r in steps),
+        "repair_prompts_recorded": all(
+            "repair_prefill_tokens" in r for r in steps if _num(r.get("repairs")) > 0
+        ),
         "code": read_code(run_dir, summary),
     }
 
@@ -676,8 +679,8 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
     (AXES): per seed, both runs read at the largest budget both reached (at_equal_compute),
     and along the way at FRACTIONS of it. None when an arm is missing, no seed has both, a run
     spent nothing on the axis (it did not log it), or, for prompt + decode tokens, a run did not
-    log the rollouts' prompt tokens (an axis that counts one arm's repair prompts and neither
-    arm's rollout prompts would favour the arm without repairs)."""
+    log the prompt tokens of its rollouts or its repairs (an axis that counts one arm's repair
+    prompts and neither arm's rollout prompts would favour the arm without repairs)."""
     if a not in arms or b not in arms:
         return None
     left, right = ({r["seed"]: r for r in arms[x]} for x in (a, b))
@@ -686,7 +689,7 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
     runs = [r for p in pairs for r in p]
     if not runs or any(not r.get("compute_curves") or not r["compute"][axis] > 0 for r in runs):
         return None
-    if axis == "tokens" and not all(r["rollout_prompts_recorded"] for r in runs):
+    if axis == "tokens" and not all(_prompts_recorded(r) for r in runs):
         return None
     curves = [(x["compute_curves"][axis], y["compute_curves"][axis]) for x, y in pairs]
     along = {}
@@ -704,6 +707,10 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
         "ratios": [x["compute"][axis] / y["compute"][axis] for x, y in pairs],  # a / b spent
         "along": {str(f): {**paired_stats(d), "budgets": bs} for f, (d, bs) in along.items()},
     }
+
+
+def _prompts_recorded(run: dict) -> bool:
+    return run["rollout_prompts_recorded"] and run["repair_prompts_recorded"]
 
 
 def verdict(c: dict) -> str:
@@ -784,9 +791,9 @@ def equal_compute_md(comps: list[tuple[str, dict[str, dict]]]) -> str:
     if missing:
         lines.append(
             f"\nNot at equal prompt + decode tokens: {'; '.join(missing)}. Their runs did not "
-            "log the rollouts' prompt tokens (`rollout_prefill_tokens`), and an axis with one "
-            "arm's repair prompts and neither arm's rollout prompts would favour the arm "
-            "without repairs."
+            "log the prompt tokens of their rollouts (`rollout_prefill_tokens`) or repairs "
+            "(`repair_prefill_tokens`), and an axis that counts one arm's repair prompts and "
+            "neither arm's rollout prompts would favour the arm without repairs."
         )
     head = " | ".join(f"{f:.0%}" for f in FRACTIONS)
     lines += [
@@ -841,11 +848,13 @@ def compute_md(arms: dict[str, list[dict]]) -> str:
         spent = {a: [r["compute"][a] for r in runs] for a in AXES}
         recorded = all(r["rollout_prompts_recorded"] for r in runs)
         rollout = cell([r["rollout_prefill_tokens"] for r in runs]) if recorded else "not logged"
+        repaired = all(r["repair_prompts_recorded"] for r in runs)
+        prompts = cell([r["repair_prompt_tokens"] for r in runs]) if repaired else "not logged"
+        ran = cell([r["repair_prefill_tokens"] for r in runs]) if repaired else "not logged"
+        both = cell(spent["tokens"]) if recorded and repaired else "n/a"
         lines.append(
             f"| {name} | {len(runs)} | {cell(spent['steps'])} | {cell(spent['decode'])} "
-            f"| {rollout} | {cell([r['repair_prompt_tokens'] for r in runs])} "
-            f"| {cell([r['repair_prefill_tokens'] for r in runs])} "
-            f"| {cell(spent['tokens']) if recorded else 'n/a'} "
+            f"| {rollout} | {prompts} | {ran} | {both} "
             f"| {cell(spent['seconds'], ',.1f')} |"
         )
     return "\n".join(lines) + "\n"

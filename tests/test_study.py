@@ -350,7 +350,9 @@ def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repai
     lines = []
     for step in range(1, steps + 1):
         row = {"step": step, "reward": 0.5, "generated_tokens": step_tokens,
-               "repair_prefill_tokens": repair_prompts, "step_time": step_seconds}  # fmt: skip
+               "repairs": 4.0 if arm == "on-ibpo" else 0.0, "step_time": step_seconds}  # fmt: skip
+        if repair_prompts is not None:  # None: a run from before the step logged them
+            row["repair_prefill_tokens"] = repair_prompts
         if rollout_prompts is not None:
             row["rollout_prefill_tokens"] = rollout_prompts
         lines.append(row)
@@ -360,7 +362,7 @@ def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repai
     (run / "train" / "metrics.jsonl").write_text(text)
 
 
-def _study_where_verdicts_differ(out, seeds=4, rollout_prompts=50.0):
+def _study_where_verdicts_differ(out, seeds=4, rollout_prompts=50.0, repair_prompts=300.0):
     """ibpo ahead at equal steps (+0.05 +- 0.01 each seed) and behind at equal decoded tokens:
     it decodes 200 tokens a step to dfpo's 100, and at dfpo's whole budget (400) it has only
     reached two thirds of the way from its start (0.2) to its step-3 evaluation (0.5 + e)."""
@@ -369,7 +371,7 @@ def _study_where_verdicts_differ(out, seeds=4, rollout_prompts=50.0):
         _write_run(out, "on-dfpo", s, evals={2: 0.4 + e}, final=0.6 + e, step_tokens=100.0,
                    step_seconds=1.0, rollout_prompts=rollout_prompts)  # fmt: skip
         _write_run(out, "on-ibpo", s, evals={3: 0.5 + e}, final=0.65 + e + d, step_tokens=200.0,
-                   step_seconds=3.0, repair_prompts=300.0,
+                   step_seconds=3.0, repair_prompts=repair_prompts,
                    rollout_prompts=rollout_prompts)  # fmt: skip
     return [0.05 + (0.0, 0.01, -0.01, 0.02)[s] for s in range(seeds)]
 
@@ -409,12 +411,16 @@ def test_equal_steps_and_equal_tokens_can_disagree(study, tmp_path):
     )
 
 
-def test_prompt_tokens_are_left_out_where_runs_did_not_log_the_rollouts(study, tmp_path):
-    _study_where_verdicts_differ(tmp_path, rollout_prompts=None)
+@pytest.mark.parametrize("unlogged", ["rollout_prompts", "repair_prompts"])
+def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path, unlogged):
+    _study_where_verdicts_differ(tmp_path, **{unlogged: None})
     data, md = study.build_report(*study.collect(tmp_path))
     assert {c["axis"] for c in data["equal_compute"]} == {"steps", "decode", "seconds"}
     assert "Not at equal prompt + decode tokens: on-policy ibpo - dfpo" in md
-    assert "| not logged |" in md.split("## Compute per run")[1]
+    per_run = md.split("## Compute per run")[1].split("##")[0]
+    ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |")).split(" | ")
+    assert ibpo[4 if unlogged == "rollout_prompts" else 5] == "not logged"
+    assert ibpo[7] == "n/a"  # no prompt + decode total
     # and the command line still rebuilds the report from the folders
     assert study.main(["--report-only", "--out", str(tmp_path)]) == 0
     assert "## At equal compute" in (tmp_path / "study.md").read_text()
