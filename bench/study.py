@@ -1,6 +1,7 @@
-"""The objective study: does IBPO learn better than the GRPO family? (issue 21)
+"""The objective study: does IBPO learn better than the GRPO family?
 
     python bench/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
+    python bench/study.py --seeds 0-15 --arms on-ibpo,on-dfpo --workers 2   # the headline pair
     python bench/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
     python bench/study.py --report-only                   # rebuild study.json/.md/.png
     python bench/study.py --smoke --model PATH            # tiny 2-step check (CI)
@@ -37,13 +38,17 @@ output_dir), so the report is built from the folders alone.
 
 Writes <out>/study.json (every finished run's curves and figures), <out>/study.md (per arm:
 mean and 95% t-interval over seeds of the final held-out accuracy and of its gain; paired
-per-seed differences with an exact sign test and a bootstrap interval; accuracy against
-generated tokens; whether IBPO's edit mask acted; the sweep; the command lines, each run's exact
+per-seed differences with an exact sign test and a bootstrap interval; every comparison again at
+equal steps, decode tokens, prompt + decode tokens and step seconds, each pair's held-out
+accuracy curves read at the compute both runs reached (`compare_at`); what each run spent;
+accuracy against generated tokens; whether IBPO's edit mask acted; the seeds a +-0.05
+t-interval and 80% power at 0.05 would need; the sweep; the code each run ran (its commit and
+whether the tree was dirty, as the trainer recorded them); the command lines, each run's exact
 one in study.json) and accuracy.png, dynamics.png (sweep.png after
 a sweep). It does not choose the learning rate (read the sweep and pass --lr), judges a
 difference significant only when its paired t 95% interval excludes 0 (`significant`). The t
-quantile and the F-test come from scipy.stats (`pip install 'ibpo[study]'`); the exact sign test
-and the bootstrap are written here (math, random).
+quantile, the noncentral t of the power and the F-test come from scipy.stats (`pip install
+'ibpo[study]'`); the exact sign test and the bootstrap are written here (math, random).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ def plan(ns: argparse.Namespace, out: Path) -> list[Run]:
     if ns.sweep:
         arms, seeds, folder = sweep_arms(ns), [ns.sweep_seed], out / "sweep"
     else:
-        arms, seeds, folder = grid(ns), _list(ns.seeds, int), out / "runs"
+        arms, seeds, folder = grid(ns), seed_list(ns.seeds), out / "runs"
     smoke = SMOKE_ARMS if ns.smoke and not ns.sweep else ()
     chosen = _list(ns.arms, str) if ns.arms else smoke
     if chosen:
@@ -209,12 +214,27 @@ def _list(text: str, kind):
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def seed_list(text: str) -> list[int]:
+    """'0,1,2' or '0-15' or '0-4,9': the seeds, in order, each once."""
+    seeds: list[int] = []
+    for part in _list(text, str):
+        low, _, high = part.partition("-")
+        try:
+            span = range(int(low), int(high or low) + 1)
+        except ValueError:
+            raise SystemExit(
+                f"--seeds {text}: give numbers or ranges, e.g. 0-15 or 0,1,2"
+            ) from None
+        seeds += [s for s in span if s not in seeds]
+    return seeds
+
+
 # The claim of a run folder is compare_objectives' (one pid marker per run, created atomically, a
 # dead owner's taken over), so both scripts may share an --out and its claims.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_objectives import claim  # noqa: E402
 
-from ibpo.run.version import describe, from_header  # noqa: E402
+from ibpo.run.version import code_version, describe, from_header  # noqa: E402
 
 # --- running -------------------------------------------------------------------------------------
 
@@ -1242,7 +1262,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--out", default="outputs/study")
-    add("--seeds", default="0,1,2,3,4")
+    add("--seeds", default="0,1,2,3,4", help="comma-separated, or ranges: 0-15")
     add("--steps", type=int, default=20)
     add("--eval-every", type=int, default=5, help="held-out evaluation every N steps")
     add("--eval-size", type=int, default=200, help="held-out problems (>= 200 for the study)")
@@ -1296,6 +1316,10 @@ def main(argv: list[str] | None = None) -> int:
         threads = ns.threads or max(1, (os.cpu_count() or 1) // max(1, ns.workers))
         runs = plan(ns, out)
         check(runs)
+        # what the runs will record: `python -m ibpo.cli` takes this directory's ibpo if it
+        # has one, else the installed one
+        here = Path.cwd() / "ibpo"
+        print(f"code: {describe(code_version(here if here.is_dir() else None))}", flush=True)
         outcomes = run_all(runs, ns.workers, ns.smoke, threads)
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
     if ns.against is not None and not any(ns.against.glob("*/*/study_run.json")):

@@ -424,3 +424,13 @@ def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path,
     # and the command line still rebuilds the report from the folders
     assert study.main(["--report-only", "--out", str(tmp_path)]) == 0
     assert "## At equal compute" in (tmp_path / "study.md").read_text()
+
+
+def test_the_headline_pair_at_sixteen_seeds_is_one_command(study, tmp_path):
+    assert study.seed_list("0-4,9,3") == [0, 1, 2, 3, 4, 9]
+    ns = study.parse(["--seeds", "0-15", "--arms", "on-ibpo,on-dfpo"])
+    runs = study.plan(ns, tmp_path)
+    assert sorted({r.seed for r in runs}) == list(range(16)) and len(runs) == 32
+    assert {r.arm.name for r in runs} == {"on-ibpo", "on-dfpo"}
+    with pytest.raises(SystemExit, match="numbers or ranges"):
+        study.seed_list("0-x")
