@@ -211,6 +211,20 @@ def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
             True,
             False,
         )
+    # the rollout prompt tokens bench/rollout_prompts.py rebuilds for older runs are the ones a
+    # run logs: the same prompts, counted the same way
+    spec = importlib.util.spec_from_file_location(
+        "rollout_prompts", ROOT / "bench/rollout_prompts.py"
+    )
+    rebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rebuild)
+    from ibpo.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    for run in data["runs"]:
+        logged = [json.loads(x) for x in (Path(run["dir"]) / "train/metrics.jsonl").open()]
+        logged = {x["step"]: x["rollout_prefill_tokens"] for x in logged if "reward" in x}
+        assert rebuild.rebuilt_counts(run["command"], tok) == logged
     axes = {c["axis"] for c in data["equal_compute"] if c["label"] == "mask only - ibpo"}
     assert axes == {"steps", "decode", "tokens", "seconds"}
     md = (out / "study.md").read_text()
