@@ -220,3 +220,22 @@ def test_a_round_logs_the_prompt_tokens_its_rollout_ran(prefill, want):
     r = score_round(generator, make_tokenizer(), examples, cfg, False, rewards, random.Random(0))
     assert r.stats["rollout_prefill_tokens"] == want
     assert r.stats["generated_tokens"] == 8
+
+
+def test_token_counts_add_up_over_processes(monkeypatch):
+    """What a step spent is the sum over processes (each rolls out its own prompts), not a mean
+    weighted by trained sequences."""
+    from ibpo import distributed
+
+    keys = ("generated_tokens", "rollout_prefill_tokens", "repair_prefill_tokens",
+            "repair_prompt_tokens", "repair_decode_tokens")  # fmt: skip
+    ranks = [{**{k: 10.0 for k in keys}, "trained_sequences": 1.0, "reward": 0.0},
+             {**{k: 30.0 for k in keys}, "trained_sequences": 3.0, "reward": 1.0}]  # fmt: skip
+    monkeypatch.setattr(distributed, "gather_object", lambda _: ranks)
+
+    class TwoProcesses:
+        num_processes = 2
+
+    m = distributed.gather_metrics(TwoProcesses(), dict(ranks[0]))
+    assert all(m[k] == 40.0 for k in keys)
+    assert m["reward"] == 0.75  # a rate: weighted by trained sequences
