@@ -1,14 +1,13 @@
 """Which code a run ran: the git commit of the ibpo package and whether its tree was dirty.
 
-`code_version()` -> {"version": ibpo's version, "commit": 40-hex sha or "unknown", "dirty": True,
+`code_version()` -> {"version": ibpo's version, "commit": the hex sha or "unknown", "dirty": True,
 False or "unknown"}, taken once when a run starts (a resumed run records the code that resumed
-it). The
-package's own folder decides: it must be tracked in a git work tree (a package installed from a
-wheel, or a virtual environment inside some other repository, has no commit of its own and
-records "unknown"). Dirty means a tracked file of the repository differs from the commit, or an
-untracked file (not ignored) sits inside the package: files a study writes elsewhere in the
-tree, such as its run folders, do not make it dirty. No git on the machine, a git that fails or
-hangs: "unknown", never an error (a run must not fail over its label).
+it). The package's own folder decides: it must be tracked in a git work tree (a package
+installed from a wheel, or a virtual environment inside some other repository, has no commit of
+its own and records "unknown"). Dirty means a tracked file of the repository differs from the
+commit, or an untracked file (not ignored) sits inside the package: files a study writes
+elsewhere in the tree, such as its run folders, do not make it dirty. No git on the machine, a
+git that fails or hangs: "unknown", never an error (a run must not fail over its label).
 
 In config.yaml it is a comment line (`header`, read back by `from_header`): the file stays a
 recipe that `ibpo train` runs as it is.
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +57,7 @@ def code_version(package: Path | None = None) -> dict:
     # inside another project's repository) belongs to no commit of that repository
     tracked = _git(package, "ls-files", "--", "__init__.py")
     commit = _git(package, "rev-parse", "--verify", "HEAD")
-    if not tracked or not commit or len(commit.strip()) != 40:
+    if not tracked or not commit or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit.strip()):
         return unknown
     changed = _git(package, "status", "--porcelain", "--untracked-files=no", "--", ":/")
     untracked = _git(package, "status", "--porcelain", "--untracked-files=all", "--", ".")
