@@ -1,6 +1,7 @@
-"""The objective study: does IBPO learn better than the GRPO family? (issue 21)
+"""The objective study: does IBPO learn better than the GRPO family?
 
     python bench/study.py --workers 2                     # the main grid (5 seeds x 13 arms)
+    python bench/study.py --seeds 0-15 --arms on-ibpo,on-dfpo --workers 2   # the headline pair
     python bench/study.py --sweep --workers 2             # the learning-rate sweep, 1 seed
     python bench/study.py --report-only                   # rebuild study.json/.md/.png
     python bench/study.py --smoke --model PATH            # tiny 2-step check (CI)
@@ -37,13 +38,17 @@ output_dir), so the report is built from the folders alone.
 
 Writes <out>/study.json (every finished run's curves and figures), <out>/study.md (per arm:
 mean and 95% t-interval over seeds of the final held-out accuracy and of its gain; paired
-per-seed differences with an exact sign test and a bootstrap interval; accuracy against
-generated tokens; whether IBPO's edit mask acted; the sweep; the command lines, each run's exact
+per-seed differences with an exact sign test and a bootstrap interval; every comparison again at
+equal steps, decode tokens, prompt + decode tokens and step seconds, each pair's held-out
+accuracy curves read at the compute both runs reached (`compare_at`); what each run spent;
+accuracy against generated tokens; whether IBPO's edit mask acted; the seeds a +-0.05
+t-interval and 80% power at 0.05 would need; the sweep; the code each run ran (its commit and
+whether the tree was dirty, as the trainer recorded them); the command lines, each run's exact
 one in study.json) and accuracy.png, dynamics.png (sweep.png after
 a sweep). It does not choose the learning rate (read the sweep and pass --lr), judges a
 difference significant only when its paired t 95% interval excludes 0 (`significant`). The t
-quantile and the F-test come from scipy.stats (`pip install 'ibpo[study]'`); the exact sign test
-and the bootstrap are written here (math, random).
+quantile, the noncentral t of the power and the F-test come from scipy.stats (`pip install
+'ibpo[study]'`); the exact sign test and the bootstrap are written here (math, random).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ def plan(ns: argparse.Namespace, out: Path) -> list[Run]:
     if ns.sweep:
         arms, seeds, folder = sweep_arms(ns), [ns.sweep_seed], out / "sweep"
     else:
-        arms, seeds, folder = grid(ns), _list(ns.seeds, int), out / "runs"
+        arms, seeds, folder = grid(ns), seed_list(ns.seeds), out / "runs"
     smoke = SMOKE_ARMS if ns.smoke and not ns.sweep else ()
     chosen = _list(ns.arms, str) if ns.arms else smoke
     if chosen:
@@ -210,10 +215,27 @@ def _list(text: str, kind):
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def seed_list(text: str) -> list[int]:
+    """'0,1,2' or '0-15' or '0-4,9': the seeds, in order, each once."""
+    seeds: list[int] = []
+    for part in _list(text, str):
+        low, _, high = part.partition("-")
+        try:
+            span = range(int(low), int(high or low) + 1)
+        except ValueError:
+            raise SystemExit(
+                f"--seeds {text}: give numbers or ranges, e.g. 0-15 or 0,1,2"
+            ) from None
+        seeds += [s for s in span if s not in seeds]
+    return seeds
+
+
 # The claim of a run folder is compare_objectives' (one pid marker per run, created atomically, a
 # dead owner's taken over), so both scripts may share an --out and its claims.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_objectives import claim  # noqa: E402
+
+from ibpo.run.version import code_version, describe, from_header  # noqa: E402
 
 # --- running -------------------------------------------------------------------------------------
 
@@ -350,7 +372,108 @@ def bootstrap_ci(diffs: list[float], reps: int = BOOTSTRAP_REPS, seed: int = BOO
     return means[int(0.025 * reps)], means[min(reps - 1, int(0.975 * reps))]
 
 
+def seeds_for_half_width(spread: float, half: float = 0.05, most: int = 100_000) -> float:
+    """The fewest seeds n whose paired t 95% interval, t(0.975, n - 1) x spread / sqrt(n), is
+    at most +-half wide at this spread (the sd of the paired differences); NaN without one."""
+    if not spread > 0:
+        return math.nan
+    n = 2
+    while t_critical(n - 1) * spread / math.sqrt(n) > half:
+        n += 1
+        if n > most:
+            return math.nan
+    return float(n)
+
+
+def t_power(n: int, spread: float, delta: float) -> float:
+    """The power of the two-sided paired t-test at 0.05 with n pairs to find a true mean
+    difference `delta` at this spread: P(|T| > t(0.975, n - 1)) for T noncentral t with n - 1
+    degrees of freedom and noncentrality delta sqrt(n) / spread."""
+    stats, df = _stats(), n - 1
+    crit, shift = t_critical(df), delta * math.sqrt(n) / spread
+    return float(stats.nct.sf(crit, df, shift) + stats.nct.cdf(-crit, df, shift))
+
+
+def seeds_for_power(
+    spread: float, delta: float = 0.05, power: float = 0.8, most: int = 100_000
+) -> float:
+    """The fewest seeds for the paired t-test to find a difference of `delta` with this power;
+    NaN without one."""
+    if not spread > 0:
+        return math.nan
+    n = 2
+    while t_power(n, spread, delta) < power:
+        n += 1
+        if n > most:
+            return math.nan
+    return float(n)
+
+
+def paired_stats(diffs: list[float]) -> dict:
+    """The figures of one list of paired differences: mean, paired t and bootstrap 95%
+    intervals, seeds higher / lower / tied and the exact sign test."""
+    low, high = bootstrap_ci(diffs)
+    _, t_low, t_high = mean_ci(diffs)
+    return {
+        "diffs": diffs,
+        "mean": statistics.fmean(diffs),
+        "t_ci": [t_low, t_high],
+        "bootstrap_ci": [low, high],
+        "wins": sum(d > 0 for d in diffs),
+        "losses": sum(d < 0 for d in diffs),
+        "ties": sum(d == 0 for d in diffs),
+        "sign_p": sign_test(diffs),
+    }
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """y at x on the piecewise-linear curve through `points` (x ascending, as compute spent
+    only grows). Where several points share x (no compute between two evaluations) the last
+    wins: the most trained. x outside the curve is an error: compute is never extrapolated."""
+    xs = [p[0] for p in points]
+    if not points or x < xs[0] or x > xs[-1]:
+        raise ValueError(f"compute {x} is outside the curve's {xs[:1]}..{xs[-1:]}")
+    at = [y for px, y in points if px == x]
+    if at:
+        return at[-1]
+    i = next(i for i, px in enumerate(xs) if px > x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def at_equal_compute(a: list, b: list, fraction: float = 1.0) -> tuple[float, float, float]:
+    """(budget, accuracy of a, accuracy of b) at `fraction` of the largest compute both curves
+    reach: the cheaper run is read at its last evaluation (fraction 1), the other between the
+    two evaluations around that budget."""
+    budget = fraction * min(a[-1][0], b[-1][0])
+    return budget, interpolate(a, budget), interpolate(b, budget)
+
+
 # --- reading finished runs -----------------------------------------------------------------------
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else 0.0
+
+
+# The compute axes every comparison is also made at: (name in the report, what one step spends).
+# decode: tokens generated (rollout completions, repair completions, dynamic sampling's extra
+# rounds); tokens: those plus the prompt tokens the model ran in the rollouts and the repairs (a
+# prompt run once for its G samples, or a prefix shared by several repair prompts, counts once);
+# seconds: step_time (held-out evaluations and model loading left out).
+AXES = {
+    "steps": ("steps", lambda row: 1.0),
+    "decode": ("decode tokens", lambda row: _num(row.get("generated_tokens"))),
+    "tokens": (
+        "prompt + decode tokens",
+        lambda row: sum(
+            _num(row.get(k))
+            for k in ("generated_tokens", "rollout_prefill_tokens", "repair_prefill_tokens")
+        ),
+    ),
+    "seconds": ("step seconds", lambda row: _num(row.get("step_time"))),
+}
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of a pair's common budget: the curves along the way
 
 STEP_KEYS = (
     "reward",
@@ -380,6 +503,31 @@ def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
+def compute_at(steps: list[dict], axis: str) -> dict[int, float]:
+    """{step: the compute spent through that step} on one axis (AXES), step 0 included."""
+    spent, total = {0: 0.0}, 0.0
+    for row in steps:
+        total += AXES[axis][1](row)
+        spent[row["step"]] = total
+    return spent
+
+
+def spent_by(spent: dict[int, float], step: int) -> float:
+    """The compute spent through `step`: that of the last logged step at or before it."""
+    return spent[max(s for s in spent if s <= step)]
+
+
+def read_code(run_dir: Path, summary: dict) -> dict | None:
+    """The code a run ran (commit, dirty tree): summary.json's, else config.yaml's first line;
+    None for a run from before the trainer recorded it."""
+    if isinstance(summary.get("code"), dict):
+        return summary["code"]
+    try:
+        return from_header((run_dir / "train" / "config.yaml").read_text())
+    except OSError:
+        return None
+
+
 def read_run(run_dir: Path) -> dict:
     """One finished run's figures for study.json."""
     meta = json.loads((run_dir / "study_run.json").read_text())
@@ -396,6 +544,7 @@ def read_run(run_dir: Path) -> dict:
         total += row.get("generated_tokens") or 0.0
         cumulative[row["step"]] = total
     col = {k: [row.get(k) for row in steps] for k in STEP_KEYS}
+    spent = {axis: compute_at(steps, axis) for axis in AXES}
     return {
         **{k: meta[k] for k in ("arm", "regime", "seed", "command")},
         "dir": str(run_dir),
@@ -410,6 +559,21 @@ def read_run(run_dir: Path) -> dict:
         "repair_tokens_total": sum(x or 0.0 for x in col["repair_tokens"]),
         "repair_success": pooled_repair_success(col["repairs"], col["repair_success_rate"]),
         "wall": summary.get("wall_seconds"),
+        # held-out accuracy against each compute axis: (compute spent, accuracy) per evaluation
+        "compute_curves": {a: [(spent_by(spent[a], st), acc) for st, acc in curve] for a in AXES},
+        "compute": {a: spent_by(spent[a], summary["steps"]) for a in AXES},
+        "rollout_prefill_tokens": sum(_num(r.get("rollout_prefill_tokens")) for r in steps),
+        "repair_prefill_tokens": sum(_num(r.get("repair_prefill_tokens")) for r in steps),
+        # the repair prompts' tokens (before shared prefixes; older runs logged only the prefill)
+        "repair_prompt_tokens": sum(
+            _num(r.get("repair_prompt_tokens", r.get("repair_prefill_tokens"))) for r in steps
+        ),
+        # older runs did not log the rollouts' prompt tokens: their prompt + decode axis lacks them
+        "rollout_prompts_recorded": all("rollout_prefill_tokens" in r for r in steps),
+        "repair_prompts_recorded": all(
+            "repair_prefill_tokens" in r for r in steps if _num(r.get("repairs")) > 0
+        ),
+        "code": read_code(run_dir, summary),
     }
 
 
@@ -518,26 +682,63 @@ def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
     if not seeds:
         return None
     diffs = [left[s] - right[s] for s in seeds]
-    low, high = bootstrap_ci(diffs)
-    _, t_low, t_high = mean_ci(diffs)
     rewards = [({r["seed"]: r["reward"] for r in arms[x]}) for x in (a, b)]
     pairs = [list(zip(rewards[0][s], rewards[1][s])) for s in seeds]
     return {
         "a": a,
         "b": b,
         "seeds": seeds,
-        "diffs": diffs,
-        "mean": statistics.fmean(diffs),
-        "t_ci": [t_low, t_high],
-        "bootstrap_ci": [low, high],
-        "wins": sum(d > 0 for d in diffs),
-        "losses": sum(d < 0 for d in diffs),
-        "ties": sum(d == 0 for d in diffs),
-        "sign_p": sign_test(diffs),
+        **paired_stats(diffs),
         # how closely the pair's runs tracked each other: their training rewards, step by step
         "reward_gap": _mean(_mean(abs(x - y) for x, y in p[1:]) for p in pairs),
         "equal_reward_steps": [sum(x == y for x, y in p) for p in pairs],
     }
+
+
+def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict | None:
+    """Paired per-seed differences a - b of the held-out accuracy at equal compute on one axis
+    (AXES): per seed, both runs read at the largest budget both reached (at_equal_compute),
+    and along the way at FRACTIONS of it. None when an arm is missing, no seed has both, a run
+    spent nothing on the axis (it did not log it), or, for prompt + decode tokens, a run did not
+    log the prompt tokens of its rollouts or its repairs (an axis that counts one arm's repair
+    prompts and neither arm's rollout prompts would favour the arm without repairs)."""
+    if a not in arms or b not in arms:
+        return None
+    left, right = ({r["seed"]: r for r in arms[x]} for x in (a, b))
+    seeds = sorted(set(left) & set(right))
+    pairs = [(left[s], right[s]) for s in seeds]
+    runs = [r for p in pairs for r in p]
+    if not runs or any(not r.get("compute_curves") or not r["compute"][axis] > 0 for r in runs):
+        return None
+    if axis == "tokens" and not all(_prompts_recorded(r) for r in runs):
+        return None
+    curves = [(x["compute_curves"][axis], y["compute_curves"][axis]) for x, y in pairs]
+    along = {}
+    for f in FRACTIONS:
+        read = [at_equal_compute(ca, cb, f) for ca, cb in curves]
+        along[f] = ([ya - yb for _, ya, yb in read], [budget for budget, _, _ in read])
+    diffs, budgets = along[1.0]
+    return {
+        "a": a,
+        "b": b,
+        "axis": axis,
+        "seeds": seeds,
+        **paired_stats(diffs),
+        "budgets": budgets,  # per seed: the compute both runs reached, where they are compared
+        "ratios": [x["compute"][axis] / y["compute"][axis] for x, y in pairs],  # a / b spent
+        "along": {str(f): {**paired_stats(d), "budgets": bs} for f, (d, bs) in along.items()},
+    }
+
+
+def _prompts_recorded(run: dict) -> bool:
+    return run["rollout_prompts_recorded"] and run["repair_prompts_recorded"]
+
+
+def verdict(c: dict) -> str:
+    """'higher', 'lower' (the paired t 95% interval excludes 0) or 'no difference'."""
+    if not significant(c):
+        return "no difference"
+    return "higher" if c["mean"] > 0 else "lower"
 
 
 def significant(c: dict) -> bool:
@@ -581,6 +782,113 @@ def comparisons_md(comps: list[tuple[str, dict]]) -> str:
             f"| {'yes' if significant(c) else 'no'} |"
         )
     return "\n".join(lines) + "\n\n" + "\n".join(f"* {sentence(lb, c)}" for lb, c in comps) + "\n"
+
+
+def equal_compute_md(comps: list[tuple[str, dict[str, dict]]]) -> str:
+    """Every comparison at equal steps, decode tokens, prompt + decode tokens and step
+    seconds: the paired figures at each pair's common budget, then the mean difference along
+    the way, then the comparisons whose verdict depends on the axis."""
+    if not comps:
+        return "No comparison has finished runs in both arms yet.\n"
+    lines = [
+        "| comparison | at equal | seeds | a / b compute spent (mean, range) "
+        "| compared at (mean per pair) | mean diff. | paired t 95% CI | bootstrap 95% CI "
+        "| higher / lower / tied | sign p | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, by_axis in comps:
+        for axis, c in by_axis.items():
+            name = AXES[axis][0]
+            (t_lo, t_hi), (lo, hi), r = c["t_ci"], c["bootstrap_ci"], c["ratios"]
+            lines.append(
+                f"| {label} | {name} | {len(c['seeds'])} "
+                f"| {statistics.fmean(r):.2f}x ({min(r):.2f}-{max(r):.2f}) "
+                f"| {_budget(statistics.fmean(c['budgets']), axis)} | {c['mean']:+.3f} "
+                f"| [{_f(t_lo, '+.3f')}, {_f(t_hi, '+.3f')}] | [{lo:+.3f}, {hi:+.3f}] "
+                f"| {c['wins']} / {c['losses']} / {c['ties']} | {c['sign_p']:.3f} "
+                f"| {verdict(c)} |"
+            )
+    missing = [label for label, by_axis in comps if "tokens" not in by_axis]
+    if missing:
+        lines.append(
+            f"\nNot at equal prompt + decode tokens: {'; '.join(missing)}. Their runs did not "
+            "log the prompt tokens of their rollouts (`rollout_prefill_tokens`) or repairs "
+            "(`repair_prefill_tokens`), and an axis that counts one arm's repair prompts and "
+            "neither arm's rollout prompts would favour the arm without repairs."
+        )
+    head = " | ".join(f"{f:.0%}" for f in FRACTIONS)
+    lines += [
+        "\nAlong the way: the mean difference [paired t 95% CI] at fractions of each pair's "
+        "common budget.\n",
+        f"| comparison | at equal | {head} |",
+        "|---|---|" + "---|" * len(FRACTIONS),
+    ]
+    for label, by_axis in comps:
+        for axis, c in by_axis.items():
+            cells = [_ci_of(c["along"][str(f)]) for f in FRACTIONS]
+            lines.append(f"| {label} | {AXES[axis][0]} | {' | '.join(cells)} |")
+    differ = [
+        f"* **{label}**: "
+        + "; ".join(f"{verdict(c)} at equal {AXES[axis][0]}" for axis, c in by_axis.items())
+        for label, by_axis in comps
+        if len({verdict(c) for c in by_axis.values()}) > 1
+    ]
+    lines.append("")
+    if differ:
+        lines += ["Verdicts that depend on what is held equal:\n", *differ]
+    else:
+        lines.append("No verdict depends on what is held equal.")
+    return "\n".join(lines) + "\n"
+
+
+def _budget(x: float, axis: str) -> str:
+    return f"{x:,.1f} s" if axis == "seconds" else f"{x:,.0f} {AXES[axis][0].split()[-1]}"
+
+
+def _ci_of(c: dict) -> str:
+    t_lo, t_hi = c["t_ci"]
+    return f"{c['mean']:+.3f} [{_f(t_lo, '+.3f')}, {_f(t_hi, '+.3f')}]"
+
+
+def compute_md(arms: dict[str, list[dict]]) -> str:
+    """What each arm spent per run: mean over its runs (lowest-highest). Prompt tokens run: those
+    the model computed (a prompt run once for its G samples, a shared prefix once); the repair
+    prompts' own tokens beside them."""
+    lines = [
+        "| arm | runs | steps | decode tokens | rollout prompt tokens run | repair prompt tokens "
+        "| of which run | prompt + decode tokens run | step seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(values: list[float], fmt: str = ",.0f") -> str:
+        return f"{statistics.fmean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+    for name, runs in arms.items():
+        if not all(r.get("compute") for r in runs):
+            continue
+        spent = {a: [r["compute"][a] for r in runs] for a in AXES}
+        recorded = all(r["rollout_prompts_recorded"] for r in runs)
+        rollout = cell([r["rollout_prefill_tokens"] for r in runs]) if recorded else "not logged"
+        repaired = all(r["repair_prompts_recorded"] for r in runs)
+        prompts = cell([r["repair_prompt_tokens"] for r in runs]) if repaired else "not logged"
+        ran = cell([r["repair_prefill_tokens"] for r in runs]) if repaired else "not logged"
+        both = cell(spent["tokens"]) if recorded and repaired else "n/a"
+        lines.append(
+            f"| {name} | {len(runs)} | {cell(spent['steps'])} | {cell(spent['decode'])} "
+            f"| {rollout} | {prompts} | {ran} | {both} "
+            f"| {cell(spent['seconds'], ',.1f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def code_md(records: list[dict]) -> str:
+    """Which code the runs ran: each commit (and tree state) with its runs."""
+    seen: dict[str, list[str]] = {}
+    for r in records:
+        seen.setdefault(describe(r.get("code")), []).append(f"{r['arm']}-s{r['seed']}")
+    lines = ["| code | runs |", "|---|---|"]
+    lines += [f"| {code} | {len(runs)}: {' '.join(runs)} |" for code, runs in seen.items()]
+    return "\n".join(lines) + "\n"
 
 
 def tokens_md(arms: dict[str, list[dict]]) -> str:
@@ -707,20 +1015,23 @@ def commands_md(records: list[dict]) -> str:
 
 def spread_md(arms: dict[str, list[dict]], comps: list[tuple[str, dict]]) -> str:
     """What the design can resolve: the spread over seeds per arm, and per comparison the
-    seeds a paired t-interval of half-width 0.05 would need (about (2 sd / 0.05)^2)."""
+    seeds a paired t 95% interval of half-width 0.05 would need at that spread (the fewest n
+    with t(0.975, n - 1) sd / sqrt(n) <= 0.05) and those the paired t-test needs to find a true
+    difference of 0.05 with 80% power."""
     lines = [
-        "| arm or comparison | sd over seeds | seeds for a +-0.05 interval "
-        "| training reward gap, steps 2+ | steps with equal training reward, per seed |",
-        "|---|---|---|---|---|",
+        "| arm or comparison | sd over seeds | seeds for a +-0.05 t-interval "
+        "| seeds for 80% power at 0.05 | training reward gap, steps 2+ "
+        "| steps with equal training reward, per seed |",
+        "|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
-        lines.append(f"| {name} (final acc.) | {_f(sd([r['after'] for r in runs]))} | | | |")
+        lines.append(f"| {name} (final acc.) | {_f(sd([r['after'] for r in runs]))} | | | | |")
     for label, c in comps:
         spread = sd(c["diffs"])
-        need = (2 * spread / 0.05) ** 2  # NaN stays NaN
         equal = " ".join(map(str, c.get("equal_reward_steps", [])))
         lines.append(
-            f"| {label} | {_f(spread)} | {_f(need, '.0f')} | {_f(c.get('reward_gap'))} | {equal} |"
+            f"| {label} | {_f(spread)} | {_f(seeds_for_half_width(spread), '.0f')} "
+            f"| {_f(seeds_for_power(spread), '.0f')} | {_f(c.get('reward_gap'))} | {equal} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -740,11 +1051,32 @@ def sweep_md(arms: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+EQUAL_COMPUTE_NOTE = (
+    "Each comparison again, holding steps, decode tokens (rollout and repair completions, "
+    "dynamic sampling's extra rounds), prompt + decode tokens (with the prompt tokens the "
+    "model ran in rollouts and repairs: a prompt run once for its G samples, or a prefix "
+    "shared by several repair prompts, counts once) or step seconds (the sum of step times; "
+    "evaluations and loading left out; they depend on what else the machine ran) equal. Per "
+    "seed, both runs are read at the largest budget both reached: the run that spent less at "
+    "its final evaluation, the other on the straight line between its two evaluations around "
+    "that budget (its held-out accuracy curve against compute spent, linearly interpolated; "
+    "step 0 is the accuracy before training, at compute 0). The paired differences are then "
+    "judged as above. a / b compute spent: per seed, what run a spent over what run b spent "
+    "by the end.\n"
+)
+
+
+def _at_each_axis(arms: dict[str, list[dict]], a: str, b: str) -> dict[str, dict]:
+    return {axis: c for axis in AXES if (c := compare_at(arms, a, b, axis))}
+
+
 def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
     """(study.json's content, study.md's text) from the finished runs."""
     main_runs = [r for r in records if r["regime"] != SWEEP]
     arms, sweep = by_arm(main_runs), by_arm([r for r in records if r["regime"] == SWEEP])
     comps = [(lb, c) for lb, a, b in COMPARISONS if (c := compare(arms, a, b))]
+    equal = [(lb, _at_each_axis(arms, a, b)) for lb, a, b in COMPARISONS]
+    equal = [(lb, by_axis) for lb, by_axis in equal if by_axis]
     before = sorted({r["before"] for r in records if r["before"] is not None})
     n_eval = sorted({r["n_eval"] for r in records})
     md = ["# IBPO study\n"]
@@ -774,6 +1106,8 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
             _wall_line(main_runs),
         ]
         md += ["## Paired differences\n", comparisons_md(comps)]
+        md += ["## At equal compute\n", EQUAL_COMPUTE_NOTE, equal_compute_md(equal)]
+        md += ["## Compute per run\n", compute_md(arms)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
         md += ["## Repairs per run\n", repairs_md(arms)]
         md += ["## Did the edit mask act?\n", mask_md(arms)]
@@ -784,9 +1118,11 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         )
     if sweep:
         md += ["## Learning-rate sweep\n", sweep_md(sweep), "![sweep](sweep.png)\n"]
+    md += ["## Code\n", code_md(records)] if records else []
     md += ["## Command lines\n", commands_md(records)]
     data = {"runs": main_runs, "sweep": [r for r in records if r["regime"] == SWEEP]}
     data["comparisons"] = [{"label": lb, **c} for lb, c in comps]
+    data["equal_compute"] = [{"label": lb, **c} for lb, by in equal for c in by.values()]
     data["pending"] = pending
     return data, "\n".join(md)
 
@@ -927,7 +1263,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--out", default="outputs/study")
-    add("--seeds", default="0,1,2,3,4")
+    add("--seeds", default="0,1,2,3,4", help="comma-separated, or ranges: 0-15")
     add("--steps", type=int, default=20)
     add("--eval-every", type=int, default=5, help="held-out evaluation every N steps")
     add("--eval-size", type=int, default=200, help="held-out problems (>= 200 for the study)")
@@ -981,6 +1317,10 @@ def main(argv: list[str] | None = None) -> int:
         threads = ns.threads or max(1, (os.cpu_count() or 1) // max(1, ns.workers))
         runs = plan(ns, out)
         check(runs)
+        # what the runs will record: `python -m ibpo.cli` takes this directory's ibpo if it
+        # has one, else the installed one
+        here = Path.cwd() / "ibpo"
+        print(f"code: {describe(code_version(here if here.is_dir() else None))}", flush=True)
         outcomes = run_all(runs, ns.workers, ns.smoke, threads)
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
     if ns.against is not None and not any(ns.against.glob("*/*/study_run.json")):

@@ -272,7 +272,8 @@ TOKEN_RATES = frozenset({
 MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb", "mismatch_abs_max",
           "mismatch_worst_sequence")  # fmt: skip
 SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
-        "trained_sequences", "dropped_groups")  # fmt: skip
+        "trained_sequences", "dropped_groups", "rollout_prefill_tokens", "repair_prefill_tokens",
+        "repair_prompt_tokens", "repair_decode_tokens")  # fmt: skip
 
 
 def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:

@@ -331,6 +331,13 @@ def score_round(
     )
     scores = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
+    # the rollout's prompt tokens the model ran (a prompt the backend runs once for its G
+    # samples counts once; the prompts' tokens where it does not say): compute, with the decode
+    stats["rollout_prefill_tokens"] = float(
+        sum(rollout.host_prompt_lengths())
+        if rollout.prefill_tokens is None
+        else rollout.prefill_tokens
+    )
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, per)

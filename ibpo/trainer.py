@@ -52,6 +52,7 @@ from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
 from ibpo.run.alarm import MismatchAlarm
 from ibpo.run.log import log_eval, log_step
+from ibpo.run.version import code_version, header
 from ibpo.step import StepParts, generating, rl_step
 from ibpo.vllm_rollout import VLLMEngine
 
@@ -126,12 +127,14 @@ def _build(cfg: Config, accelerator, rows=None, rewards: RewardSet | None = None
     return StepParts(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
 
 
-def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None) -> None:
+def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict) -> None:
     """Main process, once the data and the model have loaded: a fresh start moves an earlier
-    run aside (run.overwrite=true: deletes it), then the new config.yaml."""
+    run aside (run.overwrite=true: deletes it), then the new config.yaml, headed by the code
+    version as a comment (the file stays a recipe)."""
     if resume is None and (line := outdir.set_aside_previous_run(out, cfg.run.overwrite)):
         print(line, file=sys.stderr)
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
+    recipe = yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False)
+    (out / "config.yaml").write_text(header(code) + recipe)
 
 
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
@@ -241,8 +244,9 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
         parts, tokenizer, eval_examples = _build(cfg, accelerator, rows, rewards)
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
+    code = code_version() if accelerator.is_main_process else None  # the code this run runs
     if accelerator.is_main_process:
-        _prepare_output_dir(out, cfg, resume)
+        _prepare_output_dir(out, cfg, resume, code)
     check_shared_output(accelerator, out)
     if accelerator.num_processes > 1:
         # The same seed built the same LoRA init on every process; from here each process has
@@ -261,6 +265,7 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
                 cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
             )
             run.sandbox = sandbox
+            run.code = code
             run.rewards = rewards  # given in Python, they may not import back from the config
             run.state = _start_or_resume(
                 accelerator, parts, resume, run.metrics_path, run.held_out, cfg
@@ -306,6 +311,7 @@ class Run:
         self.start = time.time()
         self.prior = 0.0  # wall seconds of earlier sessions of this run
         self.sandbox: str | None = None  # the code reward's isolation mode (training_sandbox)
+        self.code: dict | None = None  # commit and dirty tree (run/version.py), main process
         device = accelerator.device
         folded = use_dequantized_base(cfg.model, device, parts.model)
         self.alarm = MismatchAlarm.for_run(cfg, device.type, folded)
@@ -469,6 +475,7 @@ class Run:
             "model": cfg.model.name,
             "quantization": cfg.model.quantization,
             "dataset": cfg.data.dataset,
+            "code": self.code,  # {"version", "commit", "dirty"}: "unknown" without git
             "isolation": self.sandbox,  # the code reward's sandbox mode; None for other rewards
             "status": end.status,
             "message": end.message,

@@ -4,9 +4,11 @@ runs, and its smoke mode end to end on the tiny model (json, md, plots; a rerun 
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +155,9 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     # final accuracy, then the mean curve over the evaluations
     assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | 0.400 -> 0.600 | +0.200" in md
     assert "| 0.0000 | 80.0% -> 50.0% |" in md  # truncation, first step -> last
-    # dfpo - grpo differs by +-0.1 per seed: sd 0.110, (2 x 0.110 / 0.05)^2 = 19 seeds
-    assert "| on-policy dfpo - grpo (Part 1: the objective) | 0.110 | 19 |" in md
+    # dfpo - grpo differs by +-0.1 per seed: sd 0.110; a +-0.05 t-interval at 21 seeds
+    # (2.0860 x 0.1095 / sqrt(21) = 0.0499), not at 20 (2.0930 x 0.1095 / sqrt(20) = 0.0513)
+    assert "| on-policy dfpo - grpo (Part 1: the objective) | 0.110 | 21 |" in md
     # the command lines: the shared part once, each arm's own overrides in a table
     assert (
         md.count("python -m ibpo.cli train") == 1 and "| on-grpo | `objective.name=on-grpo` |" in md
@@ -200,7 +203,32 @@ def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
         assert run["token_curve"][-1][0] == run["generated_tokens"]
     ibpo = [r for r in data["runs"] if r["arm"] == "on-ibpo"]
     assert all(r["repair_tokens_total"] > 0 for r in ibpo)  # repairs count as generated tokens
+    # every run logged its rollouts' prompt tokens and recorded the code it ran
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    for run in data["runs"]:
+        assert run["rollout_prompts_recorded"] and run["rollout_prefill_tokens"] > 0
+        assert run["code"]["commit"] == head.stdout.strip() and run["code"]["dirty"] in (
+            True,
+            False,
+        )
+    # the rollout prompt tokens bench/rollout_prompts.py rebuilds for older runs are the ones a
+    # run logs: the same prompts, counted the same way
+    spec = importlib.util.spec_from_file_location(
+        "rollout_prompts", ROOT / "bench/rollout_prompts.py"
+    )
+    rebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rebuild)
+    from ibpo.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    for run in data["runs"]:
+        logged = [json.loads(x) for x in (Path(run["dir"]) / "train/metrics.jsonl").open()]
+        logged = {x["step"]: x["rollout_prefill_tokens"] for x in logged if "reward" in x}
+        assert rebuild.rebuilt_counts(run["command"], tok) == logged
+    axes = {c["axis"] for c in data["equal_compute"] if c["label"] == "mask only - ibpo"}
+    assert axes == {"steps", "decode", "tokens", "seconds"}
     md = (out / "study.md").read_text()
+    assert f"commit {head.stdout[:12]}" in md.split("## Code")[1]
     assert "| on-ibpo | on-policy | 2 |" in md and "train.updates_per_rollout=2" in md
     assert md.count("python -m ibpo.cli train") == 1  # the shared part; each run's line in json
     assert all("python -m ibpo.cli train" in r["command"] for r in data["runs"])
@@ -281,3 +309,142 @@ def test_smoke_sweep_is_its_own_table(study, tiny_model_dir, tmp_path):
     md = (out / "study.md").read_text()
     assert "## Learning-rate sweep" in md and "| sweep-grpo-lr1e-3 | 0 |" in md
     assert "## Per arm" not in md and (out / "sweep.png").stat().st_size > 10_000
+
+
+# --- equal compute ---------------------------------------------------------------------------
+
+
+def test_interpolation_reads_between_evaluations_and_never_beyond(study):
+    curve = [(0.0, 0.2), (600.0, 0.5), (800.0, 0.7)]
+    assert study.interpolate(curve, 400.0) == pytest.approx(0.2 + 0.3 * 400 / 600)
+    assert study.interpolate(curve, 600.0) == 0.5 and study.interpolate(curve, 0.0) == 0.2
+    assert study.interpolate(curve, 700.0) == pytest.approx(0.6)
+    # no compute between two evaluations: the later (more trained) one
+    assert study.interpolate([(0.0, 0.2), (0.0, 0.3), (10.0, 0.5)], 0.0) == 0.3
+    for x in (-1.0, 801.0):
+        with pytest.raises(ValueError, match="outside"):
+            study.interpolate(curve, x)
+    # the cheaper run at its end, the other between its evaluations; and along the way
+    cheap = [(0.0, 0.2), (200.0, 0.4), (400.0, 0.6)]
+    assert study.at_equal_compute(curve, cheap) == pytest.approx((400.0, 0.4, 0.6))
+    assert study.at_equal_compute(curve, cheap, 0.25) == pytest.approx((100.0, 0.25, 0.3))
+
+
+def test_seed_counts_from_the_t_interval_and_the_t_test_power(study):
+    spread = 0.0906  # the sd of the 11-seed study's paired differences (docs/study.md)
+    assert study.seeds_for_half_width(spread) == 16
+    t = {15: 2.1314, 14: 2.1448}  # t(0.975, df), printed tables
+    assert t[15] * spread / math.sqrt(16) <= 0.05 < t[14] * spread / math.sqrt(15)
+    assert study.seeds_for_power(spread) == 28
+    # power against a simulation of the paired t-test: 40,000 studies of 27 and of 28 seeds
+    rng = np.random.default_rng(7)
+    for n in (27, 28):
+        d = rng.normal(0.05, spread, size=(40_000, n))
+        t_stat = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+        found = float((abs(t_stat) > study.t_critical(n - 1)).mean())
+        assert found == pytest.approx(study.t_power(n, spread, 0.05), abs=0.01)
+    assert study.t_power(28, spread, 0.0) == pytest.approx(0.05)  # the test's size
+    assert math.isnan(study.seeds_for_half_width(float("nan")))
+    assert math.isnan(study.seeds_for_power(0.0))
+
+
+def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repair_prompts=0.0,
+               rollout_prompts=50.0, steps=4):  # fmt: skip
+    """A finished study run folder: study_run.json, train/summary.json, train/metrics.jsonl
+    (per step: decoded tokens, prompt tokens the rollout and the repairs ran, step time;
+    held-out evaluations at the steps of `evals`)."""
+    run = out / "runs" / f"{arm}-s{seed}"
+    (run / "train").mkdir(parents=True)
+    meta = {"arm": arm, "regime": "on-policy", "seed": seed, "command": f"python -m ibpo.cli "
+            f"train objective.name={arm[3:]} train.seed={seed}"}  # fmt: skip
+    (run / "study_run.json").write_text(json.dumps(meta))
+    summary = {"steps": steps, "eval_before": {"accuracy": 0.2, "n": 100},
+               "eval_after": {"accuracy": final, "n": 100}, "wall_seconds": 10.0}  # fmt: skip
+    (run / "train" / "summary.json").write_text(json.dumps(summary))
+    lines = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "reward": 0.5, "generated_tokens": step_tokens,
+               "repairs": 4.0 if arm == "on-ibpo" else 0.0, "step_time": step_seconds}  # fmt: skip
+        if repair_prompts is not None:  # None: a run from before the step logged them
+            row["repair_prefill_tokens"] = repair_prompts
+        if rollout_prompts is not None:
+            row["rollout_prefill_tokens"] = rollout_prompts
+        lines.append(row)
+        if step in evals:
+            lines.append({"step": step, "eval_accuracy": evals[step], "eval_n": 100})
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    (run / "train" / "metrics.jsonl").write_text(text)
+
+
+def _study_where_verdicts_differ(out, seeds=4, rollout_prompts=50.0, repair_prompts=300.0):
+    """ibpo ahead at equal steps (+0.05 +- 0.01 each seed) and behind at equal decoded tokens:
+    it decodes 200 tokens a step to dfpo's 100, and at dfpo's whole budget (400) it has only
+    reached two thirds of the way from its start (0.2) to its step-3 evaluation (0.5 + e)."""
+    for s in range(seeds):
+        e, d = 0.02 * s, (0.0, 0.01, -0.01, 0.02)[s]
+        _write_run(out, "on-dfpo", s, evals={2: 0.4 + e}, final=0.6 + e, step_tokens=100.0,
+                   step_seconds=1.0, rollout_prompts=rollout_prompts)  # fmt: skip
+        _write_run(out, "on-ibpo", s, evals={3: 0.5 + e}, final=0.65 + e + d, step_tokens=200.0,
+                   step_seconds=3.0, repair_prompts=repair_prompts,
+                   rollout_prompts=rollout_prompts)  # fmt: skip
+    return [0.05 + (0.0, 0.01, -0.01, 0.02)[s] for s in range(seeds)]
+
+
+def test_equal_steps_and_equal_tokens_can_disagree(study, tmp_path):
+    at_steps = _study_where_verdicts_differ(tmp_path)
+    data, md = study.build_report(*study.collect(tmp_path))
+    found = {c["axis"]: c for c in data["equal_compute"] if c["a"] == "on-ibpo"}
+    assert set(found) == {"steps", "decode", "tokens", "seconds"}
+    steps, decode = found["steps"], found["decode"]
+    assert steps["diffs"] == pytest.approx(at_steps) and study.verdict(steps) == "higher"
+    assert steps["diffs"] == pytest.approx(data["comparisons"][0]["diffs"])  # = final accuracy
+    # at 400 decoded tokens: ibpo 0.2 + (0.3 + e) x 400 / 600, dfpo its final 0.6 + e
+    e = [0.02 * s for s in range(4)]
+    want = [0.2 + (0.3 + x) * 2 / 3 - (0.6 + x) for x in e]
+    assert decode["diffs"] == pytest.approx(want) and study.verdict(decode) == "lower"
+    assert decode["budgets"] == [400.0] * 4 and decode["ratios"] == [2.0] * 4
+    assert (decode["wins"], decode["losses"]) == (0, 4)
+    # prompt + decode: ibpo 550 a step (200 + 50 + 300), dfpo 150; compared at dfpo's 600
+    tokens = found["tokens"]
+    assert tokens["budgets"] == [600.0] * 4 and tokens["ratios"] == pytest.approx([550 / 150] * 4)
+    # 600 of ibpo's 1,650 by step 3: on its line from (0, 0.2) to (1,650, 0.5 + e)
+    assert tokens["diffs"] == pytest.approx([0.2 + (0.3 + x) * 600 / 1650 - (0.6 + x) for x in e])
+    assert found["seconds"]["budgets"] == [4.0] * 4  # dfpo's 4 s; ibpo spends 3 s a step
+    # along the way: at half of the common decode budget (200): ibpo 0.2 + (0.3 + e) / 3, dfpo
+    # its step-2 evaluation
+    half = decode["along"]["0.5"]["diffs"]
+    assert half == pytest.approx([0.2 + (0.3 + x) / 3 - (0.4 + x) for x in e])
+    section = md.split("## At equal compute")[1].split("## Compute per run")[0]
+    row = next(r for r in section.splitlines() if "| decode tokens | 4 |" in r)
+    assert "| 2.00x (2.00-2.00) | 400 tokens |" in row and row.endswith("| lower |")
+    assert "Verdicts that depend on what is held equal" in section
+    assert "higher at equal steps; lower at equal decode tokens" in section
+    per_run = md.split("## Compute per run")[1].split("##")[0]
+    assert (
+        "| on-ibpo | 4 | 4 (4-4) | 800 (800-800) | 200 (200-200) | 1,200 (1,200-1,200) " in per_run
+    )
+
+
+@pytest.mark.parametrize("unlogged", ["rollout_prompts", "repair_prompts"])
+def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path, unlogged):
+    _study_where_verdicts_differ(tmp_path, **{unlogged: None})
+    data, md = study.build_report(*study.collect(tmp_path))
+    assert {c["axis"] for c in data["equal_compute"]} == {"steps", "decode", "seconds"}
+    assert "Not at equal prompt + decode tokens: on-policy ibpo - dfpo" in md
+    per_run = md.split("## Compute per run")[1].split("##")[0]
+    ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |")).split(" | ")
+    assert ibpo[4 if unlogged == "rollout_prompts" else 5] == "not logged"
+    assert ibpo[7] == "n/a"  # no prompt + decode total
+    # and the command line still rebuilds the report from the folders
+    assert study.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert "## At equal compute" in (tmp_path / "study.md").read_text()
+
+
+def test_the_headline_pair_at_sixteen_seeds_is_one_command(study, tmp_path):
+    assert study.seed_list("0-4,9,3") == [0, 1, 2, 3, 4, 9]
+    ns = study.parse(["--seeds", "0-15", "--arms", "on-ibpo,on-dfpo"])
+    runs = study.plan(ns, tmp_path)
+    assert sorted({r.seed for r in runs}) == list(range(16)) and len(runs) == 32
+    assert {r.arm.name for r in runs} == {"on-ibpo", "on-dfpo"}
+    with pytest.raises(SystemExit, match="numbers or ranges"):
+        study.seed_list("0-x")

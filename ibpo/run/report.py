@@ -2,7 +2,8 @@
 
 Reads what the trainer leaves in its output_dir: `metrics.jsonl` (one JSON object per step, plus
 periodic held-out evaluations as `eval_accuracy`/`eval_n` at some steps) and `summary.json`
-(written at the end; absent while a run goes on or after a crash, and then the report says so).
+(written at the end; absent while a run goes on or after a crash, and then the report says so);
+the code the run ran (commit, dirty tree) from summary.json, else from config.yaml's first line.
 `ibpo report OUTPUT_DIR` prints `summary_table` and writes `plots/training.png`; the trainer does
 the same at the end of a run when run.plots is on.
 
@@ -22,6 +23,8 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from ibpo.run.version import describe, from_header
 
 METRICS, SUMMARY, PLOTS, OVERVIEW = "metrics.jsonl", "summary.json", "plots", "training.png"
 HELDOUT_TITLE = "held-out accuracy"
@@ -350,6 +353,17 @@ def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
     return items
 
 
+def code_of(output_dir: Path, summary: dict | None) -> dict | None:
+    """The run's code version: summary.json's, else config.yaml's header (a run going on or
+    stopped without a summary); None for a run from before either recorded it."""
+    if summary and isinstance(summary.get("code"), dict):
+        return summary["code"]
+    try:
+        return from_header((Path(output_dir) / "config.yaml").read_text())
+    except OSError:
+        return None
+
+
 def _location_items(output_dir: Path, summary: dict | None) -> list[tuple[str, str]]:
     s = summary or {}
     checkpoint = s.get("checkpoint")
@@ -373,7 +387,9 @@ def summary_table(output_dir: Path | str) -> str:
     metrics = output_dir / METRICS
     rows = read_metrics(metrics) if metrics.is_file() else []
     summary = read_summary(output_dir)
-    items = _run_items(rows, summary) + _metric_items(rows) + _location_items(output_dir, summary)
+    items = _run_items(rows, summary)
+    items.insert(2, ("code", describe(code_of(output_dir, summary))))
+    items += _metric_items(rows) + _location_items(output_dir, summary)
     width = max(len(label) for label, _ in items)
     lines = [f"ibpo report: {output_dir}"]
     lines += [f"  {label:<{width}}  {value}" for label, value in items]
