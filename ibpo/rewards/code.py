@@ -193,9 +193,8 @@ def check_training_sandbox(policy: Policy) -> str:
     mode its tests will run in here; ConfigError naming the fix when `policy` (or the sandbox
     itself, see sandbox.run.uncontained) refuses that mode or this machine's memory bound."""
     mode = isolation_mode()
-    why = uncontained(mode) or sandbox_policy.refusal(
-        mode, memory.memory_mode() != "per-process", policy
-    )
+    grouped = memory.memory_mode() != "per-process"
+    why = sandbox_policy.refusal(mode, grouped, policy) or uncontained(mode)
     if why:
         raise ConfigError(f"objective.reward=code runs the programs the policy writes, but {why}")
     return mode

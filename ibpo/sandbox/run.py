@@ -97,6 +97,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -261,7 +262,9 @@ def _run_one(
 ) -> TestResult:
     """One test in its own sandbox. `probe`: mode_works's trusted program, which the policy in
     force neither refuses nor counts."""
-    why = uncontained(mode)
+    # the policy's word on the mode first (its memory bound is judged once the test's group is
+    # set up: policy.admit), then whether the mode can contain a test here at all
+    why = (None if probe else policy.refusal(mode, grouped=True)) or uncontained(mode)
     if why:
         raise policy.Refused(why)
     slot = _SLOTS.get()  # blocks while every slot is busy: the global bound on parallelism
@@ -339,6 +342,11 @@ def _end_leftovers(group: str | None, uid: int, mode: str) -> None:
             )
         except (OSError, subprocess.SubprocessError) as e:  # the verdict stands; logged
             log.warning("sandbox: could not end slot uid %d's leftover processes: %s", uid, e)
+        # The killed stay zombies until init reaps them, and count against RLIMIT_NPROC until
+        # then: the slot is handed on only once they are gone.
+        deadline = time.monotonic() + 2
+        while _count_processes(uid) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def _fill(f, text: str) -> None:
@@ -358,7 +366,7 @@ def _job(code, test, limits, mode, slot, wd, fds) -> dict:
     # + the child's watcher thread, + the solution's process of a check test
     nproc = limits.max_processes + 1 + (test.kind == "check")
     if mode == "socket-patch" and os.geteuid() != 0:
-        nproc += _count_own_processes()  # without a namespace the count is per user
+        nproc += _count_processes(os.getuid())  # without a namespace the count is per user
     rl.append((resource.RLIMIT_NPROC, nproc))
     return {
         "kind": test.kind,
@@ -511,8 +519,7 @@ def _slot_uid(slot: int) -> int:
     return 1_500_000_000 + (os.getpid() % 100_000) * 64 + slot
 
 
-def _count_own_processes() -> int:
-    uid = os.getuid()
+def _count_processes(uid: int) -> int:
     n = 0
     for p in os.listdir("/proc"):
         try:
