@@ -377,8 +377,8 @@ def test_keyrings_are_out_of_every_test_s_reach(mode, request):
 # x86_64 machine code for keyctl(KEYCTL_GET_KEYRING_ID, session, create) through the i386 ABI
 # (int 0x80) and the x32 ABI (bit 30 set): a filter that knew only the native numbers would let
 # these through. Returns the call's result (eax).
-I386_KEYCTL = bytes.fromhex("53" "b820010000" "31db" "b9fdffffff" "ba01000000" "cd80" "5b" "c3")
-X32_KEYCTL = bytes.fromhex("b8fa000040" "31ff" "befdffffff" "ba01000000" "0f05" "c3")
+I386_KEYCTL = bytes.fromhex("53b82001000031dbb9fdffffffba01000000cd805bc3")
+X32_KEYCTL = bytes.fromhex("b8fa00004031ffbefdffffffba010000000f05c3")
 RUN_MACHINE_CODE = (
     "import ctypes, mmap\n"
     "def run(code):\n"
