@@ -19,6 +19,11 @@ r"""Code grading: extract the program from a completion, run it against tests in
       "memory_mb": 1024             # optional
     }
 
+The program is the last fenced Python block of the completion (`extract_code`), found in one
+pass over a completion of any length; a program over MAX_CODE_CHARS scores 0 without running.
+During training every test is held to the run's sandbox policy (`training_policy`,
+objective.code_sandbox), which the sandbox enforces itself, whoever calls grade_code.
+
 A test_code spec runs in one of two harnesses. "strict" (the default, and the one for training
 rewards): the tests run in a process of their own against a proxy of `entry_point`, seeing its
 return values as plain data only (sandbox kind "check"), so always-equal objects, subclasses

@@ -13,6 +13,11 @@ open its /proc/<pid>/fd or /proc/<pid>/mem; every other descriptor is closed bef
 solution runs, the test code reaches only the harness's process, through its own unnamed fd, and
 the harness imports nothing from the working directory, which the solution may write.
 
+Before any of the tested code runs, the child also makes the keyring system calls fail for
+itself and everything it starts (_child_keyrings). A check test's harness whose solution's
+process was killed (its CPU limit) ends as a killed test is reported, so the verdict is a
+timeout there too.
+
 Not here: choosing the isolation, starting and timing the child, or judging its output
 (run.py, verdict.py). Nothing here is called in the parent process.
 """

@@ -36,23 +36,27 @@ through its own descriptors (unnamed files, so no path leads to them). Hence:
   tricks all stay in the solution's process.
 * script: forgeable by design (the harness shares the interpreter with the solution).
 
-Residual limits: in "socket-patch" mode the child runs as the trainer's own uid (non-root), or
-stays root (root with an interpreter that is not world-readable): it can then reach the
-trainer's memory and descriptors, and a check test's harness, so no verdict is safe there.
-With root and a world-readable interpreter it runs as a slot uid, which cannot. A check test
+Residual limits: in "socket-patch" mode without root the child runs as the trainer's own uid:
+it can then reach the trainer's memory and descriptors, and a check test's harness, so no
+verdict is safe there. As root it runs as a slot uid, which cannot; where that uid could not
+read the interpreter (not world-readable) the child would stay root, so the mode is refused
+there for every caller (uncontained). A check test
 shows the solution none of the test code or expected values, but the solution still sees its
 prompt and the arguments it is called with.
 
 Each test runs in a fresh interpreter (`python -S -s -B`: no site-packages; an environment built
 from scratch: no tokens, no PYTHONPATH) with rlimits on CPU time, address space, open files,
 file size (caps stdout/stderr) and processes, plus a wall-clock timer; a pipe tells the child
-when this process dies, so no sandbox outlives a crashed trainer. The memory cap covers every
-process of the test where cgroups allow (memory.py); every result states it (`memory`).
-`isolation_mode()`, the first that works, stated in every result (`isolation`):
+when this process dies, so no sandbox outlives a crashed trainer. The keyring system calls fail
+(child.py: keyrings belong to no namespace). The memory cap covers every process of the test
+where cgroups allow, else only each one's address space (memory.py); every result states it
+(`memory`). A process-wide policy (policy.py: a training run's) may refuse a mode or a test
+without a whole-test memory bound, here, whatever called. `isolation_mode()`, the first that
+works, stated in every result (`isolation`):
 
 * "bwrap" (bubblewrap installed): new PID, network, IPC, UTS and cgroup namespaces; a root
-  filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, /etc and the
-  interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
+  filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, of ETC_ALLOWED in /etc
+  and of the interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
   directory, so no socket file of the host exists inside. As root the child then becomes a
   uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
 * "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
@@ -65,12 +69,10 @@ process of the test where cgroups allow (memory.py); every result states it (`me
 * "socket-patch" (no usable namespaces, e.g. a container without CAP_SYS_ADMIN): sockets are
   replaced by a stub, RLIMIT_NPROC counts the user's processes. At the end the process group
   is killed, then every process left in the test's memory cgroup, and with a slot uid every
-  process of that uid (a daemon in a session of its own escapes only as root without a
-  writable cgroup). Files outside the working directory are protected only by permissions: as
-  root the child still moves to a slot uid when the interpreter is world-readable, else it
-  stays root and neither files nor the process count are protected (a warning is logged).
-  Not a sandbox for RL-written code: training with the code reward refuses it unless asked
-  (rewards/code.py, training_sandbox).
+  process of that uid (which cannot leave its cgroup; without root or a writable cgroup a
+  daemon in a session of its own escapes). Files outside the working directory are protected
+  only by permissions. Not a sandbox for RL-written code: training refuses it unless asked
+  (rewards/code.py, training_policy).
 
 Cost (bench/bench_graders.py, 2 shared cores): a stdin, call or script test takes 12-18 ms of
 CPU in the child and ~1.5 ms here, in every mode; a check test 21-22 ms (two processes). Starting a
