@@ -5,10 +5,11 @@ The child (child.py) reports on a result channel, one record per line, the last 
 value), "R <repr>" (a return value that is not JSON), "E <exception>" and "X <code>" (an exit
 before the end). Limits are judged before the answer: over the CPU or wall-clock limit is a
 timeout whatever was printed, and so is a test the kernel killed at its CPU limit, whatever CPU
-time is read back (the kernel's clock runs ahead of it). Stdin tests pass on exit status 0 and a matching stdout
-(`stdout_matches`); call tests compare the decoded JSON value with the expected one, which
-never entered the sandbox; a check test passes on its harness's "D", a channel only the harness
-holds. Only in a script test can the tested code write a passing record (run.py's threat model).
+time is read back (the kernel's clock runs ahead of it). Stdin tests pass on exit status 0 and a
+matching stdout (`stdout_matches`); call tests compare the decoded JSON value with the expected
+one, which never entered the sandbox; a check test passes on its harness's "D", a channel only
+the harness holds. Only in a script test can the tested code write a passing record (run.py's
+threat model).
 
 Not here: running the test (sandbox.py), grading policy (rewards/code.py).
 """
