@@ -321,3 +321,22 @@ def test_a_code_reward_refuses_a_sandbox_without_a_whole_test_memory_bound(tmp_p
     assert not out.exists()
     for name in ("allow_per_process_memory", "allow_socket_patch"):
         assert code_grader.check_training_sandbox(code_grader.training_policy(name)) == "bwrap"
+
+
+def test_summary_isolation_joins_every_process_s_record(monkeypatch):
+    """With several processes each records the tests it started; the summary names them all,
+    except for a process that may join no collective (out of memory alone), which names its own."""
+    from types import SimpleNamespace
+
+    from ibpo import trainer
+    from ibpo.sandbox.policy import Record
+
+    run = SimpleNamespace(
+        accelerator=SimpleNamespace(num_processes=2), sandbox=Record(modes={"bwrap": 3})
+    )
+    others = [{"namespaces": 1, "bwrap": 2}]
+    monkeypatch.setattr(trainer, "gather_object", lambda mine: [*mine, *others])
+    assert trainer.Run.isolation(run, alone=False) == "bwrap, namespaces"
+    assert trainer.Run.isolation(run, alone=True) == "bwrap"
+    run.sandbox, others[:] = Record(), [{}]
+    assert trainer.Run.isolation(run, alone=False) is None
