@@ -344,11 +344,14 @@ class ObjectiveConfig:
     # >1: the reward functions, and chunks of a step's completions, run on this many threads
     # (slow rewards that wait: a remote verifier, a compiler)
     reward_workers: int = positive(1)
-    # Where the built-in code reward runs the programs the policy writes (ibpo/sandbox/run.py):
-    # isolated (bwrap or namespaces: training refuses to start where only socket-patch works) |
-    # allow_socket_patch (train there anyway: the programs then see the host's files and, as the
-    # trainer's own uid, can reach its memory and forge any verdict)
-    code_sandbox: str = choice("isolated", "allow_socket_patch")
+    # Which sandboxes tested code may run in during training, whatever runs it (the code reward,
+    # a reward function that calls grade_code; ibpo/sandbox/policy.py): isolated (bwrap or
+    # namespaces, with a memory cgroup bounding each whole test: training refuses to start
+    # where either is missing) | allow_per_process_memory (bwrap or namespaces, where no memory
+    # cgroup is writable: only each process's address space is bounded, so one test can hold
+    # gigabytes in shared memory) | allow_socket_patch (anything: the programs then see the
+    # host's files and, as the trainer's own uid, can reach its memory and forge any verdict)
+    code_sandbox: str = choice("isolated", "allow_per_process_memory", "allow_socket_patch")
 
 
 # The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt

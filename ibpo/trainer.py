@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from accelerate.utils import gather_object
 
 from ibpo.algo.objectives import ResolvedObjective
 from ibpo.config import Config
@@ -45,7 +46,7 @@ from ibpo.modeling import (
     use_dequantized_base,
 )
 from ibpo.recipe import resolve_params
-from ibpo.rewards.code import training_sandbox
+from ibpo.rewards import code as code_grader
 from ibpo.rewards.functions import RewardError, RewardSet, run_reward_set
 from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
@@ -53,6 +54,7 @@ from ibpo.run import failures, outdir, report
 from ibpo.run.alarm import MismatchAlarm
 from ibpo.run.log import log_eval, log_step
 from ibpo.run.version import code_version, header
+from ibpo.sandbox import policy as sandbox_policy
 from ibpo.step import StepParts, generating, rl_step
 from ibpo.vllm_rollout import VLLMEngine
 
@@ -236,8 +238,11 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
-    # before anything is touched: a code reward without a sandbox that contains RL-written code
-    sandbox = training_sandbox(cfg.objective.code_sandbox) if "code" in rewards.names else None
+    # Every test any reward runs during the run is held to this policy, by the sandbox itself;
+    # the built-in code reward's is checked before anything is touched
+    policy = code_grader.training_policy(cfg.objective.code_sandbox)
+    if any(r.builtin and r.name == "code" for r in rewards.rewards):
+        code_grader.check_training_sandbox(policy)
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
@@ -254,32 +259,43 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
         # What it samples comes from the step's streams, which also hold the process index
         # (rollout.SamplingStreams), so ranks never draw correlated groups.
         set_seed(tr.seed, device_specific=True)
-    engine = None
-    try:
-        try:  # Ctrl-C here (the engine, the checkpoint, the first evaluation): nothing trained
-            if cfg.rollout.backend == "vllm":
-                engine = VLLMEngine.start(cfg, parts.model, tokenizer)
-            if cfg.run.log_with:
-                accelerator.init_trackers("ibpo", config=cfg.to_dict())
-            run = Run(
-                cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
-            )
-            run.sandbox = sandbox
-            run.code = code
-            run.rewards = rewards  # given in Python, they may not import back from the config
-            run.state = _start_or_resume(
-                accelerator, parts, resume, run.metrics_path, run.held_out, cfg
-            )
-        except KeyboardInterrupt:
-            if resume is None and accelerator.is_main_process:  # no run here: none to move aside
-                (out / "config.yaml").unlink(missing_ok=True)
-            raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
-        run.prior = run.state.wall_seconds
-        run.start = start
-        return run.finish(run.loop())
-    finally:  # however the run ends: the engine holds GPU memory and a process-wide state
-        if engine is not None:
-            engine.close()
+    with sandbox_policy.enforced(policy) as sandbox:  # until the run has ended
+        engine = None
+        try:
+            try:  # Ctrl-C here (the engine, the checkpoint, the first evaluation): nothing trained
+                if cfg.rollout.backend == "vllm":
+                    engine = VLLMEngine.start(cfg, parts.model, tokenizer)
+                if cfg.run.log_with:
+                    accelerator.init_trackers("ibpo", config=cfg.to_dict())
+                run = Run(
+                    cfg,
+                    accelerator,
+                    out,
+                    resume,
+                    parts,
+                    tokenizer,
+                    eval_examples,
+                    objective,
+                    engine,
+                )
+                run.sandbox = sandbox
+                run.code = code
+                run.rewards = rewards  # given in Python, they may not import back from the config
+                run.state = _start_or_resume(
+                    accelerator, parts, resume, run.metrics_path, run.held_out, cfg
+                )
+            except KeyboardInterrupt:
+                if (
+                    resume is None and accelerator.is_main_process
+                ):  # no run here: none to move aside
+                    (out / "config.yaml").unlink(missing_ok=True)
+                raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
+            run.prior = run.state.wall_seconds
+            run.start = start
+            return run.finish(run.loop())
+        finally:  # however the run ends: the engine holds GPU memory and a process-wide state
+            if engine is not None:
+                engine.close()
 
 
 @dataclass
@@ -310,7 +326,7 @@ class Run:
         self.state = ckpt.TrainerState()
         self.start = time.time()
         self.prior = 0.0  # wall seconds of earlier sessions of this run
-        self.sandbox: str | None = None  # the code reward's isolation mode (training_sandbox)
+        self.sandbox: sandbox_policy.Record | None = None  # tests this run started, by mode
         self.code: dict | None = None  # commit and dirty tree (run/version.py), main process
         device = accelerator.device
         folded = use_dequantized_base(cfg.model, device, parts.model)
@@ -448,6 +464,19 @@ class Run:
             end.cut_short = True
         end.message = failures.reward_failed_message(error, where, done, end.last, saved)
 
+    def isolation(self, alone: bool) -> str | None:
+        """The isolation modes the sandbox ran tests in during this session of the run, on every
+        process ("bwrap"; None: no test ran), whatever ran them (policy.Record). `alone`: this
+        process may join no collective, so it states its own."""
+        record = sandbox_policy.Record()
+        if self.sandbox is not None:
+            record.merge(self.sandbox)
+        if self.accelerator.num_processes > 1 and not alone:
+            record = sandbox_policy.Record()
+            for modes in gather_object([self.sandbox.modes if self.sandbox else {}]):
+                record.merge(sandbox_policy.Record(modes=modes))
+        return record.isolation()
+
     def finish(self, end: Ending) -> dict:
         """Print how the run ended, keep its adapter, write summary.json (before and after the
         final held-out evaluation), then the plots and the Hub upload."""
@@ -467,6 +496,7 @@ class Run:
             save_adapter(acc, self.parts.model, adapter)
             if main:
                 self.tokenizer.save_pretrained(adapter)
+        isolation = self.isolation(alone)
         summary = {
             "eval_before": state.eval_before,
             "eval_after": None,
@@ -476,7 +506,7 @@ class Run:
             "quantization": cfg.model.quantization,
             "dataset": cfg.data.dataset,
             "code": self.code,  # {"version", "commit", "dirty"}: "unknown" without git
-            "isolation": self.sandbox,  # the code reward's sandbox mode; None for other rewards
+            "isolation": isolation,  # the sandbox modes tests ran in; None: no test ran
             "status": end.status,
             "message": end.message,
             "nonfinite_steps": state.nonfinite_total,

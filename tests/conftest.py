@@ -103,3 +103,30 @@ def alive(tag: str) -> list[int]:
         if named and not zombie:
             found.append(int(p))
     return found
+
+
+def sandbox_modes(modes=None) -> list:
+    """The sandbox's isolation modes as pytest params, each skipped where it cannot run here,
+    with the reason: not installed or not working, or refused (socket-patch as root with an
+    interpreter a slot uid cannot read: sandbox.run.uncontained)."""
+    from ibpo.sandbox import run as sandbox
+
+    out = []
+    for m in modes or sandbox.MODES:
+        why = sandbox.uncontained(m) or f"no {m} sandbox here"
+        out.append(pytest.param(m, marks=pytest.mark.skipif(not sandbox.mode_works(m), reason=why)))
+    return out
+
+
+@pytest.fixture
+def slot_uid_socket_patch(monkeypatch):
+    """Socket-patch mode as it runs for root with a world-readable interpreter: as a slot uid.
+    Where the interpreter is not world-readable the sandbox refuses socket-patch as root; the
+    child then still starts (it is exec'd before it leaves root) and runs programs that use only
+    what it imported itself (os, ctypes, socket, builtins). Skipped unless root."""
+    from ibpo.sandbox import run as sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("slot uids need root")
+    monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
+    return "socket-patch"

@@ -1,11 +1,15 @@
 """Code reward: code extraction, the JSON test spec, LiveCodeBench- and HumanEval-style grading."""
 
 import json
+import random
+import re
+import time
 
 import pytest
 
 from ibpo.rewards import REWARDS
 from ibpo.rewards.code import (
+    MAX_CODE_CHARS,
     code_reward,
     extract_code,
     grade_code,
@@ -37,6 +41,62 @@ def test_extract_code():
     think = "<think>```python\nprint('draft')\n```</think>\n```python\nprint('final')\n```"
     assert extract_code(think) == "print('final')"
     assert extract_code("<think>```python\nprint('draft')\n```</think>no code") == "no code"
+
+
+# The fence grammar as one regular expression: the same blocks, found in quadratic time (it
+# retries at every backtick of a line without a newline after it). The oracle for small texts.
+FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def oracle(text):
+    blocks = [m.group(2) for m in FENCE.finditer(text) if m.group(1).lower() in PY]
+    if blocks:
+        return blocks[-1].rstrip()
+    return "" if "```" in text else text.rstrip()
+
+
+PY = ("python", "python3", "py", "")
+
+
+def test_extraction_follows_the_fence_grammar():
+    rng = random.Random(0)
+    pieces = ["`", "```", "```python", "```cpp", "```py x", "\n", " ", "\t", "x = 1", "é"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        assert extract_code(text) == oracle(text), repr(text)
+
+
+MB = 1 << 20
+HOSTILE = {
+    "backticks": "`" * MB,
+    "fences": "```\n" * (MB // 4),
+    "python fences": "```python\n" * (MB // 10),
+    "backticks, then one newline": "`" * MB + "\n",
+    "spaced backticks": "` `` " * (MB // 5),
+    "an opening fence and a long info string": "```python" + " " * MB + "\nprint(1)\n",
+    "think tags": "<think>" * (MB // 7) + "```python\nprint(1)\n```",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_megabyte_of_hostile_completion_is_graded_in_bounded_time(name):
+    """One pass over the completion (the grammar's regular expression took minutes for 1 MB
+    of backticks), and nothing over MAX_CODE_CHARS reaches the sandbox."""
+    t0 = time.perf_counter()
+    out = grade_code(HOSTILE[name], ADD_SPEC)
+    assert time.perf_counter() - t0 < 3  # ~0.5 s for the worst of these on 2 shared cores
+    assert out["reward"] == 0.0
+
+
+def test_a_program_over_the_size_bound_is_not_run():
+    at_bound = "#" * (MAX_CODE_CHARS - len(ADD)) + "\n" + ADD  # extracted without its last newline
+    assert len(extract_code(fenced(at_bound))) == MAX_CODE_CHARS
+    assert code_reward(fenced(at_bound), ADD_SPEC) == 1.0
+    out = grade_code(fenced("#" + at_bound), ADD_SPEC)
+    assert out["reward"] == 0.0 and out["results"] == [] and out["total"] == 0
+    assert out["reason"] == (
+        f"program of {MAX_CODE_CHARS + 1} characters, over {MAX_CODE_CHARS}: not run"
+    )
 
 
 def test_correct_and_wrong_stdin_programs():

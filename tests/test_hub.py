@@ -556,5 +556,6 @@ def test_card_states_the_code_reward_sandbox(run, tmp_path):
     out = _copy(run, tmp_path)
     assert "isolation mode" not in build_model_card(out, "alice/x")  # a math run: no sandbox
     summary = json.loads((out / "summary.json").read_text())
-    (out / "summary.json").write_text(json.dumps({**summary, "isolation": "bwrap"}))
-    assert "| code reward sandbox (isolation mode) | bwrap |" in build_model_card(out, "alice/x")
+    (out / "summary.json").write_text(json.dumps({**summary, "isolation": "bwrap, namespaces"}))
+    card = build_model_card(out, "alice/x")
+    assert "| code sandbox (isolation modes used) | bwrap, namespaces |" in card

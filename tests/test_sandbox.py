@@ -4,6 +4,7 @@ Hostile programs (fork bomb, memory bomb, writes outside the working directory, 
 secrets, gigabytes of output) must end failed/timeout/error quickly and leave the host as it was.
 """
 
+import json
 import os
 import socket
 import stat
@@ -18,12 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from ibpo.rewards import errors
+from ibpo.rewards.code import grade_code
+from ibpo.sandbox import memory, policy
 from ibpo.sandbox import run as sandbox
 from ibpo.sandbox.memory import memory_mode
 from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
 from ibpo.sandbox.verdict import stdout_matches
+from tests.conftest import sandbox_modes
 
 FAST = Limits(time_s=0.5)  # wall-clock limit 2 s
+FS_MODES = sandbox_modes(("bwrap", "namespaces"))
 NAMESPACES = isolation_mode() != "socket-patch"  # a mount and PID namespace: bwrap or unshare
 needs_namespaces = pytest.mark.skipif(
     not NAMESPACES, reason="filesystem containment needs the bwrap or namespaces isolation mode"
@@ -416,18 +422,50 @@ def test_user_namespace_path(monkeypatch):
     assert not os.path.exists("/var/tmp/sandbox-userns-escape")
 
 
-def test_socket_patch_mode_blocks_sockets():
-    code = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
-    r = sandbox._run_one(code, TestCase("script"), FAST, "socket-patch")
-    assert r.status == "error" and "network access is disabled" in r.reason
-    r = sandbox._run_one("print(input())", TestCase("stdin", "hi", "hi"), FAST, "socket-patch")
+@pytest.fixture
+def socket_patch(request):
+    """Socket-patch mode as it runs here: as root, as a slot uid (conftest)."""
+    if os.geteuid() == 0:
+        return request.getfixturevalue("slot_uid_socket_patch")
+    return "socket-patch"
+
+
+def test_socket_patch_mode_blocks_sockets(socket_patch):
+    code = (
+        "import socket\n"
+        "try:\n"
+        "    socket.socket(socket.AF_INET, socket.SOCK_STREAM).connect(('127.0.0.1', 9))\n"
+        "except PermissionError as e:\n"
+        "    print(e)\n"
+    )
+    test = TestCase("stdin", "", "network access is disabled in the sandbox")
+    r = sandbox._run_one(code, test, FAST, socket_patch)
+    assert r.status == "passed", r.reason
+    r = sandbox._run_one("print(input())", TestCase("stdin", "hi", "hi"), FAST, socket_patch)
     assert r.status == "passed" and r.isolation == "socket-patch"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root only")
-def test_socket_patch_mode_as_root_leaves_root(monkeypatch):
-    """Root without namespaces (e.g. in a container) runs tests as a slot uid when it can."""
+def test_socket_patch_as_root_is_refused_where_a_test_would_stay_root(monkeypatch):
+    """A slot uid that cannot read the interpreter would leave the test root, able to move a
+    daemon out of its memory cgroup and out of every kill: no caller may run it."""
+    monkeypatch.setattr(sandbox, "_world_readable", lambda path: False)
+    assert "install bubblewrap" in sandbox.uncontained("socket-patch")
+    assert not sandbox.mode_works.__wrapped__("socket-patch")
+    with pytest.raises(policy.Refused, match="world-readable"):
+        run_tests("print(1)", [TestCase("script")], FAST, mode="socket-patch")
+    spec = json.dumps({"tests": [{"input": "", "output": "1"}]})
+    before = errors.peek()
+    with pytest.raises(policy.Refused, match="world-readable"):
+        grade_code("```python\nprint(1)\n```", spec, mode="socket-patch")
+    assert errors.peek() == before  # the setup's fault, not a grader error scored 0
     monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
+    assert sandbox.uncontained("socket-patch") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root only")
+def test_socket_patch_mode_as_root_leaves_root(slot_uid_socket_patch):
+    """Root without namespaces (e.g. in a container) runs tests as a slot uid."""
     code = (
         "import os\n"
         "try:\n"
@@ -460,6 +498,78 @@ def test_per_test_overhead():
     assert statuses(results) == ["passed"] * n
     assert per_test < 2.0  # generous: a busy 2-core machine
     print(f"sandbox overhead: {per_test * 1000:.0f} ms wall per test (sequential)")
+
+
+# ---- Infinite loops: timeouts, however the kernel's CPU clock and ours disagree.
+
+LOOP = "while True:\n    pass\n"
+LOOP_CHECK = TestCase("check", "def check(candidate):\n    candidate()\n", fn_name="f")
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_an_infinite_loop_is_a_timeout_in_every_kind(mode):
+    # The CPU limit kills at 1 s of the kernel's clock, which may read 0.8 s here
+    r = sandbox._run_one(LOOP, TestCase("stdin", "", ""), Limits(time_s=1), mode)
+    assert r.status == "timeout", r.reason
+    solution = "def f():\n    while True:\n        pass\n"
+    r = sandbox._run_one(solution, LOOP_CHECK, Limits(time_s=1), mode)  # the solution's process
+    assert r.status == "timeout", r.reason
+
+
+def test_an_infinite_loop_is_a_timeout_in_socket_patch_mode(socket_patch):
+    r = sandbox._run_one(LOOP, TestCase("script"), Limits(time_s=1), socket_patch)
+    assert r.status == "timeout", r.reason
+
+
+def test_an_infinite_loop_under_the_default_limits_is_a_timeout():
+    r = run_tests(LOOP, [TestCase("stdin", "", "")])[0]
+    assert r.status == "timeout" and r.reason in (
+        "test 0: time limit 2s",
+        "test 0: wall-clock limit 5s",
+    )
+
+
+# ---- The process's policy (a training run's), held by the sandbox whoever calls it.
+
+ISOLATING = [m for m in ("bwrap", "namespaces") if sandbox.mode_works(m)]
+SPEC = json.dumps({"tests": [{"input": "", "output": "1"}]})
+PRINTS_1 = "```python\nprint(1)\n```"
+
+
+@pytest.mark.skipif(len(ISOLATING) < 2, reason="needs bwrap and namespaces both, to accept one")
+def test_a_policy_holds_every_caller_in_every_thread_and_records_what_ran():
+    accept, refuse = ISOLATING
+    before = errors.peek()
+    only = policy.Policy((accept,), False, mode_fix="Fix: the other one.")
+    with policy.enforced(only) as record:
+        with pytest.raises(policy.Refused, match=f"{refuse} mode.*Fix: the other one"):
+            run_tests("print(1)", [TestCase("script")], FAST, mode=refuse)
+        with ThreadPoolExecutor(2) as pool:  # a reward worker's thread, a user's own
+            with pytest.raises(policy.Refused):
+                pool.submit(grade_code, PRINTS_1, SPEC, refuse).result()
+            assert pool.submit(grade_code, PRINTS_1, SPEC, accept).result()["reward"] == 1.0
+        assert statuses(run_tests("pass", [TestCase("script")] * 2, FAST, mode=accept)) == [
+            "passed",
+            "passed",
+        ]
+    assert errors.peek() == before  # refusals are no grader errors scored 0
+    assert record.modes == {accept: 3} and record.isolation() == accept
+    assert sum(record.memory.values()) == 3
+    # the policy ended with its block
+    assert run_tests("pass", [TestCase("script")], FAST, mode=refuse)[0].status == "passed"
+
+
+def test_a_policy_needing_a_whole_test_memory_bound_refuses_per_process(monkeypatch):
+    monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
+    needs = policy.Policy(sandbox.MODES, True, memory_fix="Fix: a cgroup.")
+    with policy.enforced(needs) as record:
+        with pytest.raises(policy.Refused, match="no memory cgroup.*Fix: a cgroup"):
+            run_tests("pass", [TestCase("script")], FAST)
+    assert record.isolation() is None  # nothing ran
+    with policy.enforced(policy.Policy(sandbox.MODES, False)) as record:
+        r = run_tests("pass", [TestCase("script")], FAST)[0]
+    assert r.status == "passed" and "no bound on the whole test" in r.memory
+    assert record.memory == {r.memory: 1}
 
 
 # ---- HumanEval: the real 164 problems.

@@ -3,6 +3,7 @@ view of its own; a memory cap over all of a test's processes, stated in every re
 
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,15 +15,9 @@ import pytest
 from ibpo.sandbox import memory
 from ibpo.sandbox import run as sandbox
 from ibpo.sandbox.run import Limits, TestCase
-from tests.conftest import alive
+from tests.conftest import alive, sandbox_modes
 
-FS_MODES = [
-    pytest.param(
-        m,
-        marks=pytest.mark.skipif(not sandbox.mode_works(m), reason=f"no {m} sandbox here"),
-    )
-    for m in ("bwrap", "namespaces")  # socket-patch shares the host's filesystem by design
-]
+FS_MODES = sandbox_modes(("bwrap", "namespaces"))  # socket-patch shares the host's files
 MODE = sandbox.isolation_mode()
 SOCKET_DIRS = [d for d in (tempfile.gettempdir(), "/dev/shm", "/run") if os.access(d, os.W_OK)]
 
@@ -93,13 +88,38 @@ def test_memory_cap_covers_every_process_of_a_test():
     assert sandbox._run_one(code, TestCase("stdin", "", "held"), small, MODE).status == ("passed")
 
 
-def test_without_cgroups_the_sum_bound_is_stated(monkeypatch):
+def test_without_cgroups_the_weaker_bound_is_stated(monkeypatch):
     monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
-    r = sandbox._run_one(
-        "pass", TestCase("script"), Limits(memory_mb=100, max_processes=4), "socket-patch"
-    )
+    r = sandbox._run_one("pass", TestCase("script"), Limits(memory_mb=100, max_processes=4), MODE)
     assert r.status == "passed"
-    assert r.memory == "per-process: 100 MB each, at most 600 MB in all"
+    assert r.memory == (
+        "per-process: 100 MB of address space in each of up to 6 processes; no bound on the "
+        "whole test (memfd, shared memory and kernel buffers are outside it)"
+    )
+
+
+# Writes 300 MB into memfds and unmaps nothing: no address space holds these pages.
+MEMFD_HOLDER = (
+    "import os\n"
+    "fds = []\n"
+    "for i in range(60):\n"
+    "    fd = os.memfd_create(f'm{i}')\n"
+    "    os.write(fd, b'x' * (5 << 20))\n"
+    "    fds.append(fd)\n"
+    "print('held')\n"
+)
+
+
+def test_memfd_pages_count_against_the_whole_test_s_cap():
+    """Without a cgroup these pages escape every per-process limit (hence the weaker bound
+    and the training refusal); with one they count like any other memory."""
+    if memory.memory_mode() == "per-process":
+        pytest.skip("no writable memory cgroup here: the per-process bound is stated instead")
+    limits = Limits(time_s=3, memory_mb=200, max_output_bytes=8 << 20)
+    r = sandbox._run_one(MEMFD_HOLDER, TestCase("stdin", "", "held"), limits, MODE)
+    assert r.status == "error" and "memory limit 200 MB for the whole test" in r.reason
+    small = MEMFD_HOLDER.replace("range(60)", "range(4)")
+    assert sandbox._run_one(small, TestCase("stdin", "", "held"), limits, MODE).status == "passed"
 
 
 @pytest.mark.parametrize("mode", FS_MODES)
@@ -167,10 +187,7 @@ def test_no_host_file_is_visible(mode, planted):
     assert r.status == "passed", r.reason
 
 
-ALL_MODES = [
-    pytest.param(m, marks=pytest.mark.skipif(not sandbox.mode_works(m), reason=f"no {m} here"))
-    for m in sandbox.MODES
-]
+ALL_MODES = sandbox_modes()
 
 
 def _daemon(tag: str) -> str:
@@ -211,11 +228,45 @@ def test_no_process_outlives_its_test(mode):
     _assert_gone(tag)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="slot uids need root")
-def test_socket_patch_slot_uid_leaves_nothing_for_the_next_test(monkeypatch):
+def _cgroup_escaper(tag: str) -> str:
+    # A daemon that also tries to move itself out of its memory cgroup, to the root of every
+    # hierarchy and to the trainer's own group, before it sleeps.
+    return _daemon(tag).replace(
+        "        time.sleep(30)\n",
+        "        me = str(os.getpid())\n"
+        "        for line in open('/proc/self/cgroup'):\n"
+        "            _, ctrl, path = line.rstrip().split(':', 2)\n"
+        "            base = '/sys/fs/cgroup' + ('/' + ctrl if ctrl else '')\n"
+        "            for d in (base, base + os.path.dirname(path)):\n"
+        "                try:\n"
+        "                    open(d + '/cgroup.procs', 'w').write(me)\n"
+        "                except OSError:\n"
+        "                    pass\n"
+        "        time.sleep(30)\n",
+    )
+
+
+def test_socket_patch_as_root_contains_a_daemon_that_leaves_its_cgroup(slot_uid_socket_patch):
+    """Socket-patch as root runs tests as a slot uid, which cannot move out of its memory
+    cgroup, and whose every process dies at the end (where a test would stay root, the mode is
+    refused: test_sandbox.py)."""
+    tag = f"ibpo{uuid.uuid4().hex[:10]}"
+    r = sandbox._run_one(_cgroup_escaper(tag), TestCase("script"), Limits(time_s=2), "socket-patch")
+    assert r.status == "passed", r.reason
+    _assert_gone(tag)
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_a_daemon_that_leaves_its_cgroup_dies_with_its_namespace(mode):
+    tag = f"ibpo{uuid.uuid4().hex[:10]}"
+    r = sandbox._run_one(_cgroup_escaper(tag), TestCase("script"), Limits(time_s=2), mode)
+    assert r.status == "passed", r.reason
+    _assert_gone(tag)
+
+
+def test_socket_patch_slot_uid_leaves_nothing_for_the_next_test(slot_uid_socket_patch, monkeypatch):
     """Without a cgroup, a slot uid's leftovers die by uid, so they never count against the
     slot's next test's process limit."""
-    monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
     monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
     tag = f"ibpo{uuid.uuid4().hex[:10]}"
     r = sandbox._run_one(_daemon(tag), TestCase("script"), Limits(time_s=2), "socket-patch")
@@ -235,4 +286,119 @@ def test_socket_patch_slot_uid_leaves_nothing_for_the_next_test(monkeypatch):
     )
     limits = Limits(time_s=2, max_processes=4)
     r = sandbox._run_one(forks, TestCase("stdin", "", "2"), limits, "socket-patch")
+    assert r.status == "passed", r.reason
+
+
+@pytest.fixture
+def etc_secret():
+    """A world-readable credential in /etc, as a pip.conf or netrc with a token would be."""
+    path = Path("/etc") / f"ibpo-planted-{uuid.uuid4().hex[:12]}.conf"
+    try:
+        path.write_text("[global]\nindex-url = https://user:hf_secret@example.invalid/simple\n")
+    except OSError:
+        pytest.skip("/etc is not writable here: no credential to plant")
+    path.chmod(0o644)
+    yield str(path)
+    path.unlink()
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_etc_shows_only_what_the_interpreter_needs(mode, etc_secret):
+    # Everything the stdlib's extension modules load (shared libraries found through the
+    # loader's cache) still works; nothing else of /etc is there.
+    code = (
+        "import ctypes, ssl, sqlite3, lzma, bz2, zlib, hashlib, decimal, zoneinfo, os\n"
+        "ctypes.CDLL(None)\n"
+        f"for p in [{etc_secret!r}, '/etc/pip.conf', '/etc/netrc', '/etc/passwd']:\n"
+        "    try:\n"
+        "        print(open(p).read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(sorted(os.listdir('/etc')))\n"
+    )
+    shown = sorted(n for n in sandbox.ETC_ALLOWED if os.path.lexists(f"/etc/{n}"))
+    r = sandbox._run_one(code, TestCase("stdin", "", f"{shown}\n"), Limits(time_s=3), mode)
+    assert r.status == "passed", r.reason
+
+
+def _keyring_calls() -> tuple[int, int]:
+    """(add_key, keyctl) system call numbers of this machine's native ABI."""
+    nrs = {"x86_64": (248, 250), "aarch64": (217, 219), "riscv64": (217, 219)}
+    if os.uname().machine not in nrs:
+        pytest.skip(f"no keyring call numbers known here for {os.uname().machine}")
+    return nrs[os.uname().machine]
+
+
+def _store_keys(add_key: int, keyctl: int) -> str:
+    # A key in every keyring a test could reach: thread, process, session, user, user session,
+    # persistent; "ENOSYS" for each call that the kernel turned down as unknown.
+    return (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "c = ctypes.c_long\n"
+        "out = []\n"
+        f"persistent = libc.syscall(c({keyctl}), c(22), c(-1), c(-3))\n"
+        "rings = [-1, -2, -3, -4, -5] + ([persistent] if persistent >= 0 else [])\n"
+        "for ring in rings:\n"
+        f"    r = libc.syscall(c({add_key}), b'user', b'ibpo-left-behind', b'42', c(2), c(ring))\n"
+        "    out.append('stored' if r >= 0 else os.strerror(ctypes.get_errno()))\n"
+        "print(sorted(set(out)))\n"
+    )
+
+
+def _slot_keys() -> dict[int, int]:
+    """Keys held by this process's slot uids (the kernel's count per uid)."""
+    uids = {sandbox._slot_uid(s) for s in range(sandbox._MAX_SLOTS)}
+    with open("/proc/key-users") as f:
+        rows = [ln.split() for ln in f]
+    return {int(r[0].rstrip(":")): int(r[1]) for r in rows if int(r[0].rstrip(":")) in uids}
+
+
+KEY_MODES = [*FS_MODES, pytest.param("slot-uid socket-patch")]
+
+
+@pytest.mark.parametrize("mode", KEY_MODES)
+def test_keyrings_are_out_of_every_test_s_reach(mode, request):
+    """No keyring is namespaced: a test's keys would reach the next test of its slot uid and
+    outlive the trainer, and its session keyring would be the trainer's. So a test can store
+    none anywhere, and no slot uid holds a key afterwards."""
+    if mode != "bwrap" and mode != "namespaces":
+        mode = request.getfixturevalue("slot_uid_socket_patch")
+    if not os.path.exists("/proc/key-users"):
+        pytest.skip("this kernel has no keyrings")
+    code = _store_keys(*_keyring_calls())
+    want = "['Function not implemented']\n"
+    before = _slot_keys()
+    r = sandbox._run_one(code, TestCase("stdin", "", want), Limits(time_s=2), mode)
+    assert r.status == "passed", r.reason
+    assert _slot_keys() == before
+
+
+# x86_64 machine code for keyctl(KEYCTL_GET_KEYRING_ID, session, create) through the i386 ABI
+# (int 0x80) and the x32 ABI (bit 30 set): a filter that knew only the native numbers would let
+# these through. Returns the call's result (eax).
+I386_KEYCTL = bytes.fromhex("53b82001000031dbb9fdffffffba01000000cd805bc3")
+X32_KEYCTL = bytes.fromhex("b8fa00004031ffbefdffffffba010000000f05c3")
+RUN_MACHINE_CODE = (
+    "import ctypes, mmap\n"
+    "def run(code):\n"
+    "    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "    m.write(code)\n"
+    "    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+    "    return ctypes.CFUNCTYPE(ctypes.c_int)(addr)()\n"
+)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 machine code")
+@pytest.mark.parametrize("mode", FS_MODES)
+@pytest.mark.parametrize("abi", ["i386", "x32"])
+def test_keyrings_stay_out_of_reach_through_the_other_abis(mode, abi, tmp_path):
+    code = RUN_MACHINE_CODE + f"print(run({I386_KEYCTL if abi == 'i386' else X32_KEYCTL!r}))\n"
+    script = tmp_path / "abi.py"
+    script.write_text(code)
+    # Outside any sandbox the call works, or the kernel lacks that ABI and nothing is to prove.
+    host = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    if host.returncode != 0 or int(host.stdout) < 0:
+        pytest.skip(f"this kernel runs no {abi} system calls ({host.stdout.strip() or 'crash'})")
+    r = sandbox._run_one(code, TestCase("stdin", "", "-38\n"), Limits(time_s=2), mode)  # ENOSYS
     assert r.status == "passed", r.reason

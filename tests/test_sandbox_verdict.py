@@ -11,16 +11,12 @@ import pytest
 
 from ibpo.sandbox import run as sandbox
 from ibpo.sandbox.run import Limits, TestCase, run_tests
+from ibpo.sandbox.verdict import classify
+from tests.conftest import sandbox_modes
 
 FAST = Limits(time_s=1)
 
-MODES = [
-    pytest.param(
-        m,
-        marks=pytest.mark.skipif(not sandbox.mode_works(m), reason=f"no {m} sandbox here"),
-    )
-    for m in sandbox.MODES
-]
+MODES = sandbox_modes()
 
 FORGE_OWN_FDS = (
     "import os\n"
@@ -225,3 +221,41 @@ def test_modules_planted_in_the_working_directory_do_not_reach_the_harness(mode)
     harness = "import fractions\n" + CHECK
     r = sandbox._run_one(code, TestCase("check", harness, fn_name="mul"), FAST, mode)
     assert r.status == "failed", r
+
+
+KILLED = 9  # a wait status: killed by SIGKILL
+EXITED = lambda code: code << 8  # noqa: E731  (a wait status: exited with `code`)
+
+
+@pytest.mark.parametrize(
+    "status, err",
+    [
+        (KILLED, b""),  # socket-patch: the child itself
+        (EXITED(137), b""),  # bwrap, and a check test's harness whose solution was killed
+        (EXITED(1), b"unshare: sigprocmask unblock failed: Invalid argument\n"),  # unshare 2.38
+    ],
+)
+def test_a_test_killed_at_the_cpu_limit_is_a_timeout_whatever_our_clock_reads(status, err):
+    """RLIMIT_CPU kills on the kernel's clock; the CPU time read back may be well below it."""
+    test, limits = TestCase("script"), Limits()  # the default: 2 s
+    for cpu in (1.0, 1.62, 1.99):
+        assert classify(test, limits, status, cpu, False, b"", err, b"") == (
+            "timeout",
+            "time limit 2s",
+        )
+    # killed early, or after reporting its end: not the time limit
+    assert classify(test, limits, status, 0.2, False, b"", err, b"")[0] == "error"
+    assert classify(test, limits, status, 1.9, False, b"", err, b"D\n")[0] != "timeout"
+
+
+def test_a_plain_exit_near_the_limit_stays_what_it_was():
+    test, limits = TestCase("script"), Limits()
+    assert classify(test, limits, EXITED(1), 1.9, False, b"", b"", b"") == ("error", "exit code 1")
+    assert classify(test, limits, KILLED, 0.1, False, b"", b"", b"") == (
+        "error",
+        "killed by SIGKILL",
+    )
+    assert classify(test, limits, EXITED(137), 0.1, False, b"", b"", b"") == (
+        "error",
+        "killed by SIGKILL",
+    )

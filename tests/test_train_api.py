@@ -5,6 +5,7 @@ evaluation are graded by that reward. A reward that raises mid-run ends the run 
 checkpoint, and the run resumes from it. The README's Python example runs as written (slow)."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -168,3 +169,46 @@ def test_a_config_and_a_mapping_of_overrides_load_as_a_recipe_and_key_value_pair
         load_config(None, {"train.stepz": 1})
     with pytest.raises(ConfigError, match="dataset= takes rows"):
         ibpo.train(dataset="rows.jsonl")
+
+
+PRINTS_1 = "```python\nprint(1)\n```"
+PRINTS_1_SPEC = json.dumps({"tests": [{"input": "", "output": "1"}]})
+
+
+def _runs_code(modes):
+    """A reward of the user's that runs tested code itself, in each of `modes` (None: the
+    sandbox's default); the completions' text does not matter here."""
+    from ibpo.rewards.code import grade_code
+
+    def runs_code(completions, **kwargs):
+        scores = [grade_code(PRINTS_1, PRINTS_1_SPEC, mode=m)["reward"] for m in modes]
+        return [min(scores)] * len(completions)
+
+    return runs_code
+
+
+def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Not only the reward named `code`: socket-patch is refused wherever tested code runs
+    during training, and summary.json names the modes tests actually ran in."""
+    from ibpo.sandbox import run as sandbox
+
+    if os.geteuid() == 0:  # as root socket-patch runs as a slot uid (else it is refused anyway)
+        monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
+    settings = {**_settings(tiny_model_dir, tmp_path / "b", steps=1, eval_size=0)}
+    settings["objective.name"] = "grpo"
+    refused = _runs_code([None, "socket-patch"])
+    s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
+    assert s["status"] == "reward_failed" and s["steps"] == 0
+    assert s["message"].startswith(
+        "reward function 'runs_code' ran tested code: the sandbox's socket-patch mode does not "
+        "contain the programs it runs"
+    )
+    assert "objective.code_sandbox=allow_socket_patch" in s["message"]
+
+    settings["run.output_dir"] = str(tmp_path / "c")
+    settings["objective.code_sandbox"] = "allow_socket_patch"
+    s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
+    assert s["status"] == "completed"
+    assert s["isolation"] == f"{sandbox.isolation_mode()}, socket-patch"

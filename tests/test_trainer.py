@@ -195,7 +195,7 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
     assert summary["steps"] == 3 and summary["status"] == "completed"
-    assert summary["isolation"] is None  # no code reward, no sandbox
+    assert summary["isolation"] is None  # no test ran in the sandbox
     assert summary["eval_before"]["n"] == 6 and summary["eval_after"]["n"] == 6
     assert (out / "adapter" / "adapter_config.json").is_file()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -290,11 +290,52 @@ def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
     from ibpo.rewards import code as code_grader
 
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "socket-patch")
+    monkeypatch.setattr(code_grader, "uncontained", lambda mode: None)
     out = tmp_path / "run"
     overrides = ["objective.reward=code", "data.answer_format=plain", f"run.output_dir={out}"]
     with pytest.raises(ConfigError, match="bubblewrap.*objective.code_sandbox=allow_socket_patch"):
         train(load_config(None, overrides))
     assert not out.exists()
-    assert code_grader.training_sandbox("allow_socket_patch") == "socket-patch"
+    allow = code_grader.training_policy("allow_socket_patch")
+    assert code_grader.check_training_sandbox(allow) == "socket-patch"
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "namespaces")
-    assert code_grader.training_sandbox("isolated") == "namespaces"
+    assert code_grader.check_training_sandbox(code_grader.training_policy("isolated")) == (
+        "namespaces"
+    )
+
+
+def test_a_code_reward_refuses_a_sandbox_without_a_whole_test_memory_bound(tmp_path, monkeypatch):
+    """Without a writable memory cgroup, memfd and shared-memory pages escape every
+    per-process limit: refused like socket-patch, unless the run opts in by name."""
+    from ibpo.config import ConfigError
+    from ibpo.rewards import code as code_grader
+    from ibpo.sandbox import memory
+
+    monkeypatch.setattr(code_grader, "isolation_mode", lambda: "bwrap")
+    monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
+    out = tmp_path / "run"
+    overrides = ["objective.reward=code", "data.answer_format=plain", f"run.output_dir={out}"]
+    with pytest.raises(ConfigError, match="no memory cgroup.*allow_per_process_memory"):
+        train(load_config(None, overrides))
+    assert not out.exists()
+    for name in ("allow_per_process_memory", "allow_socket_patch"):
+        assert code_grader.check_training_sandbox(code_grader.training_policy(name)) == "bwrap"
+
+
+def test_summary_isolation_joins_every_process_s_record(monkeypatch):
+    """With several processes each records the tests it started; the summary names them all,
+    except for a process that may join no collective (out of memory alone), which names its own."""
+    from types import SimpleNamespace
+
+    from ibpo import trainer
+    from ibpo.sandbox.policy import Record
+
+    run = SimpleNamespace(
+        accelerator=SimpleNamespace(num_processes=2), sandbox=Record(modes={"bwrap": 3})
+    )
+    others = [{"namespaces": 1, "bwrap": 2}]
+    monkeypatch.setattr(trainer, "gather_object", lambda mine: [*mine, *others])
+    assert trainer.Run.isolation(run, alone=False) == "bwrap, namespaces"
+    assert trainer.Run.isolation(run, alone=True) == "bwrap"
+    run.sandbox, others[:] = Record(), [{}]
+    assert trainer.Run.isolation(run, alone=False) is None

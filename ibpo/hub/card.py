@@ -214,8 +214,8 @@ def _training_lines(summary: dict, metrics: list[dict], step: int | None) -> lis
             ("wall time (min)", _fmt((summary.get("wall_seconds") or 0) / 60, 1)),
             ("non-finite steps skipped", summary.get("nonfinite_steps")),
         ]
-        if summary.get("isolation"):  # the code reward's sandbox (docs/evaluation.md)
-            rows.append(("code reward sandbox (isolation mode)", summary["isolation"]))
+        if summary.get("isolation"):  # the modes tests ran in (docs/evaluation.md)
+            rows.append(("code sandbox (isolation modes used)", summary["isolation"]))
     elif step is not None:
         rows.append(("checkpoint step", step))
     rewards, residuals = _numbers(metrics, "reward"), _numbers(metrics, "residual")

@@ -19,6 +19,11 @@ r"""Code grading: extract the program from a completion, run it against tests in
       "memory_mb": 1024             # optional
     }
 
+The program is the last fenced Python block of the completion (`extract_code`), found in one
+pass over a completion of any length; a program over MAX_CODE_CHARS scores 0 without running.
+During training every test is held to the run's sandbox policy (`training_policy`,
+objective.code_sandbox), which the sandbox enforces itself, whoever calls grade_code.
+
 A test_code spec runs in one of two harnesses. "strict" (the default, and the one for training
 rewards): the tests run in a process of their own against a proxy of `entry_point`, seeing its
 return values as plain data only (sandbox kind "check"), so always-equal objects, subclasses
@@ -40,17 +45,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
 from ibpo.config import ConfigError
 from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.math import strip_thinking
-from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox import memory
+from ibpo.sandbox import policy as sandbox_policy
+from ibpo.sandbox.policy import Policy
+from ibpo.sandbox.run import MODES, Limits, TestCase, isolation_mode, run_tests, uncontained
 
-_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_LANG = re.compile(r"[ \t]*([\w+#.-]*)")  # a fence's info string: its language first
 _PY_LANGS = ("python", "python3", "py", "")
+# The longest program graded: a longer one scores 0 without running (nothing an honest solution
+# needs; bounds what one completion costs the sandbox, each of whose tests gets a copy).
+MAX_CODE_CHARS = 100_000
 _FUTURE = re.compile(r"^from __future__ import .*$", re.M)
 
 # The namespace LiveCodeBench's own harness gives every program (lcb_runner's testing_util): these
@@ -72,19 +83,42 @@ LCB_PRELUDE = (
 def extract_code(completion: str) -> str:
     """The last ```python / ```py / bare fenced block (an unclosed final one counts) after
     dropping <think> blocks; the whole text when there is no fence; "" when every fence is
-    another language."""
+    another language. Linear in the completion's length, whatever it holds (_fenced_blocks)."""
     text = strip_thinking(completion)
-    blocks = [m.group(2) for m in _FENCE.finditer(text) if m.group(1).lower() in _PY_LANGS]
-    if blocks:
-        return blocks[-1].rstrip()
+    last = None
+    for lang, body in _fenced_blocks(text):
+        if lang.lower() in _PY_LANGS:
+            last = body
+    if last is not None:
+        return last.rstrip()
     return "" if "```" in text else text.rstrip()
+
+
+def _fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
+    """(language, body) of each fenced block in order: ``` and an info string to the end of its
+    line open one, the next ``` (or the text's end) closes it. One pass: every search starts
+    where the previous one ended, so a run of a million backticks costs one scan, not one per
+    backtick (as a regular expression retrying at each of them would)."""
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        eol = text.find("\n", start + 3)
+        if eol < 0:  # no line after this fence, nor after any later one: no more blocks
+            return
+        lang = _LANG.match(text, start + 3, eol).group(1)
+        end = text.find("```", eol + 1)
+        yield lang, text[eol + 1 : end if end >= 0 else len(text)]
+        if end < 0:
+            return
+        pos = end + 3
 
 
 def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[str, Any]:
     """Grade one completion; per-test details for evaluation reports. Never raises for a
     completion: a failure of the grader itself scores 0 with its reason and is counted
-    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError. `mode`:
-    the sandbox's isolation mode (default: the most isolated that works here)."""
+    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError, a sandbox
+    that this process refuses (a training run's policy, sandbox/policy.py) sandbox.policy.Refused,
+    both naming the fix. `mode`: the sandbox's isolation mode (default: the most isolated that
+    works here). A program over MAX_CODE_CHARS scores 0 without running."""
     spec = _parse_spec(answer)
     out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
     try:
@@ -92,6 +126,9 @@ def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[st
         code = extract_code(completion)
         if not code.strip():
             out["reason"] = "no code found"
+            return out
+        if len(code) > MAX_CODE_CHARS:
+            out["reason"] = f"program of {len(code)} characters, over {MAX_CODE_CHARS}: not run"
             return out
         program, tests = _build(code, spec)
     except ValueError:
@@ -101,6 +138,8 @@ def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[st
         return out
     try:
         return _grade(program, tests, spec, mode, out)
+    except sandbox_policy.Refused:
+        raise  # the run's sandbox, not the completion: the message names the fix
     except Exception as e:
         out.update(reward=0.0, passed=0, results=[], reason=grader_errors.record("code", e))
         return out
@@ -128,20 +167,41 @@ def code_reward(completion: str, answer: str) -> float:
     return grade_code(completion, answer)["reward"]
 
 
-def training_sandbox(code_sandbox: str) -> str:
-    """The isolation mode the code reward will run a training run's programs in; raises
-    ConfigError when it is socket-patch, which does not contain code an RL policy writes,
-    unless objective.code_sandbox=allow_socket_patch."""
+# objective.code_sandbox -> what a training run accepts (sandbox/policy.py): isolation modes, and
+# whether every test needs a memory bound over all its processes (a writable memory cgroup)
+CODE_SANDBOXES = {
+    "isolated": (("bwrap", "namespaces"), True),
+    "allow_per_process_memory": (("bwrap", "namespaces"), False),
+    "allow_socket_patch": (MODES, False),
+}
+_MODE_FIX = (
+    "Install bubblewrap (apt-get install bubblewrap, dnf install bubblewrap, pacman -S "
+    "bubblewrap; `bwrap --version` must then work, inside a container too), or set "
+    "objective.code_sandbox=allow_socket_patch to train anyway"
+)
+_MEMORY_FIX = (
+    "Train where a memory cgroup is writable (as root, or in a container given a writable "
+    "/sys/fs/cgroup), or set objective.code_sandbox=allow_per_process_memory to train with each "
+    "process's address-space limit alone"
+)
+
+
+def training_policy(code_sandbox: str) -> Policy:
+    """The sandbox policy a training run holds every test to, whoever runs it (the code reward,
+    a reward function of the user's that calls grade_code): objective.code_sandbox's."""
+    modes, total_memory = CODE_SANDBOXES[code_sandbox]
+    return Policy(modes, total_memory, _MODE_FIX, _MEMORY_FIX)
+
+
+def check_training_sandbox(policy: Policy) -> str:
+    """Before a run whose reward is the built-in code reward touches anything: the isolation
+    mode its tests will run in here; ConfigError naming the fix when `policy` (or the sandbox
+    itself, see sandbox.run.uncontained) refuses that mode or this machine's memory bound."""
     mode = isolation_mode()
-    if mode == "socket-patch" and code_sandbox != "allow_socket_patch":
-        raise ConfigError(
-            "objective.reward=code runs the programs the policy writes, and the only sandbox "
-            "that works here is socket-patch, which does not contain them (they see the host's "
-            "files and can forge verdicts). Install bubblewrap (apt-get install bubblewrap, "
-            "dnf install bubblewrap, pacman -S bubblewrap; `bwrap --version` must then work, "
-            "inside a container too), or set objective.code_sandbox=allow_socket_patch to "
-            "train anyway"
-        )
+    grouped = memory.memory_mode() != "per-process"
+    why = sandbox_policy.refusal(mode, grouped, policy) or uncontained(mode)
+    if why:
+        raise ConfigError(f"objective.reward=code runs the programs the policy writes, but {why}")
     return mode
 
 

@@ -24,7 +24,8 @@ function (default 1 each). The Python API passes callables directly (ibpo.train)
 
 A function that returns the wrong number of values, a value that is not a number, NaN or
 infinity, or that raises, is a RewardError naming the function (for an exception, the index of
-the first sample that raises on its own and the exception's last line). `reward_workers` > 1
+the first sample that raises on its own and the exception's last line; for a test the run's
+sandbox policy refused, sandbox/policy.py, the refusal and its fix). `reward_workers` > 1
 grades on a thread pool: the functions and, split into that many chunks, the completions run
 concurrently (for remote verifiers, compilers and other slow rewards that wait rather than
 compute).
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from ibpo.config import ConfigError
 from ibpo.rewards import REWARDS
 from ibpo.rewards.math import as_graded
+from ibpo.sandbox.policy import Refused
 
 RewardFn = Callable[..., list]
 
@@ -187,6 +189,8 @@ def _call(r: Reward, completions: list, kwargs: dict, lo: int, hi: int) -> list[
     part = {k: v[lo:hi] if isinstance(v, list) else v for k, v in kwargs.items()}
     try:
         out = r.fn(completions[lo:hi], **part)
+    except Refused as e:  # the run's sandbox policy, not the function: its message has the fix
+        raise RewardError(f"reward function {r.name!r} ran tested code: {e}") from e
     except Exception as e:
         raise RewardError(_raised(r, completions[lo:hi], part, e, lo)) from e
     return _checked(r, out, hi - lo, lo)

@@ -13,6 +13,11 @@ open its /proc/<pid>/fd or /proc/<pid>/mem; every other descriptor is closed bef
 solution runs, the test code reaches only the harness's process, through its own unnamed fd, and
 the harness imports nothing from the working directory, which the solution may write.
 
+Before any of the tested code runs, the child also makes the keyring system calls fail for
+itself and everything it starts (_child_keyrings). A check test's harness whose solution's
+process was killed (its CPU limit) ends as a killed test is reported, so the verdict is a
+timeout there too.
+
 Not here: choosing the isolation, starting and timing the child, or judging its output
 (run.py, verdict.py). Nothing here is called in the parent process.
 """
@@ -75,6 +80,9 @@ def _child_sandbox(job, libc):
         kind, path = entry[0], root + entry[-1]
         if kind == "symlink":
             os.symlink(entry[1], path)
+        elif kind == "bind" and not os.path.isdir(entry[1]):  # a file: mounted on an empty one
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
         else:
             os.makedirs(path, exist_ok=True)
         if kind == "bind":
@@ -140,9 +148,71 @@ def _child_limit(job, libc):
                 _child_die("capabilities remain")
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries stay powerless
         _child_die("no_new_privs")
+    _child_keyrings(libc)  # after no_new_privs, which an unprivileged filter needs
     for res, val in job["rlimits"]:
         if libc.setrlimit(res, (ctypes.c_ulong * 2)(val, val)) != 0:
             _child_die(f"setrlimit {res}")
+
+
+def _child_keyrings(libc):
+    """Kernel keyrings belong to no namespace of bwrap's or ours: a test would share the
+    trainer's session keyring, its slot uid's user and persistent keyrings would carry keys to
+    the next test and outlive the trainer, and in a user namespace the test's uid could write
+    the user's own keyrings. So the keyring system calls (add_key, request_key, keyctl) fail
+    with ENOSYS, as in a kernel without keys, for this process and everything it starts
+    (a seccomp filter, which no later call can lift); a system-call ABI not listed here fails
+    every call."""
+    import ctypes
+    import os
+
+    # audit arch -> (add_key, request_key, keyctl); x32 sets bit 30 of x86_64's numbers
+    abis = {
+        0xC000003E: (248, 249, 250),  # x86_64 (and x32)
+        0x40000003: (286, 287, 288),  # i386
+        0xC00000B7: (217, 218, 219),  # aarch64
+        0x40000028: (309, 310, 311),  # arm
+        0xC00000F3: (217, 218, 219),  # riscv64
+        0xC0000102: (217, 218, 219),  # loongarch64
+        0xC0000015: (269, 270, 271),  # ppc64le
+        0x80000015: (269, 270, 271),  # ppc64
+        0x80000016: (278, 279, 280),  # s390x
+    }
+    native = ("x86_64", "aarch64", "riscv64", "loongarch64", "ppc64le", "ppc64", "s390x")
+    if os.uname().machine not in native:
+        ctypes.set_errno(38)
+        _child_die(f"no keyring filter for {os.uname().machine}")
+    ld, jeq, ret, and_ = 0x20, 0x15, 0x06, 0x54  # BPF_LD|W|ABS, JMP|JEQ|K, RET|K, ALU|AND|K
+    allow, enosys = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO(ENOSYS)
+    blocks = []  # per ABI: its syscall number (x32's bit cleared) against its keyring calls
+    for nrs in abis.values():
+        blocks.append(
+            [(ld, 0, 0, 0), (and_, 0, 0, 0xBFFFFFFF)]
+            + [(jeq, 3 - i, 0, nr) for i, nr in enumerate(nrs)]  # true: to the ENOSYS below
+            + [(ret, 0, 0, allow), (ret, 0, 0, enosys)]
+        )
+    # seccomp_data.arch, then one test per ABI jumping to its block (BPF jumps: pc + 1 + jt)
+    prog = [(ld, 0, 0, 4)]
+    for i, arch in enumerate(abis):
+        prog.append((jeq, len(abis) - i + sum(len(b) for b in blocks[:i]), 0, arch))
+    prog.append((ret, 0, 0, enosys))  # an ABI not listed: no system call at all
+    for b in blocks:
+        prog += b
+
+    class Insn(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_ushort),
+            ("jt", ctypes.c_ubyte),
+            ("jf", ctypes.c_ubyte),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+
+    insns = (Insn * len(prog))(*(Insn(*x) for x in prog))
+    fprog = Prog(len(prog), insns)
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
+        _child_die("keyring filter (seccomp)")
 
 
 def _child_entry(job, g):
@@ -286,6 +356,7 @@ def _child_check(job, libc):
     import json  # noqa: F401  (imported once, before the fork: both processes use it)
     import os
     import sys
+    import time
     import traceback
 
     # Non-dumpable before the fork, so no moment exists when the solution could attach.
@@ -315,7 +386,7 @@ def _child_check(job, libc):
         _child_send(req_w, _child_encode([list(args), kwargs]))
         return _child_reply(_child_recv(rep_r, job["max_bytes"]))
 
-    status = "D"
+    status, ended = "D", False
     try:
         _child_reply(_child_recv(rep_r, job["max_bytes"]))  # the solution loaded, or why not
         g = {"__name__": "harness", "__builtins__": builtins}
@@ -324,9 +395,23 @@ def _child_check(job, libc):
         g["check"](candidate)
     except BaseException as e:
         status = f"E {type(e).__name__}: {e}".rstrip(": ").replace("\n", " ")[:300]
+        ended = isinstance(e, EOFError)  # the solution's process closed its end: it is exiting
         traceback.print_exc()
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)  # its CPU time counts in ours
+    # Reaped, so that its CPU time counts in ours. When it ended by itself, how: a SIGKILL then
+    # came from the kernel (its CPU limit), and this process ends as a killed test is reported
+    # (exit code 137, no record), so the verdict names it as it would for a one-process test.
+    st = None
+    for _ in range(200 if ended else 0):
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        st = None
+        time.sleep(0.001)
+    if st is None:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    elif os.WIFSIGNALED(st) and os.WTERMSIG(st) == 9:
+        os._exit(137)
     os.write(job["res_fd"], (status + "\n").encode("utf-8", "replace"))
     os._exit(0 if status == "D" else 1)
 
@@ -374,7 +459,8 @@ def _child_run(job):
 
 # What run.py sends, in this order, followed by a call of _child_main().
 FUNCTIONS = (
-    *(_child_die, _child_sandbox, _child_limit, _child_entry, _child_call, _child_encode),
+    *(_child_die, _child_sandbox, _child_limit, _child_keyrings, _child_entry, _child_call),
+    _child_encode,
     *(_child_decode, _child_send, _child_recv, _child_serve, _child_reply, _child_check),
     *(_child_run, _child_main),
 )

@@ -8,8 +8,12 @@
 * "cgroup-v1": the v1 memory hierarchy is writable (root); each slot gets a group under this
   process's own with memory.limit_in_bytes (and memory.memsw.limit_in_bytes where swap is
   accounted) = memory_mb.
-* "per-process": neither; only RLIMIT_AS binds, per process, so a test holds at most
-  memory_mb x (max_processes + 2) (the processes it may start, plus the sandbox's own).
+* "per-process": neither; only RLIMIT_AS binds: memory_mb of address space in each of the
+  test's processes (max_processes + 2: those it may start, plus the sandbox's own). That is no
+  bound on the whole test: pages held outside any address space (a memfd or shared-memory
+  file written and unmapped, SysV segments and message queues, pipe and socket buffers, the
+  scratch tmpfs) are not counted, so one test can hold gigabytes. Results say so, and a
+  training run refuses it unless asked (policy.py, rewards/code.py).
 
 A test is born in its group: the sandbox command is prefixed with `sh -c 'echo 0 >
 cgroup.procs; exec ...'`, so every descendant starts inside it and nothing runs before the cap
@@ -51,8 +55,11 @@ def describe(memory_mb: int, max_processes: int, grouped: bool = True) -> str:
     ran outside a group."""
     mode = memory_mode() if grouped else "per-process"
     if mode == "per-process":
-        total = memory_mb * (max_processes + 2)
-        return f"per-process: {memory_mb} MB each, at most {total} MB in all"
+        return (
+            f"per-process: {memory_mb} MB of address space in each of up to "
+            f"{max_processes + 2} processes; no bound on the whole test (memfd, shared memory "
+            "and kernel buffers are outside it)"
+        )
     return f"{mode}: {memory_mb} MB for the whole test"
 
 

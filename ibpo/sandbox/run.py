@@ -36,23 +36,27 @@ through its own descriptors (unnamed files, so no path leads to them). Hence:
   tricks all stay in the solution's process.
 * script: forgeable by design (the harness shares the interpreter with the solution).
 
-Residual limits: in "socket-patch" mode the child runs as the trainer's own uid (non-root), or
-stays root (root with an interpreter that is not world-readable): it can then reach the
-trainer's memory and descriptors, and a check test's harness, so no verdict is safe there.
-With root and a world-readable interpreter it runs as a slot uid, which cannot. A check test
+Residual limits: in "socket-patch" mode without root the child runs as the trainer's own uid:
+it can then reach the trainer's memory and descriptors, and a check test's harness, so no
+verdict is safe there. As root it runs as a slot uid, which cannot; where that uid could not
+read the interpreter (not world-readable) the child would stay root, so the mode is refused
+there for every caller (uncontained). A check test
 shows the solution none of the test code or expected values, but the solution still sees its
 prompt and the arguments it is called with.
 
 Each test runs in a fresh interpreter (`python -S -s -B`: no site-packages; an environment built
 from scratch: no tokens, no PYTHONPATH) with rlimits on CPU time, address space, open files,
 file size (caps stdout/stderr) and processes, plus a wall-clock timer; a pipe tells the child
-when this process dies, so no sandbox outlives a crashed trainer. The memory cap covers every
-process of the test where cgroups allow (memory.py); every result states it (`memory`).
-`isolation_mode()`, the first that works, stated in every result (`isolation`):
+when this process dies, so no sandbox outlives a crashed trainer. The keyring system calls fail
+(child.py: keyrings belong to no namespace). The memory cap covers every process of the test
+where cgroups allow, else only each one's address space (memory.py); every result states it
+(`memory`). A process-wide policy (policy.py: a training run's) may refuse a mode or a test
+without a whole-test memory bound, here, whatever called. `isolation_mode()`, the first that
+works, stated in every result (`isolation`):
 
 * "bwrap" (bubblewrap installed): new PID, network, IPC, UTS and cgroup namespaces; a root
-  filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, /etc and the
-  interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
+  filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, of ETC_ALLOWED in /etc
+  and of the interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
   directory, so no socket file of the host exists inside. As root the child then becomes a
   uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
 * "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
@@ -65,12 +69,10 @@ process of the test where cgroups allow (memory.py); every result states it (`me
 * "socket-patch" (no usable namespaces, e.g. a container without CAP_SYS_ADMIN): sockets are
   replaced by a stub, RLIMIT_NPROC counts the user's processes. At the end the process group
   is killed, then every process left in the test's memory cgroup, and with a slot uid every
-  process of that uid (a daemon in a session of its own escapes only as root without a
-  writable cgroup). Files outside the working directory are protected only by permissions: as
-  root the child still moves to a slot uid when the interpreter is world-readable, else it
-  stays root and neither files nor the process count are protected (a warning is logged).
-  Not a sandbox for RL-written code: training with the code reward refuses it unless asked
-  (rewards/code.py, training_sandbox).
+  process of that uid (which cannot leave its cgroup; without root or a writable cgroup a
+  daemon in a session of its own escapes). Files outside the working directory are protected
+  only by permissions. Not a sandbox for RL-written code: training refuses it unless asked
+  (rewards/code.py, training_policy).
 
 Cost (bench/bench_graders.py, 2 shared cores): a stdin, call or script test takes 12-18 ms of
 CPU in the child and ~1.5 ms here, in every mode; a check test 21-22 ms (two processes). Starting a
@@ -97,13 +99,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from ibpo.sandbox import memory
+from ibpo.sandbox import memory, policy
 from ibpo.sandbox.child import FUNCTIONS
 from ibpo.sandbox.verdict import classify
 
@@ -127,6 +130,11 @@ class Limits:
     max_output_bytes: int = 8 << 20  # stdout / stderr / any written file
     max_processes: int = 8  # processes + threads alive at once (the test itself counts)
     scratch_mb: int = 64  # size of the private working directory (bwrap, namespaces)
+
+    @property
+    def cpu_limit_s(self) -> int:
+        # What the kernel enforces (RLIMIT_CPU): whole seconds
+        return max(1, math.ceil(self.time_s))
 
     @property
     def wall_s(self) -> float:
@@ -162,21 +170,41 @@ def isolation_mode() -> str:
         if mode_works(mode):
             return mode
     log.warning("sandbox: no bwrap or namespaces; using socket-patch")
-    if not _drops_to_slot_uid("socket-patch") and os.geteuid() == 0:
-        log.warning("sandbox: tests will run as root with no file or process-count protection")
+    if uncontained("socket-patch"):
+        log.warning("sandbox: %s", uncontained("socket-patch"))
     return "socket-patch"
 
 
 @cache
 def mode_works(mode: str) -> bool:
-    """Whether a sandbox in this isolation mode can be built here (a probe run)."""
+    """Whether a sandbox in this isolation mode can be built here (a probe run) and contains
+    what it runs well enough to be used at all (_uncontained)."""
     tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode)
     if tool and not (sys.platform == "linux" and shutil.which(tool)):
         return False
-    probe = _run_one("pass", TestCase("script"), Limits(time_s=10), mode)
+    if uncontained(mode):
+        log.info("sandbox: %s mode refused: %s", mode, uncontained(mode))
+        return False
+    probe = _run_one("pass", TestCase("script"), Limits(time_s=10), mode, probe=True)
     if probe.status != "passed":
         log.info("sandbox: %s mode unavailable: %s", mode, probe.reason)
     return probe.status == "passed"
+
+
+def uncontained(mode: str) -> str | None:
+    """Why no test may run in `mode` here, whoever asks (policy or not); None when it may.
+    Socket-patch as root stays root when the interpreter is not world-readable (a slot uid
+    could not load it): the test could then do anything root can, e.g. move a daemon out of
+    its memory cgroup and out of every kill, so it is refused."""
+    if mode != "socket-patch" or os.geteuid() != 0 or _drops_to_slot_uid(mode):
+        return None
+    prefix = os.path.realpath(sys.base_prefix)
+    return (
+        f"socket-patch mode as root runs tests as a uid of their own, which cannot read the "
+        f"interpreter here ({prefix} or a folder above it is not world-readable), and a test "
+        "left as root is not contained. Fix: install bubblewrap (`bwrap --version` must work), "
+        f"or make the interpreter world-readable (chmod o+rX on {prefix} and the folders above)"
+    )
 
 
 def run_tests(
@@ -231,17 +259,30 @@ def _validate(t: TestCase) -> None:
         )
 
 
-def _run_one(code: str, test: TestCase, limits: Limits, mode: str) -> TestResult:
+def _run_one(
+    code: str, test: TestCase, limits: Limits, mode: str, probe: bool = False
+) -> TestResult:
+    """One test in its own sandbox. `probe`: mode_works's trusted program, which the policy in
+    force neither refuses nor counts."""
+    # the policy's word on the mode first (its memory bound is judged once the test's group is
+    # set up: policy.admit), then whether the mode can contain a test here at all
+    why = (None if probe else policy.refusal(mode, grouped=True)) or uncontained(mode)
+    if why:
+        raise policy.Refused(why)
     slot = _SLOTS.get()  # blocks while every slot is busy: the global bound on parallelism
     workdir = tempfile.mkdtemp(prefix="ibpo-sandbox-")
     try:
-        return _execute(code, test, limits, mode, slot, workdir)
+        return _execute(code, test, limits, mode, slot, workdir, probe)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         _SLOTS.put(slot)
 
 
-def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd: str):
+def _execute(code, test, limits, mode, slot, wd, probe) -> TestResult:
+    group = memory.prepare(slot, limits.memory_mb)
+    bound = memory.describe(limits.memory_mb, limits.max_processes, group is not None)
+    if not probe:  # the process's policy (a training run's), whoever called: may refuse
+        policy.admit(mode, group is not None, bound)
     # Unnamed files, read back through this process's descriptors: no path inside or outside
     # the sandbox leads to them, so none can be swapped for another file.
     names = ("stdin", "stdout", "stderr", "result", "job", "harness")
@@ -257,7 +298,6 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
         job = _job(code, test, limits, mode, slot, wd, fds)
         marshal.dump(job, f["job"])
         f["job"].seek(0)
-        group = memory.prepare(slot, limits.memory_mb)
         oom_before = memory.oom_kills(group)
         try:
             proc = subprocess.Popen(
@@ -279,7 +319,6 @@ def _execute(code: str, test: TestCase, limits: Limits, mode: str, slot: int, wd
     st, reason = classify(test, limits, status, cpu, wall_killed, out, err, res)
     if st != "passed" and memory.oom_kills(group) > oom_before:
         st, reason = "error", f"memory limit {limits.memory_mb} MB for the whole test exceeded"
-    bound = memory.describe(limits.memory_mb, limits.max_processes, group is not None)
     return TestResult(st, reason, round(cpu, 4), mode, bound)
 
 
@@ -305,6 +344,11 @@ def _end_leftovers(group: str | None, uid: int, mode: str) -> None:
             )
         except (OSError, subprocess.SubprocessError) as e:  # the verdict stands; logged
             log.warning("sandbox: could not end slot uid %d's leftover processes: %s", uid, e)
+        # The killed stay zombies until init reaps them, and count against RLIMIT_NPROC until
+        # then: the slot is handed on only once they are gone.
+        deadline = time.monotonic() + 2
+        while _count_processes(uid) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def _fill(f, text: str) -> None:
@@ -315,7 +359,7 @@ def _fill(f, text: str) -> None:
 
 def _job(code, test, limits, mode, slot, wd, fds) -> dict:
     rl = [
-        (resource.RLIMIT_CPU, max(1, math.ceil(limits.time_s))),  # soft = hard: SIGKILL
+        (resource.RLIMIT_CPU, limits.cpu_limit_s),  # soft = hard: SIGKILL
         (resource.RLIMIT_AS, limits.memory_mb << 20),
         (resource.RLIMIT_FSIZE, limits.max_output_bytes + 1),
         (resource.RLIMIT_NOFILE, 256),
@@ -324,7 +368,7 @@ def _job(code, test, limits, mode, slot, wd, fds) -> dict:
     # + the child's watcher thread, + the solution's process of a check test
     nproc = limits.max_processes + 1 + (test.kind == "check")
     if mode == "socket-patch" and os.geteuid() != 0:
-        nproc += _count_own_processes()  # without a namespace the count is per user
+        nproc += _count_processes(os.getuid())  # without a namespace the count is per user
     rl.append((resource.RLIMIT_NPROC, nproc))
     return {
         "kind": test.kind,
@@ -388,19 +432,33 @@ def _bwrap_root() -> tuple[str, ...]:
     return tuple(out)
 
 
+# What a test sees of the host's /etc: only what the interpreter and its shared libraries read
+# (the dynamic loader's cache of library paths). Everything else there (pip.conf and netrc with
+# tokens, the package manager's credentials, host names, users) stays out of sight.
+ETC_ALLOWED = ("ld.so.cache",)
+
+
 @cache
 def _view() -> tuple[tuple[str, ...], ...]:
     """What a test sees of the host besides a fresh /proc, a minimal /dev and a private /tmp, in
-    bwrap and namespaces modes alike: read-only binds of the system directories and of the
-    interpreter's prefix, with traversable parents, nothing else (no homes, no project, no
-    /opt, /var, /run or /srv, so no socket file of the host either). Entries: ("bind", path),
-    ("symlink", target, path), ("dir", path)."""
+    bwrap and namespaces modes alike: read-only binds of the system directories, of the files
+    of /etc in ETC_ALLOWED and of the interpreter's prefix, with traversable parents, nothing
+    else (no homes, no project, no /opt, /var, /run or /srv, so no socket file of the host
+    either). Entries: ("bind", path) of a folder or a file, ("symlink", target, path),
+    ("dir", path)."""
     out: list[tuple[str, ...]] = []
-    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"):
+    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(d):
             out.append(("symlink", os.readlink(d), d))
         elif os.path.isdir(d):
             out.append(("bind", d))
+    out.append(("dir", "/etc"))
+    for name in ETC_ALLOWED:
+        path = os.path.join("/etc", name)
+        if os.path.islink(path):
+            out.append(("symlink", os.readlink(path), path))
+        elif os.path.isfile(path):
+            out.append(("bind", path))
     for p in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}):
         if not p.startswith("/usr/"):
             out += [("dir", parent) for parent in reversed(_parents(p)[:-1])]
@@ -463,8 +521,7 @@ def _slot_uid(slot: int) -> int:
     return 1_500_000_000 + (os.getpid() % 100_000) * 64 + slot
 
 
-def _count_own_processes() -> int:
-    uid = os.getuid()
+def _count_processes(uid: int) -> int:
     n = 0
     for p in os.listdir("/proc"):
         try:

@@ -4,10 +4,12 @@ The child (child.py) reports on a result channel, one record per line, the last 
 "D" (the program, or a check test's harness, ran to its end), "V <json>" (a call test's return
 value), "R <repr>" (a return value that is not JSON), "E <exception>" and "X <code>" (an exit
 before the end). Limits are judged before the answer: over the CPU or wall-clock limit is a
-timeout whatever was printed. Stdin tests pass on exit status 0 and a matching stdout
-(`stdout_matches`); call tests compare the decoded JSON value with the expected one, which
-never entered the sandbox; a check test passes on its harness's "D", a channel only the harness
-holds. Only in a script test can the tested code write a passing record (run.py's threat model).
+timeout whatever was printed, and so is a test the kernel killed at its CPU limit, whatever CPU
+time is read back (the kernel's clock runs ahead of it). Stdin tests pass on exit status 0 and a
+matching stdout (`stdout_matches`); call tests compare the decoded JSON value with the expected
+one, which never entered the sandbox; a check test passes on its harness's "D", a channel only
+the harness holds. Only in a script test can the tested code write a passing record (run.py's
+threat model).
 
 Not here: running the test (sandbox.py), grading policy (rewards/code.py).
 """
@@ -95,20 +97,34 @@ def classify(
     return st, reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
+def _killed(status: int, err: bytes) -> bool:
+    """Whether the test ended by a SIGKILL (none of ours: the wall-clock kill is judged apart):
+    as its wait status says, as bwrap and a check test's harness report a killed child (exit
+    code 137), or as util-linux 2.38's unshare does (exit code 1, failing to pass it on)."""
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status) == signal.SIGKILL
+    code = os.WEXITSTATUS(status)
+    return code == 128 + signal.SIGKILL or (code == 1 and b"sigprocmask unblock failed" in err)
+
+
 def _classify(test, limits, status, cpu, wall_killed, out, err, res) -> tuple[str, str]:
     cap = limits.max_output_bytes
     records = res.decode("utf-8", "replace").splitlines()
     last = records[-1] if records else ""
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED and not records:
         return "error", _last_line(err) or "sandbox setup failed"
-    if cpu > limits.time_s:
-        # Over the limit, or killed by RLIMIT_CPU (unshare reports a SIGKILLed child as exit
-        # code 1, not as a signal).
+    killed = not records and _killed(status, err)
+    # The kernel's CPU limit (RLIMIT_CPU, whole seconds) runs on its own clock, which can run
+    # ahead of the CPU time read here: a loop it kills at 2 s may read 1.8 s. So a test killed
+    # without a word after half of that limit or more ran out of time too.
+    if cpu > limits.time_s or (killed and cpu >= limits.cpu_limit_s / 2):
         return "timeout", f"time limit {limits.time_s:g}s"
     if wall_killed:
         return "timeout", f"wall-clock limit {limits.wall_s:g}s"
     if os.WIFSIGNALED(status):
         return "error", f"killed by {_signal_name(os.WTERMSIG(status))}"
+    if killed:
+        return "error", "killed by SIGKILL"
     if len(out) > cap or len(err) > cap or len(res) > cap or "File too large" in last:
         return "error", f"output limit {cap} bytes exceeded"
     if last.startswith("E "):
