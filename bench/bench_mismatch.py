@@ -5,7 +5,7 @@
     python bench/bench_mismatch.py --smoke --model PATH   # tiny 1-step check (CI)
 
 Each path trains the default demo recipe for a few steps (`ibpo.trainer.train`, no held-out
-evaluation) and reads the per-step mismatch metrics (ibpo/mismatch.py) from metrics.jsonl:
+evaluation) and reads the per-step mismatch metrics (ibpo/algo/mismatch.py) from metrics.jsonl:
 
     fp32            model.quantization=none: generate() and the update on the same fp32 weights
     nf4 folded      4-bit NF4 base, generate() on the dequantised base with the adapter folded in
