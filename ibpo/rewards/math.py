@@ -352,19 +352,22 @@ QUALIFIERS: dict[str, frozenset[str]] = {
     kind: frozenset(words.split())
     for kind, words in {
         "negation": "not no never none nothing neither nor cannot nope isnt arent wasnt werent "
-        "dont doesnt didnt wont wouldnt couldnt shouldnt cant aint hasnt havent hadnt",
+        "dont doesnt didnt wont wouldnt couldnt shouldnt cant aint hasnt havent hadnt non nah",
         "condition": "if iff unless when whenever where wherever whereas while provided "
         "providing assuming assume assumes assumed assumption suppose supposing supposed given "
         "except excepting excluding exclude besides otherwise else for with",
         "hedge": "maybe perhaps possibly probably likely unlikely presumably supposedly "
         "apparently seemingly seems seem seemed appears guess guessed guessing unsure uncertain "
-        "unclear doubt doubtful think believe suspect hope might may could would should etc",
+        "unclear doubt doubtful dubious questionable tentative tentatively unverified unconfirmed "
+        "conjecture conjectured speculative hypothetically allegedly arguably think believe "
+        "suspect hope might may could would should etc",
         "approximation": "approximately approximate approx about around roughly nearly almost "
         "circa ish estimate estimated",
         "bound": "than least most atleast atmost upto beyond exceeding exceeds",
         "wrongness": "wrong incorrect false untrue invalid impossible mistake mistaken error "
         "erroneous bogus fake trap decoy herring distractor bait reject rejected discard "
-        "discarded ignore ignored excluded eliminated disregard nonsense",
+        "discarded ignore ignored excluded eliminated disregard nonsense wrongly incorrectly "
+        "falsely",
         "statement": "is are was were been being the this that these those its which who what "
         "does did has have had will shall you they she our your their",
         # several values: allowed where the gold answer lists several ("x = 2 or x = 3")
@@ -849,48 +852,65 @@ def _verify(gold: str, pred: str) -> bool:
         return False
 
 
-# What a parse may have dropped: each number, and each letter outside a command, an
-# environment's name, a \text{...} or the left side of an assignment (`x = 2, y = 3` reads as
-# the values).
+# What a parse may have dropped: each number; each letter and symbol command (`\pi`, `\infty`,
+# `\alpha`) outside a command's name, an environment's name, a \text{...} or the left side of an
+# assignment (`x = 2, y = 3` reads as the values); each \text{...} (`\text{three} \to 4`).
 _SKIPPED = re.compile(
     r"\\(?:begin|end|text[a-z]*|mathrm|operatorname|mbox)\s*\{[^{}]*\}|\\[A-Za-z]+"
     r"|[A-Za-z](?:_\{?\w+\}?)?\s*=(?!=)"
 )
-_LITERAL = re.compile(r"\d+(?:\.\d+)?|(?<![A-Za-z])[A-Za-z](?![A-Za-z])")
+_SYMBOL_COMMAND = (
+    r"\\(?:alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda"
+    r"|mu|nu|xi|pi|varpi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta"
+    r"|Lambda|Xi|Pi|Sigma|Upsilon|Phi|Psi|Omega|infty|emptyset)(?![A-Za-z])"
+)
+_LITERAL = re.compile(
+    rf"(?P<text>\\(?:text[a-z]*|mathrm|mbox)\s*\{{[^{{}}]*\}})|(?P<command>{_SYMBOL_COMMAND})"
+    r"|\d+(?:\.\d+)?|(?<![A-Za-z\\])[A-Za-z](?![A-Za-z])"
+)
 MAX_PROBES = 12  # literals missing from a parse that are tried; more: the parse is not trusted
 
 
 def _parse_holds_all(s: str, parsed: list) -> bool:
-    """Whether math-verify's parse of `s` kept all of it: every number and letter of `s` either
-    appears in the parsed expression or changes it when replaced. The parser drops what it
-    cannot read and keeps the rest, so `3 \\to 4`, `3 \\\\ 4`, a `cases` row and `4 \\;
-    (n \\neq 2)` would read as one value (4, 4, the last row's, 2); a mixed number `3\\frac12`
-    reads as 7/2, which every digit of it changes."""
+    """Whether math-verify's parse of `s` kept all of it: every literal of `s` (above) appears
+    in the parsed expression or changes it when replaced (a \\text{...}: when deleted). The
+    parser drops what it cannot read and keeps the rest, so `3 \\to 4`, `3 \\\\ 4`, a `cases`
+    row and `4 \\; (n \\neq 2)` would read as one value (4, 4, the last row's, 2); a mixed
+    number `3\\frac12` reads as 7/2, which every digit of it changes."""
     exprs = [x for x in parsed if not isinstance(x, str)]
     if not exprs:
         return True  # compared as text
     numbers, names = set(), set()
     for e in exprs:
         for atom in getattr(e, "atoms", lambda: ())():
-            if getattr(atom, "is_Symbol", False):
-                names.add(str(atom).split("_")[0])
-            elif getattr(atom, "is_Number", False):
+            if getattr(atom, "is_Number", False):
                 with contextlib.suppress(ValueError, TypeError):
                     numbers.add(Fraction(str(atom)))
+            else:
+                names.add(str(atom).split("_")[0])  # x_1 holds x; pi, alpha
     skipped = [m.span() for m in _SKIPPED.finditer(s)]
     probes = 0
     for m in _LITERAL.finditer(s):
         lit = m.group(0)
-        if any(a <= m.start() < b for a, b in skipped):
+        if m.group("text"):
+            swap = ""
+        elif m.group("command"):
+            if lit[1:] in names:
+                continue
+            swap = "\\varkappa " if "\\zeta" in s else "\\zeta "
+        elif any(a <= m.start() < b for a, b in skipped):
             continue
-        if lit in names or (lit[0].isdigit() and Fraction(lit) in numbers):
-            continue
+        elif lit[0].isdigit():
+            if Fraction(lit) in numbers:
+                continue
+            swap = "7919" if lit != "7919" else "7907"
+        else:
+            if lit in names:
+                continue
+            swap = "\\varkappa " if "\\zeta" in s else "\\zeta "
         probes += 1
         if probes > MAX_PROBES:
             return False
-        swap = ("7919" if lit != "7919" else "7907") if lit[0].isdigit() else "\\zeta "
-        if "\\zeta" in s and not lit[0].isdigit():
-            swap = "\\varkappa "
         try:
             other = _parse.__wrapped__(s[: m.start()] + swap + s[m.end() :])
             same = [x for x in other if not isinstance(x, str)] == exprs
