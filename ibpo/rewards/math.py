@@ -3,10 +3,32 @@ r"""Math answer grading: extract the final answer, normalise it, compare it with
 Extraction first: verifying a whole completion can match a restated expression ("9 + 7 = 26"
 would count for 16). Qwen3 thinking is dropped (`<think>...</think>`; an unterminated `<think>`
 to the end, so a completion cut off mid-thought has no answer; all before a lone `</think>`, for
-templates that open the block in the prompt). Then the answer is the last `\boxed{...}`,
-`\fbox{...}` or `\boxed 5` (an empty or unterminated box: no answer); else the last "answer
+templates that open the block in the prompt). Then the answer is what the `\boxed{...}`,
+`\fbox{...}` or `\boxed 5` hold (an empty box is ignored; an unterminated one: no answer), when
+they all hold one answer (repeated, or written two ways: `\frac{1}{2}` and `0.5`; a choice's
+letter and its value): several different boxed answers are no answer. Else the last "answer
 is ..." / "Answer: ..." / "#### ..." (a `$...$` span or the first sentence; a lone number in
 prose alone: "The answer is 12 apples" -> 12); else the last number.
+
+Negations, conditions and hedges (QUALIFIERS, by kind: negation, condition, hedge,
+approximation, bound, wrongness, a sentence's own words, several values; and the marks
+`\neq`, `\approx`, `<`, `\pm`, `?` ...): an answer holding a kind the gold answer does not
+hold is no answer (`4 \text{ is not the answer}`, `4 \text{ unless } n \text{ is odd}`,
+`\approx 4`, `\text{at least } 4`, `4?`, `4 \text{ is the answer}`), while units and labels
+hold none (`4 \text{ apples}`, "7 square meters", "4 more", `x = 4`). Several values ("or",
+"and", `\lor`, `\pm`) count only for a gold answer of one value (`x = 2 \text{ or } x = 3` for
+`2, 3` scores). Prose next to an answer counts too: the last words of the clause before a box
+or the final number and the rest of its sentence ("not \boxed{4}", "\boxed{4} if n is even",
+"\boxed{4}, or maybe 5", "so it is not 12", "12?"), and an "answer is" sentence that
+qualifies its number is kept whole ("The answer is not 4" is not 4). In prose only the words
+that qualify there count (_PROSE_WORDS: "the answer would be 12 for the party" is 12).
+
+Multiple choice: with the problem's options (`choices`: a dataset column or the problem's text,
+choices_of), a letter stands for its option's value, so the letter, the value or both
+(`\textbf{(C)}\ 12`, "(C) 12", `C`, `12`) score against a gold letter or value; a letter with
+a value must agree with the options (`(B) 12` where (B) is 10 is wrong). Without the options a
+letter matches the same letter, a letter with a value matches by its value, and a letter alone
+is a symbol, which no number equals.
 
 Normalisation (both sides) drops `$`, `\(\)`, `\[\]`, `\left`/`\right`, spacing (`\ `, while the
 row break `\\` of a matrix or cases stays, `\\[2pt]` as `\\`), degrees, `\%`, dollar signs, a
@@ -16,11 +38,11 @@ trailing period and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `\varnothing`
 `\lfloor x\rfloor`, `\lceil x\rceil`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a pair); `(B)` -> B.
 Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
 
-Comparison: a hedge or several candidates for one value (`2 \lor 3`, `3 \text{ (or possibly
-2)}`, `\pm 3`, "3 probably") is wrong, unless the gold answer hedges alike or lists several
-values (`x = 2 \text{ or } x = 3` for `2, 3`), and so is an answer holding several values (a
-comma) for a gold answer of one; an equation counts only with a variable on its left (`x = 2`,
-`AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless the gold is an equation too.
+Comparison: an answer holding several values (a comma, or two numbers with only space
+between them: `3 \quad 4`) for a gold answer of one is wrong; an equation counts only with a
+variable on its left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless
+the gold is an equation too.
+
 Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and sets,
 intervals and tuples of them, are compared in Python: integers exactly; others within
 a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
@@ -31,7 +53,12 @@ rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and 
 ellipsis (`1, 3, 5, \dots`) are compared here, item by item in order, the ellipsis in the same
 places, and any other answer with one as text only. Only the rest (radicals, matrices,
 expressions, symbolic factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through
-math-verify.
+math-verify. Its parser drops what it cannot read and keeps the rest (`3 \to 4`, `3 \\ 4`, a
+`cases` or `aligned` row, `\substack`, `4 \; (n \neq 2)` read as 4, 4, the last row, 2), so
+a match counts only when the parse kept the whole answer: each number, letter, symbol command
+(`\pi`) and `\text{...}` of it appears in the parsed expression or changes it when replaced
+(deleted), up to MAX_PROBES tries (_parse_holds_all). ASCII `sum_(k=1)^n` (CHAMP) is read as
+`\sum_{k=1}^{n}`.
 
 Time bound: math-verify's signal timeouts only work in the main thread, so they are off. Answers
 over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, and factorials sympy would
@@ -352,7 +379,7 @@ QUALIFIERS: dict[str, frozenset[str]] = {
     kind: frozenset(words.split())
     for kind, words in {
         "negation": "not no never none nothing neither nor cannot nope isnt arent wasnt werent "
-        "dont doesnt didnt wont wouldnt couldnt shouldnt cant aint hasnt havent hadnt non nah",
+        "dont doesnt didnt wont wouldnt couldnt shouldnt cant aint hasnt havent hadnt nah",
         "condition": "if iff unless when whenever where wherever whereas while provided "
         "providing assuming assume assumes assumed assumption suppose supposing supposed given "
         "except excepting excluding exclude besides otherwise else for with",
