@@ -429,13 +429,28 @@ _QUALIFIER_MARKS = [
     (
         re.compile(
             r"\\(?:approx|approxeq|thickapprox|sim|simeq|thicksim|doteq|propto)(?![A-Za-z])"
-            r"|[≈≃∼∝]|(?:^|(?<=\s))~(?=\s*[-+.\d])"
+            r"|[≈≃∼∝]|(?:^|(?<=[\s=(]))~"  # a leading ~ ("~4"), not a tie ("1~000")
         ),
         "approximation",
     ),
     (re.compile(r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\|\||[±∓∨]"), "alternative"),
+    (
+        re.compile(
+            r"\b(?:and|or)\s+(?:up|upwards?|above|over|higher|more|greater|larger|beyond|below"
+            r"|under|lower|less|fewer|smaller|so)\b",
+            re.I,
+        ),
+        "bound",
+    ),
     (re.compile(r"\?"), "hedge"),
 ]
+# In prose, "for", "when", "where" and "with" condition an answer when a variable or a
+# quantifier follows: "12 for n even", "12 when $x = 2$", not "12 for a party".
+_PROSE_CONDITION = re.compile(
+    r"\b(?:for|when|whenever|where|with)\s+"
+    r"(?:all|every|each|any|some|(?![aAI]\b)[A-Za-z](?![A-Za-z])|\$)",
+    re.I,
+)
 # Environment names (`cases`, `aligned`) are no words of the answer.
 _ENVIRONMENT = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -446,6 +461,8 @@ _PROSE_WORD = re.compile(r"[A-Za-z]+(?:['’][A-Za-z]+)?")
 def _qualifiers(s: str, prose: bool = False) -> frozenset[str]:
     """The kinds of qualifier `s` holds (see QUALIFIERS); `prose`: only _PROSE_WORDS count."""
     kinds = {kind for pattern, kind in _QUALIFIER_MARKS if pattern.search(s)}
+    if prose and _PROSE_CONDITION.search(s):
+        kinds.add("condition")
     words = _LATEX_COMMAND.sub(" ", _ENVIRONMENT.sub(" ", s))
     for word in _PROSE_WORD.findall(words):
         word = word.lower().replace("’", "'")
