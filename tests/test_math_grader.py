@@ -678,7 +678,10 @@ def test_several_boxes_and_qualifiers_at_extraction():
     assert extract_answer("It is not 12") is None
     assert extract_answer(r"\boxed{C} and \boxed{12}", AMC) == "12"
     assert extract_answer(r"\boxed{C} and \boxed{12}") is None  # without the options: two
-    many = "".join(f"\\boxed{{{i}}}" for i in range(10_000))
+    # boxes by the thousand are read no further than MAX_BOXES: no answer, at once
+    assert math_reward(r"\boxed{4} " * grader.MAX_BOXES, "4") == 1.0
     start = time.perf_counter()
-    assert math_reward(many, "9999") == 0.0
-    assert time.perf_counter() - start < 2.0
+    assert math_reward(r"\boxed{4} " * (grader.MAX_BOXES + 1), "4") == 0.0
+    assert math_reward("".join(f"\\boxed{{4}} and {i} " for i in range(10_000)), "4") == 0.0
+    assert math_reward("".join(f"\\boxed{{{i}}}" for i in range(10_000)), "9999") == 0.0
+    assert time.perf_counter() - start < 1.0

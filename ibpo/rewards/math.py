@@ -6,9 +6,10 @@ to the end, so a completion cut off mid-thought has no answer; all before a lone
 templates that open the block in the prompt). Then the answer is what the `\boxed{...}`,
 `\fbox{...}` or `\boxed 5` hold (an empty box is ignored; an unterminated one: no answer), when
 they all hold one answer (repeated, or written two ways: `\frac{1}{2}` and `0.5`; a choice's
-letter and its value): several different boxed answers are no answer. Else the last "answer
-is ..." / "Answer: ..." / "#### ..." (a `$...$` span or the first sentence; a lone number in
-prose alone: "The answer is 12 apples" -> 12); else the last number.
+letter and its value): several different boxed answers are no answer, and so are more than
+MAX_BOXES boxes. Else the last "answer is ..." / "Answer: ..." / "#### ..." (a `$...$` span or
+the first sentence; a lone number in prose alone: "The answer is 12 apples" -> 12); else the
+last number.
 
 Negations, conditions and hedges (QUALIFIERS, by kind: negation, condition, hedge,
 approximation, bound, wrongness, a sentence's own words, several values; and the marks
@@ -131,6 +132,7 @@ _SENTENCE_MARK = re.compile(r"[;!?\n]|\.(?:\s|$)")
 _CONTEXT_CHARS = 200  # how far around an answer its context is read
 _WORDS_BEFORE = 2  # words of the clause before an answer that may qualify it ("maybe 4")
 MAX_CANDIDATES = 8  # more different boxes than this: no answer, without comparing them
+MAX_BOXES = 32  # more boxes than this (even all alike): no answer, read no further
 
 
 def as_graded(prompt: str, completion: str) -> str:
@@ -164,9 +166,9 @@ def _closing_brace(text: str, i: int) -> int | None:
 def _boxes(text: str) -> list[tuple[int, int, str]] | None:
     r"""(start, end, content) of every \boxed{...} / \fbox{...} / `\boxed 5`, in order; a box
     inside a box is part of its content. None when one is unterminated (cut off inside it).
-    Linear in the text: the scan goes on after each box's end."""
+    Linear in the text: the scan goes on after each box's end, and stops after MAX_BOXES + 1."""
     out, i = [], 0
-    while m := _BOX.search(text, i):
+    while len(out) <= MAX_BOXES and (m := _BOX.search(text, i)):
         j = m.end()
         if not text.startswith("{", j):
             token = _BOX_TOKEN.match(text, j)
@@ -241,9 +243,12 @@ def _final_answer(text: str, choices: dict | None) -> str | None:
     text = strip_thinking(text or "").replace("\u2212", "-")  # Unicode minus
     if "\\boxed" in text or "\\fbox" in text:
         boxes = _boxes(text)
-        if boxes is None or any(_context_qualifies(text, s, e) for s, e, _ in boxes):
-            return None  # cut off inside a box, or "\boxed{4} is not the answer"
-        return _one_answer([a for _, _, c in boxes if (a := _unbox(c))], choices)
+        if boxes is None or len(boxes) > MAX_BOXES:
+            return None  # cut off inside a box, or boxes by the dozen
+        answer = _one_answer([a for _, _, c in boxes if (a := _unbox(c))], choices)
+        if answer is None or any(_context_qualifies(text, s, e) for s, e, _ in boxes):
+            return None  # "\boxed{4} is not the answer"
+        return answer
     for span in reversed(_ANSWER_LINE.findall(text)):
         if ans := _answer_span(span.strip()):
             return ans
@@ -262,11 +267,11 @@ def _one_answer(answers: list[str], choices: dict | None) -> str | None:
     last, seen = answers[-1], {_squash(answers[-1])}
     others = []
     for a in answers[:-1]:
-        if _squash(a) not in seen:
-            seen.add(_squash(a))
+        if (key := _squash(a)) not in seen:
+            seen.add(key)
             others.append(a)
-    if len(others) >= MAX_CANDIDATES:
-        return None
+            if len(others) >= MAX_CANDIDATES:
+                return None
     if all(answers_match(a, last, choices) and answers_match(last, a, choices) for a in others):
         return last
     return None
