@@ -450,10 +450,10 @@ _QUALIFIER_MARKS = [
     (re.compile(r"\?"), "hedge"),
 ]
 # In prose, "for", "when", "where" and "with" condition an answer when a variable or a
-# quantifier follows: "12 for n even", "12 when $x = 2$", not "12 for a party".
+# quantifier follows: "12 for n even", "12 when $x = 2$", not "12 for a party" or "with $5$".
 _PROSE_CONDITION = re.compile(
     r"\b(?:for|when|whenever|where|with)\s+"
-    r"(?:all|every|each|any|some|(?![aAI]\b)[A-Za-z](?![A-Za-z])|\$)",
+    r"(?:all|every|each|any|some|(?![aAI]\b)[A-Za-z](?![A-Za-z])|\$\s*[A-Za-z])",
     re.I,
 )
 # Environment names (`cases`, `aligned`) are no words of the answer.
