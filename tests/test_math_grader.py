@@ -547,6 +547,10 @@ QUALIFIED = [
     (r"\boxed{4} is not the answer", "4", False),
     (r"Maybe \boxed{4}", "4", False),
     (r"\boxed{4}, or maybe 5.", "4", False),
+    (r"\boxed{4} and up.", "4", False),
+    (r"\boxed{~4}", "4", False),
+    ("So 4 for n even.", "4", False),
+    ("The answer is $4$ when $n$ is prime.", "4", False),
     # ... while units, labels and honest prose score
     (r"\boxed{4 \text{ apples}}", "4", True),
     (r"\boxed{4 \text{ more apples}}", "4", True),
@@ -555,6 +559,8 @@ QUALIFIED = [
     ("I think the answer is 4.", "4", True),
     ("The answer would be 4 for the party", "4", True),
     ("If she has 1 and gets 3 more, she has 4.", "4", True),
+    ("She paid 4 for a book.", "4", True),
+    ("She ends with $4$.", "4", True),
     # ... and so do the gold's own kinds of words and marks
     (r"\boxed{\text{The limit does not exist}}", "The limit does not exist", True),
     (r"\boxed{\text{No integer solutions}}", "No integer solutions", True),
@@ -593,6 +599,11 @@ SEVERAL = [
     (r"\boxed{\infty \to 4}", "4", False),
     (r"\boxed{\pi \Rightarrow 4}", "4", False),
     (r"\boxed{\text{three} \to 4}", "4", False),
+    (r"\boxed{\color{white}{3} 4}", "4", False),  # a hidden candidate
+    (r"\boxed{\phantom{3} 4}", "4", False),
+    (r"\boxed{3 \cr 4}", "4", False),
+    (r"\boxed{3 \hspace{1em} 4}", "4", False),
+    (r"\boxed{3 \therefore 4}", "4", False),
     (r"\boxed{sum_(k=1)^n \frac{1}{k^2}}", "sum_(k=1)^n 1/k", False),  # both parsed as 1
     # ... while one answer, repeated or written two ways, scores
     (r"\boxed{4} and again \boxed{4}", "4", True),
