@@ -193,6 +193,20 @@ def _answer(rng: random.Random) -> str:
         "5.9999999999",
         "[1, 6)",
         "\\{6, 6, 6\\}",
+        "\\fbox{",
+        "\\boxed 6 ",
+        "\\textbf{(C)}\\ ",
+        "(A) 6 (B) 3",
+        "\\to",
+        "\\text{ is not}",
+        " unless ",
+        "~",
+        "?",
+        "\\begin{cases}",
+        "\\\\",
+        "sum_(k=1)^(",
+        "$",
+        "\\text{" + "a " * 400 + "}",
     ]
     return "".join(rng.choice(parts) for _ in range(rng.randrange(1, 6)))
 
@@ -202,8 +216,8 @@ def test_hostile_math_answers_never_raise():
     errors.take()
     scores = Counter()
     for _ in range(300):
-        completion, gold = _answer(rng), rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)"])
-        reward = math_reward(completion, gold)
+        completion, gold = _answer(rng), rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
+        reward = math_reward(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
         assert reward in (0.0, 1.0)
         scores[reward] += 1
     hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
