@@ -616,6 +616,7 @@ SEVERAL = [
     (r"\boxed{\sum_{k=1}^{n} \frac{1}{k}}", "sum_(k=1)^n 1/k", True),
     (r"\boxed{\sum_{k=1}^{n} k}", "n(n+1)/2", True),
     (r"\boxed{2\pi}", r"\pi \cdot 2", True),
+    (r"\boxed{\log_2 8}", "3", True),  # a subscript before a number is no second value
 ]
 
 # Multiple choice: (completion, gold, the problem's text or None, expected)

@@ -825,8 +825,8 @@ def answers_match(pred: str, gold: str, choices=None) -> bool:
 
 
 # Two numbers with only space between them: two values ("3 \quad 4"), which math-verify
-# would add up as a mixed number (7).
-_JUXTAPOSED = re.compile(r"\d\s+\d")
+# would add up as a mixed number (7); not a subscript or exponent before a number (`\log_2 8`).
+_JUXTAPOSED = re.compile(r"(?<![\w^.])\d+(?:\.\d+)?\s+\d")
 
 
 def _unbraced(s: str) -> str:
