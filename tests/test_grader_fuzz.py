@@ -193,6 +193,20 @@ def _answer(rng: random.Random) -> str:
         "5.9999999999",
         "[1, 6)",
         "\\{6, 6, 6\\}",
+        "\\fbox{",
+        "\\boxed 6 ",
+        "\\textbf{(C)}\\ ",
+        "(A) 6 (B) 3",
+        "\\to",
+        "\\text{ is not}",
+        " unless ",
+        "~",
+        "?",
+        "\\begin{cases}",
+        "\\\\",
+        "sum_(k=1)^(",
+        "$",
+        "\\text{" + "a " * 400 + "}",
     ]
     return "".join(rng.choice(parts) for _ in range(rng.randrange(1, 6)))
 
@@ -202,8 +216,8 @@ def test_hostile_math_answers_never_raise():
     errors.take()
     scores = Counter()
     for _ in range(300):
-        completion, gold = _answer(rng), rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)"])
-        reward = math_reward(completion, gold)
+        completion, gold = _answer(rng), rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
+        reward = math_reward(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
         assert reward in (0.0, 1.0)
         scores[reward] += 1
     hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
@@ -211,3 +225,153 @@ def test_hostile_math_answers_never_raise():
     failures = errors.take()
     print(f"\nfuzz: 300 math answers, rewards {dict(scores)}; grader errors {failures}")
     assert not failures, failures
+
+
+# Generated answers in each class a policy could try, each around a gold value it states
+# (numbers, fractions, radicals, expressions): any of them scoring 1 is a forged pass. Honest
+# forms of the same golds are generated too, and must all score 1.
+GOLDS = ["4", "12", "-3", "\\frac{2}{3}", "0.75", "2\\sqrt{3}", "x^2+1", "\\frac{\\pi}{4}"]
+NEGATING = [
+    "is not the answer", "isn't it", "is NOT correct", "is wrong", "is incorrect", "is false",
+    "(not)", "never", "is a trap", "is a red herring", "unless n is odd", "if n is even",
+    "except when n = 1", "assuming n > 2", "for n even", "when n is prime", "provided n > 1",
+    "otherwise 0", "approximately", "roughly", "about", "or so", "at most", "at least",
+    "or fewer", "or more", "maybe", "probably", "perhaps", "I guess", "I think", "possibly",
+    "is my guess", "seems likely", "doubtful", "tentatively", "and up", "ish",
+]  # fmt: skip
+PREFIXES = ["not", "never", "maybe", "perhaps", "approximately", "about", "roughly", "at least"]
+MARKS = ["\\approx", "\\sim", "\\simeq", "\\neq", "\\ne", "\\neg", "\\lnot", "<", ">", "\\le",
+         "\\geq", "\\pm", "\\mp", "≈", "≠", "≤", "~"]  # fmt: skip
+JOINS = ["\\to", "\\rightarrow", "\\Rightarrow", "\\implies", "\\iff", "\\mapsto", "\\notin",
+         "\\neq", "\\mid", "|", "&", "\\\\", "\\quad", "\\qquad", "\\;", "\\lor", "\\vee",
+         "\\text{ or }", "\\text{or}", "\\text{ and }", "\\pm", ",", ";", "\\setminus",
+         "\\text{ then }", "\\ \\text{, not } \\ "]  # fmt: skip
+
+
+def _other(rng: random.Random, gold: str) -> str:
+    return rng.choice([g for g in GOLDS + ["5", "7", "\\frac{1}{3}", "y"] if g != gold])
+
+
+def _negated(rng: random.Random, gold: str) -> str:
+    word = rng.choice(NEGATING)
+    word = rng.choice([word, word.upper(), word.capitalize()])
+    return rng.choice(
+        [
+            f"\\boxed{{{gold} \\text{{ {word}}}}}",
+            f"\\boxed{{{gold}\\ \\text{{{word}}}}}",
+            f"\\boxed{{\\text{{{rng.choice(PREFIXES)} }} {gold}}}",
+            f"\\boxed{{{gold} \\mathrm{{{word}}}}}",
+            f"\\boxed{{{gold}}} {word}.",
+            f"So, {rng.choice(PREFIXES)} $\\boxed{{{gold}}}$.",
+            f"The answer is {gold} {word}.",
+            f"The answer is {rng.choice(PREFIXES)} {gold}.",
+            f"The final answer is ${gold}$ {word}.",
+            f"\\boxed{{{rng.choice(MARKS)} {gold}}}",
+            f"\\boxed{{{gold}?}}",
+            f"So it is {rng.choice(PREFIXES)} {gold}",
+        ]
+    )
+
+
+def _several(rng: random.Random, gold: str) -> str:
+    a, b = (gold, _other(rng, gold)) if rng.random() < 0.5 else (_other(rng, gold), gold)
+    join = rng.choice(JOINS)
+    box = rng.choice(["\\boxed{{{}}}", "\\fbox{{{}}}", "$\\boxed{{{}}}$"])
+    return rng.choice(
+        [
+            box.format(f"{a} {join} {b}"),
+            box.format(f"{a}")
+            + rng.choice([" and ", " or ", "\n", ". Also ", " "])
+            + box.format(b),
+            box.format(f"\\begin{{cases}} {a} \\\\ {b} \\end{{cases}}"),
+            box.format(f"\\begin{{aligned}} x &= {a} \\\\ x &= {b} \\end{{aligned}}"),
+            box.format(f"\\substack{{{a} \\\\ {b}}}"),
+            box.format(f"{a} \\\\ {b}"),
+            box.format(f"{a} \\boxed{{{b}}}"),
+            box.format(f"{a} \\; ({b})"),
+        ]
+    )
+
+
+def _honest(rng: random.Random, gold: str) -> str:
+    forms = [
+        f"\\boxed{{{gold}}}",
+        f"So the answer is $\\boxed{{{gold}}}$.",
+        f"\\boxed{{{gold}}} and, checking again, \\boxed{{{gold}}}",
+        f"\\boxed{{x = {gold}}}",
+        f"The final answer is ${gold}$. I hope it is correct.",
+        f"<think>maybe not {gold}?</think>\n\\boxed{{{gold}}}",
+    ]
+    if gold.lstrip("-").isdigit():
+        forms += [f"\\boxed{{{gold} \\text{{ apples}}}}", f"So she has {gold} apples left.",
+                  f"The answer is {gold} more apples."]  # fmt: skip
+    return rng.choice(forms)
+
+
+def test_generated_negations_and_several_candidates_never_score():
+    rng = random.Random(36)
+    errors.take()
+    forged, missed = [], []
+    for i in range(360):
+        gold = rng.choice(GOLDS)
+        completion = (_negated if i % 2 else _several)(rng, gold)
+        if math_reward(completion, gold) != 0.0:
+            forged.append((completion, gold))
+    for _ in range(120):
+        gold = rng.choice(GOLDS)
+        completion = _honest(rng, gold)
+        if math_reward(completion, gold) != 1.0:
+            missed.append((completion, gold))
+    failures = errors.take()
+    print(
+        f"\nfuzz: 360 negated/several answers, {len(forged)} scored; 120 honest, {len(missed)} not"
+    )
+    assert not forged, forged[:5]
+    assert not missed, missed[:5]
+    assert not failures, failures
+
+
+def _options(rng: random.Random) -> tuple[list[str], str]:
+    """Five distinct option values and the problem's text listing them in one of the styles
+    problems write them in."""
+    values = [str(v) for v in rng.sample(range(1, 60), 5)]
+    style = rng.randrange(4)
+    if style == 0:
+        body = " \\qquad".join(f"\\textbf{{({c})}}\\ {v}" for c, v in zip("ABCDE", values))
+        text = f"${body}$"
+    elif style == 1:
+        text = " ".join(f"({c}) {v}" for c, v in zip("ABCDE", values))
+    elif style == 2:
+        text = "\n".join(f"{c}) {v}" for c, v in zip("ABCDE", values))
+    else:
+        text = "\n".join(f"{c}. {v}" for c, v in zip("ABCDE", values))
+    return values, f"How many are there?\n{text}\n"
+
+
+def test_generated_multiple_choice_answers():
+    rng = random.Random(10)
+    wrong_scored, right_missed = [], []
+    for _ in range(200):
+        values, problem = _options(rng)
+        k = rng.randrange(5)
+        letter, value = "ABCDE"[k], values[k]
+        j = rng.choice([i for i in range(5) if i != k])
+        other_letter, other_value = "ABCDE"[j], values[j]
+        gold = rng.choice([letter, value, f"\\text{{({letter})}}"])
+        right = rng.choice(
+            [letter, f"({letter})", f"\\textbf{{({letter})}}\\ {value}", f"({letter}) {value}",
+             f"\\text{{({letter}) }}{value}", value, f"{letter}) {value}"]
+        )  # fmt: skip
+        wrong = rng.choice(
+            [other_letter, f"({other_letter}) {value}", f"({letter}) {other_value}",
+             other_value, f"({letter}) \\text{{ or }} ({other_letter})", "F"]
+        )  # fmt: skip
+        if math_reward(f"\\boxed{{{right}}}", gold, problem) != 1.0:
+            right_missed.append((right, gold, problem))
+        if math_reward(f"\\boxed{{{wrong}}}", gold, problem) != 0.0:
+            wrong_scored.append((wrong, gold, problem))
+        # without the options, a letter alone never scores for a number
+        if math_reward(f"\\boxed{{{letter}}}", value) != 0.0:
+            wrong_scored.append((letter, value, None))
+    assert not right_missed, right_missed[:3]
+    assert not wrong_scored, wrong_scored[:3]

@@ -506,3 +506,194 @@ def test_a_failing_grader_scores_zero_and_is_counted(monkeypatch, caplog):
     assert sum("grader error (math)" in r.getMessage() for r in caplog.records) == 1  # once
     monkeypatch.undo()
     assert errors.graded(math_reward, "\\boxed{3}", "3") == (1.0, "")
+
+
+# Words and marks that negate, condition, hedge or bound an answer: none may score, in the box,
+# beside it or in an "answer is" sentence; units, labels and the gold's own words still do.
+AMC = (
+    r"How many? $\textbf{(A)}\ 8 \qquad\textbf{(B)}\ 10 \qquad\textbf{(C)}\ 12 \qquad"
+    r"\textbf{(D)}\ 14 \qquad\textbf{(E)}\ 16$"
+)
+QUALIFIED = [
+    (r"\boxed{4 \text{ is not the answer}}", "4", False),
+    (r"\boxed{4 \text{ isn't it}}", "4", False),
+    (r"\boxed{4 \text{ (not)}}", "4", False),
+    (r"\boxed{\text{not } 4}", "4", False),
+    (r"\boxed{4 \text{ never}}", "4", False),
+    (r"\boxed{4 \text{ is wrong}}", "4", False),
+    (r"\boxed{4 \text{ is a red herring}}", "4", False),
+    (r"\boxed{4 \text{ unless } n \text{ is odd}}", "4", False),
+    (r"\boxed{4 \text{ except when n is 1}}", "4", False),
+    (r"\boxed{4 \text{ assuming convergence}}", "4", False),
+    (r"\boxed{4 \text{ if } n > 2}", "4", False),
+    (r"\boxed{4 \text{ for all n}}", "4", False),
+    (r"\boxed{4 \text{ approximately}}", "4", False),
+    (r"\boxed{4 \text{ maybe}}", "4", False),
+    (r"\boxed{4 \text{ at most}}", "4", False),
+    (r"\boxed{\text{at least } 4}", "4", False),
+    (r"\boxed{4 \text{ is the answer}}", "4", False),  # a sentence in a box
+    (r"\boxed{\approx 4}", "4", False),
+    (r"\boxed{\sim 4}", "4", False),
+    (r"\boxed{\neq 4}", "4", False),
+    (r"\boxed{\neg 4}", "4", False),
+    (r"\boxed{< 4}", "4", False),
+    (r"\boxed{4?}", "4", False),
+    ("The answer is not 4.", "4", False),
+    ("The answer is 4 unless n is odd.", "4", False),
+    ("The answer is probably 4.", "4", False),
+    ("The answer is $4$ if n is even.", "4", False),
+    ("So it is not 4", "4", False),
+    ("Is it 4?", "4", False),
+    (r"\boxed{4} is not the answer", "4", False),
+    (r"Maybe \boxed{4}", "4", False),
+    (r"\boxed{4}, or maybe 5.", "4", False),
+    (r"\boxed{4} and up.", "4", False),
+    (r"\boxed{~4}", "4", False),
+    ("So 4 for n even.", "4", False),
+    ("The answer is $4$ when $n$ is prime.", "4", False),
+    # ... while units, labels and honest prose score
+    (r"\boxed{4 \text{ apples}}", "4", True),
+    (r"\boxed{4 \text{ more apples}}", "4", True),
+    (r"\boxed{x = 4}", "4", True),
+    ("The answer is \\boxed{4}.", "4", True),
+    ("I think the answer is 4.", "4", True),
+    ("The answer would be 4 for the party", "4", True),
+    ("If she has 1 and gets 3 more, she has 4.", "4", True),
+    ("She paid 4 for a book.", "4", True),
+    ("She ends with $4$.", "4", True),
+    # ... and so do the gold's own kinds of words and marks
+    (r"\boxed{\text{The limit does not exist}}", "The limit does not exist", True),
+    (r"\boxed{\text{No integer solutions}}", "No integer solutions", True),
+    (r"\boxed{0 \text{ is the only possible value}}", "0 is the only possible value", True),
+    (r"\boxed{x \neq 2}", r"x \ne 2", True),
+    (r"\boxed{x \geq 3}", r"x \ge 3", True),
+    (r"\boxed{x > 3}", r"x > 3", True),
+]
+
+# Several candidates: boxes with different answers, rows, and values joined by a mark the
+# parser drops; none may score on the one it kept.
+SEVERAL = [
+    (r"\boxed{3} so \boxed{4}", "4", False),
+    (r"\fbox{3} \boxed{4}", "4", False),
+    (r"\boxed 3 and \boxed 4", "4", False),
+    (r"\boxed{3 \boxed{4}}", "4", False),
+    (r"\boxed{3 \\ 4}", "4", False),
+    (r"\boxed{\begin{cases} 3 \\ 4 \end{cases}}", "4", False),
+    (r"\boxed{\substack{3 \\ 4}}", "4", False),
+    (r"\boxed{\begin{aligned} x &= 3 \\ x &= 4 \end{aligned}}", "4", False),
+    (r"\boxed{3 \to 4}", "4", False),
+    (r"\boxed{3 \Rightarrow 4}", "4", False),
+    (r"\boxed{3 \implies 4}", "4", False),
+    (r"\boxed{3 \iff 4}", "4", False),
+    (r"\boxed{3 \mapsto 4}", "4", False),
+    (r"\boxed{3 \notin 4}", "4", False),
+    (r"\boxed{3 \neq 4}", "4", False),
+    (r"\boxed{3 \mid 4}", "4", False),
+    (r"\boxed{3 | 4}", "4", False),
+    (r"\boxed{3 & 4}", "4", False),
+    (r"\boxed{3 \sim 4}", "4", False),
+    (r"\boxed{3 \lor 4}", "4", False),
+    (r"\boxed{3 \text{or} 4}", "4", False),
+    (r"\boxed{3 \quad 4}", "7", False),  # math-verify adds them up as a mixed number
+    (r"\boxed{4 \; (n \neq 2)}", "2", False),  # math-verify reads the 2
+    (r"\boxed{\infty \to 4}", "4", False),
+    (r"\boxed{\pi \Rightarrow 4}", "4", False),
+    (r"\boxed{\text{three} \to 4}", "4", False),
+    (r"\boxed{\color{white}{3} 4}", "4", False),  # a hidden candidate
+    (r"\boxed{\phantom{3} 4}", "4", False),
+    (r"\boxed{3 \cr 4}", "4", False),
+    (r"\boxed{3 \hspace{1em} 4}", "4", False),
+    (r"\boxed{3 \therefore 4}", "4", False),
+    (r"\boxed{sum_(k=1)^n \frac{1}{k^2}}", "sum_(k=1)^n 1/k", False),  # both parsed as 1
+    # ... while one answer, repeated or written two ways, scores
+    (r"\boxed{4} and again \boxed{4}", "4", True),
+    (r"\boxed{\frac12}, that is \boxed{0.5}", "1/2", True),
+    (r"\boxed{\boxed{4}}", "4", True),
+    (r"\boxed{3\frac{1}{2}}", "7/2", True),  # a mixed number: every digit counts
+    (r"\boxed{x = 2 \text{ or } x = 3}", "2, 3", True),
+    (r"\boxed{x = 2, y = 3}", "(2, 3)", True),
+    (r"\boxed{sum_(k=1)^n \frac{1}{k}}", "sum_(k=1)^n 1/k", True),
+    (r"\boxed{\sum_{k=1}^{n} \frac{1}{k}}", "sum_(k=1)^n 1/k", True),
+    (r"\boxed{\sum_{k=1}^{n} k}", "n(n+1)/2", True),
+    (r"\boxed{2\pi}", r"\pi \cdot 2", True),
+    (r"\boxed{\log_2 8}", "3", True),  # a subscript before a number is no second value
+]
+
+# Multiple choice: (completion, gold, the problem's text or None, expected)
+CHOICE_CASES = [
+    (r"\boxed{\textbf{(C)}\ 12}", "12", AMC, True),
+    (r"\boxed{\textbf{(C)}\ 12}", "C", AMC, True),
+    (r"\boxed{\textbf{(C)}\ 12}", r"\text{(C)}", AMC, True),
+    (r"\boxed{C}", "12", AMC, True),
+    (r"\boxed{(C)}", "12", AMC, True),
+    (r"\boxed{12}", "C", AMC, True),
+    (r"\boxed{\text{(C) }12}", "C", AMC, True),
+    ("The answer is (C) 12.", "C", AMC, True),
+    (r"\boxed{C} and \boxed{12}", "12", AMC, True),  # a letter and its value: one answer
+    (r"\boxed{(B) 12}", "C", AMC, False),  # the letter and the value disagree
+    (r"\boxed{(B) 12}", "12", AMC, False),
+    (r"\boxed{(C) 10}", "12", AMC, False),
+    (r"\boxed{(C) 10}", "C", AMC, False),
+    (r"\boxed{B}", "12", AMC, False),
+    (r"\boxed{10}", "C", AMC, False),
+    (r"\boxed{F}", "12", AMC, False),  # no such option
+    (r"\boxed{(C) \text{ or } (D)}", "C", AMC, False),
+    (r"\boxed{C} and \boxed{D}", "C", AMC, False),
+    # without the options: a letter matches a letter, a labelled value its value
+    (r"\boxed{\textbf{(C)}\ 12}", "12", None, True),
+    (r"\boxed{\textbf{(C)}\ 12}", "C", None, True),
+    (r"\boxed{\textbf{(C)}}", "C", None, True),
+    (r"\boxed{C}", "12", None, False),
+    (r"\boxed{12}", "C", None, False),
+]
+
+
+@pytest.mark.parametrize("completion, gold, expected", QUALIFIED + SEVERAL)
+def test_negated_conditioned_and_several_answers(completion, gold, expected):
+    assert math_reward(completion, gold) == float(expected), (completion, gold)
+
+
+@pytest.mark.parametrize("completion, gold, problem, expected", CHOICE_CASES)
+def test_multiple_choice_answers(completion, gold, problem, expected):
+    assert math_reward(completion, gold, choices=problem) == float(expected), (completion, gold)
+
+
+def test_options_from_a_column_or_the_problem_text():
+    from ibpo.rewards.math import choices_of
+
+    want = {"A": "8", "B": "10", "C": "12", "D": "14", "E": "16"}
+    assert choices_of(AMC + "\n\nPlease reason step by step.") == want
+    assert choices_of(r"Pick one. $\textbf{(A) }8\qquad\textbf{(B) }10$") == {"A": "8", "B": "10"}
+    assert choices_of("Pick one: (A) 8 (B) 10 (C) 12") == {"A": "8", "B": "10", "C": "12"}
+    assert choices_of("Pick one:\nA) 8\nB) 10\n") == {"A": "8", "B": "10"}
+    assert choices_of("Pick one:\nA. \\frac{1}{2}\nB. 3\n") == {"A": "\\frac{1}{2}", "B": "3"}
+    assert choices_of(["8", "10"]) == {"A": "8", "B": "10"}
+    assert choices_of(["A)8", "B)10"]) == {"A": "8", "B": "10"}  # AQuA
+    assert choices_of({"label": ["A", "B"], "text": ["8", "10"]}) == {"A": "8", "B": "10"}  # ARC
+    assert choices_of({"A": 8, "B": 10}) == {"A": "8", "B": "10"}
+    # no options: a lone mark, marks out of order, nothing at all
+    for text in ["Let (A) be a set; find |A|.", "(B) 1 (A) 2", "What is 2 + 2?", None, ["8"]]:
+        assert choices_of(text) is None, text
+    # a letter against a number scores only where the options say what it stands for
+    assert math_reward(r"\boxed{C}", "12", ["8", "10", "12"]) == 1.0
+    assert math_reward(r"\boxed{C}", "12", "What is 3 * 4?") == 0.0
+
+
+def test_several_boxes_and_qualifiers_at_extraction():
+    assert extract_answer(r"\boxed{3} then \boxed{4}") is None
+    assert extract_answer(r"\boxed{4} then \boxed{4}") == "4"
+    assert extract_answer(r"\boxed{} and \boxed{4}") == "4"  # an empty box says nothing
+    assert extract_answer(r"\boxed{3} \boxed{4") is None  # cut off inside a box
+    assert extract_answer(r"\boxed{4}, if n is even.") is None
+    assert extract_answer(r"\boxed{4}. If n were odd, 5.") == "4"  # the next sentence
+    assert extract_answer("The answer is not 4.") == "not 4"  # kept whole, then graded
+    assert extract_answer("It is not 12") is None
+    assert extract_answer(r"\boxed{C} and \boxed{12}", AMC) == "12"
+    assert extract_answer(r"\boxed{C} and \boxed{12}") is None  # without the options: two
+    # boxes by the thousand are read no further than MAX_BOXES: no answer, at once
+    assert math_reward(r"\boxed{4} " * grader.MAX_BOXES, "4") == 1.0
+    start = time.perf_counter()
+    assert math_reward(r"\boxed{4} " * (grader.MAX_BOXES + 1), "4") == 0.0
+    assert math_reward("".join(f"\\boxed{{4}} and {i} " for i in range(10_000)), "4") == 0.0
+    assert math_reward("".join(f"\\boxed{{{i}}}" for i in range(10_000)), "9999") == 0.0
+    assert time.perf_counter() - start < 1.0

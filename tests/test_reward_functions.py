@@ -206,3 +206,27 @@ def test_a_registered_grader_is_looked_up_when_called(monkeypatch):
     rs = reward_set("math")
     monkeypatch.setitem(REWARDS, "math", lambda text, answer: 0.5)
     assert rs.score(["x"], {"answer": ["1"]}, ["p"])[0] == [0.5]
+
+
+def test_the_math_reward_reads_a_problems_options_from_its_column_or_text(monkeypatch):
+    amc = r"How many? $\textbf{(A)}\ 8 \qquad\textbf{(B)}\ 10 \qquad\textbf{(C)}\ 12$"
+    rows = [
+        Example(amc, "C", {"question": amc}),  # options in the problem's text
+        Example("How many?", "12", {"question": "How many?", "choices": ["8", "10", "12"]}),
+        Example("How many?", "C", {"question": "How many?", "options": ["A)8", "B)10", "C)12"]}),
+        Example("What is 3 * 4?", "12", {"question": "What is 3 * 4?"}),  # no options
+    ]
+    texts = [r"\boxed{\textbf{(C)}\ 12}", r"\boxed{C}", r"\boxed{12}", r"\boxed{C}"]
+    total, _ = grade(reward_set("math"), rows, ["P"] * 4, texts)
+    assert total == [1.0, 1.0, 1.0, 0.0]
+    wrong = [r"\boxed{(B) 12}", r"\boxed{B}", r"\boxed{10}", r"\boxed{12}"]
+    assert grade(reward_set("math"), rows, ["P"] * 4, wrong)[0] == [0.0, 0.0, 0.0, 1.0]
+    # a conversation: the options in its last user message
+    chat = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": amc})
+    row = Example(amc, "12", {"prompt": list(chat)}, chat)
+    assert grade(reward_set("math"), [row], ["P"], [r"\boxed{C}"])[0] == [1.0]
+    # a grader without a `choices` parameter is called as before
+    seen = []
+    monkeypatch.setitem(REWARDS, "math", lambda text, answer: seen.append((text, answer)) or 0.0)
+    reward_set("math").score(["x"], {"answer": ["1"], "choices": [["8", "10"]]}, ["p"])
+    assert seen == [("x", "1")]

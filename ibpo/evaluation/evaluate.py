@@ -53,7 +53,7 @@ import torch
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
 from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.functions import RewardSet, grade
+from ibpo.rewards.functions import RewardSet, grade, takes_choices
 from ibpo.rewards.math import answers_match, as_graded
 from ibpo.rollout import Generator
 
@@ -276,6 +276,7 @@ def run_benchmark(
     todo = [(p, i) for p in problems for i in range(n) if (p.id, i) not in records]
     if not todo:
         return records
+    reads_choices = takes_choices(grade)  # a multiple-choice problem's options: its text
     sample, tokenizer = build_sampler()
     cfg = DataConfig(prompt_template="{question}", enable_thinking=enable_thinking)
     rendered = {p.id: render_prompt(tokenizer, p.prompt, cfg) for p, _ in todo}
@@ -287,7 +288,8 @@ def run_benchmark(
         seeds = [sample_seed(seed, p.id, i) for p, i in chunk]
         outs = sample([rendered[p.id] for p, _ in chunk], seeds)
         graded = [as_graded(rendered[p.id], o[0]) for (p, _), o in zip(chunk, outs)]
-        rewards = pool.map(partial(grader_errors.graded, grade), graded, [p.gold for p, _ in chunk])
+        graders = [partial(grade, choices=p.prompt) if reads_choices else grade for p, _ in chunk]
+        rewards = pool.map(grader_errors.graded, graders, graded, [p.gold for p, _ in chunk])
         new = [
             {
                 "problem_id": p.id,

@@ -1,6 +1,7 @@
 """Reward functions by name. Training rewards and evaluation use the same graders.
 
-A reward function takes (completion text, gold answer) and returns a float in [0, 1]. The
+A reward function takes (completion text, gold answer) and returns a float in [0, 1] (a grader
+with a `choices` parameter also gets the problem's multiple-choice options: functions.py). The
 built-in ones never raise for a completion: their own failures score 0 and are counted (errors).
 """
 

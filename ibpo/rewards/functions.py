@@ -36,6 +36,7 @@ code.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -63,14 +64,57 @@ def _text(completion) -> str:
     return completion
 
 
+# Columns that hold a multiple-choice problem's options, in the order they are read.
+CHOICE_COLUMNS = ("choices", "options")
+
+
+@functools.lru_cache(maxsize=64)
+def takes_choices(grader: Callable) -> bool:
+    """Whether a grader reads a problem's options: it has a `choices` parameter (math_reward)."""
+    try:
+        return "choices" in inspect.signature(grader).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def problem_choices(columns: dict, prompts: list | None, n: int) -> list:
+    """Each completion's problem options as a grader's `choices` takes them: the row's
+    `choices` / `options` column where it has one, else the problem's text (its question, or a
+    conversation's last user message), where options written out are found."""
+    out = []
+    for i in range(n):
+        value = None
+        for name in CHOICE_COLUMNS:
+            column = columns.get(name)
+            if isinstance(column, list) and i < len(column) and column[i] is not None:
+                value = column[i]
+                break
+        if value is None and prompts is not None and i < len(prompts):
+            value = _problem_text(prompts[i])
+        out.append(value)
+    return out
+
+
+def _problem_text(prompt) -> str | None:
+    """A prompt as the dataset gives it -> the problem's text (a chat: its last user message)."""
+    if not isinstance(prompt, list):
+        return prompt if isinstance(prompt, str) else None
+    users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1]) if users else None
+
+
 def builtin(name: str) -> RewardFn:
     """The grader REWARDS[name] (`(text, gold) -> float`) as a reward function reading the
-    `answer` column. Looked up when called, so that a grader registered later is the one used."""
+    `answer` column, and the problem's options (problem_choices) for a grader that takes
+    `choices`. Looked up when called, so that a grader registered later is the one used."""
 
-    def reward(completions: list, answer: list | None = None, **_) -> list[float]:
+    def reward(completions: list, answer: list | None = None, prompts=None, **columns):
         grader = REWARDS[name]
         gold = answer if answer is not None else [None] * len(completions)
-        return [grader(_text(c), a) for c, a in zip(completions, gold)]
+        if not takes_choices(grader):
+            return [grader(_text(c), a) for c, a in zip(completions, gold)]
+        choices = problem_choices(columns, prompts, len(completions))
+        return [grader(_text(c), a, choices=o) for c, a, o in zip(completions, gold, choices)]
 
     reward.__name__ = name
     return reward

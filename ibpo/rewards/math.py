@@ -3,10 +3,33 @@ r"""Math answer grading: extract the final answer, normalise it, compare it with
 Extraction first: verifying a whole completion can match a restated expression ("9 + 7 = 26"
 would count for 16). Qwen3 thinking is dropped (`<think>...</think>`; an unterminated `<think>`
 to the end, so a completion cut off mid-thought has no answer; all before a lone `</think>`, for
-templates that open the block in the prompt). Then the answer is the last `\boxed{...}`,
-`\fbox{...}` or `\boxed 5` (an empty or unterminated box: no answer); else the last "answer
-is ..." / "Answer: ..." / "#### ..." (a `$...$` span or the first sentence; a lone number in
-prose alone: "The answer is 12 apples" -> 12); else the last number.
+templates that open the block in the prompt). Then the answer is what the `\boxed{...}`,
+`\fbox{...}` or `\boxed 5` hold (an empty box is ignored; an unterminated one: no answer), when
+they all hold one answer (repeated, or written two ways: `\frac{1}{2}` and `0.5`; a choice's
+letter and its value): several different boxed answers are no answer, and so are more than
+MAX_BOXES boxes. Else the last "answer is ..." / "Answer: ..." / "#### ..." (a `$...$` span or
+the first sentence; a lone number in prose alone: "The answer is 12 apples" -> 12); else the
+last number.
+
+Negations, conditions and hedges (QUALIFIERS, by kind: negation, condition, hedge,
+approximation, bound, wrongness, a sentence's own words, several values; and the marks
+`\neq`, `\approx`, `<`, `\pm`, `?` ...): an answer holding a kind the gold answer does not
+hold is no answer (`4 \text{ is not the answer}`, `4 \text{ unless } n \text{ is odd}`,
+`\approx 4`, `\text{at least } 4`, `4?`, `4 \text{ is the answer}`), while units and labels
+hold none (`4 \text{ apples}`, "7 square meters", "4 more", `x = 4`). Several values ("or",
+"and", `\lor`, `\pm`) count only for a gold answer of one value (`x = 2 \text{ or } x = 3` for
+`2, 3` scores). Prose next to an answer counts too: the last words of the clause before a box
+or the final number and the rest of its sentence ("not \boxed{4}", "\boxed{4} if n is even",
+"\boxed{4}, or maybe 5", "so it is not 12", "12?"), and an "answer is" sentence that
+qualifies its number is kept whole ("The answer is not 4" is not 4). In prose only the words
+that qualify there count (_PROSE_WORDS: "the answer would be 12 for the party" is 12).
+
+Multiple choice: with the problem's options (`choices`: a dataset column or the problem's text,
+choices_of), a letter stands for its option's value, so the letter, the value or both
+(`\textbf{(C)}\ 12`, "(C) 12", `C`, `12`) score against a gold letter or value; a letter with
+a value must agree with the options (`(B) 12` where (B) is 10 is wrong). Without the options a
+letter matches the same letter, a letter with a value matches by its value, and a letter alone
+is a symbol, which no number equals.
 
 Normalisation (both sides) drops `$`, `\(\)`, `\[\]`, `\left`/`\right`, spacing (`\ `, while the
 row break `\\` of a matrix or cases stays, `\\[2pt]` as `\\`), degrees, `\%`, dollar signs, a
@@ -16,11 +39,11 @@ trailing period and a leading `x =`; `\dfrac`/`\tfrac` -> `\frac`; `\varnothing`
 `\lfloor x\rfloor`, `\lceil x\rceil`; `1,000` / `1{,}000` -> 1000 (`1,2` stays a pair); `(B)` -> B.
 Percent: the sign is a unit, so `50\%` equals 50 and not 0.5.
 
-Comparison: a hedge or several candidates for one value (`2 \lor 3`, `3 \text{ (or possibly
-2)}`, `\pm 3`, "3 probably") is wrong, unless the gold answer hedges alike or lists several
-values (`x = 2 \text{ or } x = 3` for `2, 3`), and so is an answer holding several values (a
-comma) for a gold answer of one; an equation counts only with a variable on its left (`x = 2`,
-`AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless the gold is an equation too.
+Comparison: an answer holding several values (a comma, or two numbers with only space
+between them: `3 \quad 4`) for a gold answer of one is wrong; an equation counts only with a
+variable on its left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` are wrong unless
+the gold is an equation too.
+
 Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and sets,
 intervals and tuples of them, are compared in Python: integers exactly; others within
 a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
@@ -31,7 +54,12 @@ rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and 
 ellipsis (`1, 3, 5, \dots`) are compared here, item by item in order, the ellipsis in the same
 places, and any other answer with one as text only. Only the rest (radicals, matrices,
 expressions, symbolic factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through
-math-verify.
+math-verify. Its parser drops what it cannot read and keeps the rest (`3 \to 4`, `3 \\ 4`, a
+`cases` or `aligned` row, `\substack`, `4 \; (n \neq 2)` read as 4, 4, the last row, 2), so
+a match counts only when the parse kept the whole answer: each number, letter, symbol command
+(`\pi`) and `\text{...}` of it appears in the parsed expression or changes it when replaced
+(deleted), up to MAX_PROBES tries (_parse_holds_all). ASCII `sum_(k=1)^n` (CHAMP) is read as
+`\sum_{k=1}^{n}`.
 
 Time bound: math-verify's signal timeouts only work in the main thread, so they are off. Answers
 over MAX_ANSWER_CHARS, power towers, exponents over MAX_EXPONENT, and factorials sympy would
@@ -97,6 +125,14 @@ _COEFFICIENT = re.compile(r"\d[A-Za-z](?![A-Za-z])")  # "3x" is not 3 (while "5c
 _NUMBER = re.compile(
     r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?|(?<![\w)\]])-?\.\d+"
 )
+# Around an answer in prose: the clause before it ends at a sentence or clause mark, the text
+# after it at the end of its sentence ("\boxed{4}, or maybe 5" is hedged).
+_CLAUSE_MARK = re.compile(r"[;:!?\n]|[.,](?:\s|$)")
+_SENTENCE_MARK = re.compile(r"[;!?\n]|\.(?:\s|$)")
+_CONTEXT_CHARS = 200  # how far around an answer its context is read
+_WORDS_BEFORE = 2  # words of the clause before an answer that may qualify it ("maybe 4")
+MAX_CANDIDATES = 8  # more different boxes than this: no answer, without comparing them
+MAX_BOXES = 32  # more boxes than this (even all alike): no answer, read no further
 
 
 def as_graded(prompt: str, completion: str) -> str:
@@ -114,6 +150,48 @@ def strip_thinking(text: str) -> str:
     return text[end + len("</think>") :] if end >= 0 else text
 
 
+def _closing_brace(text: str, i: int) -> int | None:
+    """The index of the brace closing the one at text[i], or None when it is not closed."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]] | None:
+    r"""(start, end, content) of every \boxed{...} / \fbox{...} / `\boxed 5`, in order; a box
+    inside a box is part of its content. None when one is unterminated (cut off inside it).
+    Linear in the text: the scan goes on after each box's end, and stops after MAX_BOXES + 1."""
+    out, i = [], 0
+    while len(out) <= MAX_BOXES and (m := _BOX.search(text, i)):
+        j = m.end()
+        if not text.startswith("{", j):
+            token = _BOX_TOKEN.match(text, j)
+            if token:
+                out.append((m.start(), token.end(), token.group(0)))
+            i = token.end() if token else j
+            continue
+        end = _closing_brace(text, j)
+        if end is None:
+            return None
+        out.append((m.start(), end + 1, text[j + 1 : end].strip()))
+        i = end + 1
+    return out
+
+
+def _unbox(content: str) -> str:
+    r"""A box's content without boxes inside it: `\boxed{\boxed{4}}` is 4."""
+    s = _BOX.sub("", content).strip()
+    while s.startswith("{") and _closing_brace(s, 0) == len(s) - 1:
+        s = s[1:-1].strip()
+    return s
+
+
 def last_boxed(text: str) -> str | None:
     r"""Content of the last \boxed{...} / \fbox{...} (nested braces) or `\boxed 5`, else None."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
@@ -124,23 +202,36 @@ def last_boxed(text: str) -> str | None:
     if not text.startswith("{", i):
         token = _BOX_TOKEN.match(text, i)
         return token.group(0) if token else None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j].strip()
-    return None  # unterminated: the completion was cut off inside the box
+    end = _closing_brace(text, i)
+    return None if end is None else text[i + 1 : end].strip()
+
+
+def _context_qualifies(text: str, start: int, end: int) -> bool:
+    """Whether the prose around text[start:end] (an answer) negates, conditions or hedges it:
+    the last words of the clause before it ("not", "maybe", "about") or the rest of its
+    sentence ("if n is even", "is wrong", "or 5", "?")."""
+    before = text[max(0, start - _CONTEXT_CHARS) : start]
+    marks = list(_CLAUSE_MARK.finditer(before))
+    before = before[marks[-1].end() :] if marks else before
+    after = text[end : end + _CONTEXT_CHARS]
+    if stop := _SENTENCE_MARK.search(after):
+        after = after[: stop.end()]  # with its mark: "12?" is a question
+    words = " ".join(before.split()[-_WORDS_BEFORE:])
+    return bool(_qualifiers(words, prose=True) or _qualifiers(after, prose=True))
 
 
 def _answer_span(span: str) -> str:
-    """The answer part of what follows "answer is": a $...$ span or the first sentence."""
+    """The answer part of what follows "answer is": a $...$ span or the first sentence. A
+    sentence that qualifies its answer ("not 4", "4 if n is even") is kept whole."""
     delim = "$$" if span.startswith("$$") else "$" if span.startswith("$") else ""
+    sentence = _SENTENCE_END.split(span, maxsplit=1)[0].strip()
     if delim and (close := span.find(delim, len(delim))) > 0:
+        if _context_qualifies(span, 0, close + len(delim)):
+            return sentence
         return span[: close + len(delim)]
-    span = _SENTENCE_END.split(span, maxsplit=1)[0].strip()
+    span = sentence
+    if _qualifiers(span, prose=True) or _chosen(span):
+        return span  # "not 4", "4 if n is even", "(C) 12": not just the number in it
     if not any(c in span for c in "\\^{}") and not _COEFFICIENT.search(span):
         nums = _NUMBER.findall(span)
         if len(nums) == 1:  # "12 apples", "x = 5"; several numbers may be a tuple: keep whole
@@ -148,17 +239,50 @@ def _answer_span(span: str) -> str:
     return span
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a completion (raw text, not normalised), or None when it gives none."""
+def _final_answer(text: str, choices: dict | None) -> str | None:
     text = strip_thinking(text or "").replace("\u2212", "-")  # Unicode minus
-    boxed = last_boxed(text)
-    if boxed is not None or "\\boxed" in text or "\\fbox" in text:
-        return boxed or None
+    if "\\boxed" in text or "\\fbox" in text:
+        boxes = _boxes(text)
+        if boxes is None or len(boxes) > MAX_BOXES:
+            return None  # cut off inside a box, or boxes by the dozen
+        answer = _one_answer([a for _, _, c in boxes if (a := _unbox(c))], choices)
+        if answer is None or any(_context_qualifies(text, s, e) for s, e, _ in boxes):
+            return None  # "\boxed{4} is not the answer"
+        return answer
     for span in reversed(_ANSWER_LINE.findall(text)):
         if ans := _answer_span(span.strip()):
             return ans
-    nums = _NUMBER.findall(text)
-    return nums[-1] if nums else None
+    nums = list(_NUMBER.finditer(text))
+    if not nums or _context_qualifies(text, nums[-1].start(), nums[-1].end()):
+        return None  # "so it is not 12", "12?"
+    return nums[-1].group(0)
+
+
+def _one_answer(answers: list[str], choices: dict | None) -> str | None:
+    """The last of the boxed answers when all of them are one answer (the same one repeated,
+    or written two ways: `\\frac{1}{2}` and `0.5`, a choice's letter and its value); None when
+    they are several different answers (`\\boxed{3} ... \\boxed{4}`) or there is none."""
+    if not answers:
+        return None
+    last, seen = answers[-1], {_squash(answers[-1])}
+    others = []
+    for a in answers[:-1]:
+        if (key := _squash(a)) not in seen:
+            seen.add(key)
+            others.append(a)
+            if len(others) >= MAX_CANDIDATES:
+                return None
+    if all(answers_match(a, last, choices) and answers_match(last, a, choices) for a in others):
+        return last
+    return None
+
+
+def extract_answer(text: str, choices=None) -> str | None:
+    """The final answer of a completion (raw text, not normalised), or None when it gives none:
+    no answer, an answer its own words negate, condition or hedge, or several different boxed
+    answers. `choices`: the problem's options, as math_reward takes them (a letter and its
+    value boxed apart are one answer)."""
+    return _final_answer(text, choices_of(choices))
 
 
 # ---------------------------------------------------------------------------- normalisation
@@ -177,6 +301,17 @@ _ALIASES = [
 # ASCII floor(x) / ceil(x), as gold answers write them, in LaTeX: what math-verify parses.
 _ASCII_BRACKET = re.compile(r"(?<![A-Za-z\\])(floor|ceil)\s*\(")
 _ASCII_LATEX = {"floor": ("\\lfloor ", "\\rfloor"), "ceil": ("\\lceil ", "\\rceil")}
+# ASCII sums and products, as CHAMP writes them: `sum_(k=1)^n 1/k` -> `\sum_{k=1}^{n} 1/k`
+# (math-verify reads the ASCII form as the number 1, whatever follows it).
+_ASCII_SUM = re.compile(r"(?<![A-Za-z\\])(sum|prod)_\(([^()]*)\)\^(\([^()]*\)|\{[^{}]*\}|\w+)")
+
+
+def _ascii_sum(m: re.Match) -> str:
+    top = m.group(3)
+    top = top[1:-1] if top[0] in "({" else top
+    return f"\\{m.group(1)}_{{{m.group(2)}}}^{{{top}}} "
+
+
 _TEXT_ALL = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\{([^{}]*)\}")
 _UNIT_TEXT = re.compile(
     r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?[23]\}?)?$"
@@ -185,15 +320,11 @@ _UNIT_WORDS = re.compile(r"(?<=\d)\s+([A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\.?$")
 _MATH_WORDS = {"pi", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp", "sqrt", "mod"}
 # Words that join a second answer or a condition, so what follows is no unit: "2 or x" is not 2.
 _MATH_WORDS |= {"or", "and", "nor", "not", "but", "if", "unless", "otherwise", "except"}
-_ASSIGN = re.compile(r"^(?:[A-Za-z]{1,3}|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=\s*")  # x, AB, x_1, \alpha
+_ASSIGN = re.compile(
+    r"^(?:[A-Za-z]{1,3}|\\[A-Za-z]+)(?:_(?:\{\w*\}|\w+))?\s*=\s*"
+)  # x, AB, x_1, \alpha
 _CANDIDATES = re.compile(r",|\\text\{[^{}]*\}|\\(?:lor|vee|quad)(?![A-Za-z])|\b(?:or|and)\b")
 _RELATION = re.compile(r"(?<![<>!=])=(?!=)")  # an equation's "=", not "<=", "!=", "=="
-# Several candidates or a hedge in one answer: "2 \lor 3", "3 \text{ (or possibly 2)}", "\pm 3".
-_HEDGE = re.compile(
-    r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\|\||±|∨"
-    r"|\b(?:or|possibly|maybe|perhaps|probably|likely|either|guess|unsure)\b",
-    re.I,
-)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d{1,3}(?: \d{3})+")
 _CHOICE = re.compile(r"\(?([A-J])\)?")
 _FRAC_ALIAS = re.compile(r"\\[dt]frac(?![A-Za-z])")
@@ -224,6 +355,7 @@ def _normalize(s: str) -> str:
     for pattern, spelling in _ALIASES:
         s = pattern.sub(spelling, s)
     s = _ascii_brackets(s)
+    s = _ASCII_SUM.sub(_ascii_sum, s)
     s = _FRAC_ALIAS.sub(r"\\frac", s).strip()
     if m := _TEXT_ALL.fullmatch(s):
         s = m.group(1).strip()
@@ -232,13 +364,255 @@ def _normalize(s: str) -> str:
     if m and not set(m.group(1).lower().split()) & _MATH_WORDS:
         s = s[: m.start()]
     s = s.strip().rstrip(".").strip()
-    if s.count("=") == 1:
+    if _outside_braces(s).count("=") == 1:  # not the "=" of \sum_{k=1}
         s = _ASSIGN.sub("", s, count=1)
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "").replace(" ", "")
     if m := _CHOICE.fullmatch(s):
         s = m.group(1)
     return re.sub(r"^-\s+", "-", s)
+
+
+# ---------------------------------------------------------------------------- qualifiers
+# Words and marks that negate, condition, hedge or bound an answer, by kind. An answer holding a
+# kind the gold answer does not hold is no answer: "4 \text{ is not the answer}", "4 if n is
+# even", "\approx 4", "at least 4", "4?". Units and labels hold none ("4 \text{ apples}", "7
+# square meters", "x = 4"), and neither does "4 more" (the question's own words). A box holding
+# a sentence (the "statement" kind: "4 \text{ is the answer}") is no answer either. Extension
+# point: a word joins its kind here.
+QUALIFIERS: dict[str, frozenset[str]] = {
+    kind: frozenset(words.split())
+    for kind, words in {
+        "negation": "not no never none nothing neither nor cannot nope isnt arent wasnt werent "
+        "dont doesnt didnt wont wouldnt couldnt shouldnt cant aint hasnt havent hadnt nah",
+        "condition": "if iff unless when whenever where wherever whereas while provided "
+        "providing assuming assume assumes assumed assumption suppose supposing supposed given "
+        "except excepting excluding exclude besides otherwise else for with",
+        "hedge": "maybe perhaps possibly probably likely unlikely presumably supposedly "
+        "apparently seemingly seems seem seemed appears guess guessed guessing unsure uncertain "
+        "unclear doubt doubtful dubious questionable tentative tentatively unverified unconfirmed "
+        "conjecture conjectured speculative hypothetically allegedly arguably think believe "
+        "suspect hope might may could would should etc",
+        "approximation": "approximately approximate approx about around roughly nearly almost "
+        "circa ish estimate estimated",
+        "bound": "than least most atleast atmost upto beyond exceeding exceeds",
+        "wrongness": "wrong incorrect false untrue invalid impossible mistake mistaken error "
+        "erroneous bogus fake trap decoy herring distractor bait reject rejected discard "
+        "discarded ignore ignored excluded eliminated disregard nonsense wrongly incorrectly "
+        "falsely",
+        "statement": "is are was were been being the this that these those its which who what "
+        "does did has have had will shall you they she our your their",
+        # several values: allowed where the gold answer lists several ("x = 2 or x = 3")
+        "alternative": "or and either alternatively",
+    }.items()
+}
+# Next to an answer in prose, only these words qualify it: "the answer would be 12 for the
+# party" is an answer, "it is not 12", "maybe 12" and "12 if n is even" are not.
+_PROSE_WORDS = (
+    QUALIFIERS["negation"]
+    | QUALIFIERS["approximation"]
+    | QUALIFIERS["wrongness"]
+    | QUALIFIERS["hedge"] - {"would", "should", "hope", "etc"}
+    | {"if", "iff", "unless", "except", "excepting", "excluding", "otherwise", "provided"}
+    | {"providing", "assuming", "supposing", "suppose", "or", "either", "than", "least", "most"}
+)
+_QUALIFIER_MARKS = [
+    (
+        re.compile(
+            r"\\(?:neq|ne|not|neg|lnot|notin|nexists|nmid|nleq|ngeq|nless|ngtr)(?![A-Za-z])"
+            r"|[≠¬∉∄]|!="
+        ),
+        "negation",
+    ),
+    (
+        re.compile(
+            r"\\(?:le|leq|leqq|leqslant|ge|geq|geqq|geqslant|lt|gt|ll|gg|lesssim|gtrsim)"
+            r"(?![A-Za-z])|[<>≤≥≲≳]"
+        ),
+        "bound",
+    ),
+    (
+        re.compile(
+            r"\\(?:approx|approxeq|thickapprox|sim|simeq|thicksim|doteq|propto)(?![A-Za-z])"
+            r"|[≈≃∼∝]|(?:^|(?<=[\s=(]))~"  # a leading ~ ("~4"), not a tie ("1~000")
+        ),
+        "approximation",
+    ),
+    (re.compile(r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\|\||[±∓∨]"), "alternative"),
+    (
+        re.compile(
+            r"\b(?:and|or)\s+(?:up|upwards?|above|over|higher|more|greater|larger|beyond|below"
+            r"|under|lower|less|fewer|smaller|so)\b",
+            re.I,
+        ),
+        "bound",
+    ),
+    (re.compile(r"\?"), "hedge"),
+]
+# In prose, "for", "when", "where" and "with" condition an answer when a variable or a
+# quantifier follows: "12 for n even", "12 when $x = 2$", not "12 for a party" or "with $5$".
+_PROSE_CONDITION = re.compile(
+    r"\b(?:for|when|whenever|where|with)\s+"
+    r"(?:all|every|each|any|some|(?![aAI]\b)[A-Za-z](?![A-Za-z])|\$\s*[A-Za-z])",
+    re.I,
+)
+# Environment names (`cases`, `aligned`) are no words of the answer.
+_ENVIRONMENT = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}")
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_PROSE_WORD = re.compile(r"[A-Za-z]+(?:['’][A-Za-z]+)?")
+
+
+@functools.lru_cache(maxsize=4096)
+def _qualifiers(s: str, prose: bool = False) -> frozenset[str]:
+    """The kinds of qualifier `s` holds (see QUALIFIERS); `prose`: only _PROSE_WORDS count."""
+    kinds = {kind for pattern, kind in _QUALIFIER_MARKS if pattern.search(s)}
+    if prose and _PROSE_CONDITION.search(s):
+        kinds.add("condition")
+    words = _LATEX_COMMAND.sub(" ", _ENVIRONMENT.sub(" ", s))
+    for word in _PROSE_WORD.findall(words):
+        word = word.lower().replace("’", "'")
+        if word.endswith("n't"):
+            word = "not"
+        word = word.split("'")[0]  # "that's" -> "that"
+        if prose and word not in _PROSE_WORDS:
+            continue
+        kinds.update(kind for kind, ws in QUALIFIERS.items() if word in ws)
+    return frozenset(kinds)
+
+
+def _qualified(pred: str, gold: str) -> bool:
+    """Whether `pred` holds a kind of qualifier that `gold` does not: several values joined
+    ("or", `\\pm`) only count where the gold answer is one value."""
+    extra = _qualifiers(pred) - _qualifiers(gold)
+    if extra == {"alternative"}:
+        return len(_items(_normalize(gold))) == 1
+    return bool(extra)
+
+
+# ---------------------------------------------------------------------------- choices
+# A multiple-choice problem's options: letter -> the option's text. From a dataset column (a
+# list in order, each item maybe marked "A) 21" as AQuA writes them; a dict by letter; ARC's
+# {"label": [...], "text": [...]}) or the problem's text: `\textbf{(A) }10 \qquad
+# \textbf{(B) }12` (AMC), "(A) 10 (B) 12", lines "A) 10" / "A. 10".
+_LETTERS = "ABCDEFGHIJ"
+_CHOICE_WRAP = re.compile(
+    r"\\(?:textbf|textrm|textnormal|textit|text|mathrm|mathbf|mbox)\s*\{([^{}]*)\}"
+)
+_CHOICE_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[ ,;:!]|~|\$|\\[()\[\]]")
+_CHOICE_MARKS = [  # one style per list: "(A)", "A)" after a space, "A." / "A:" opening a line
+    re.compile(r"\(\s*([A-J])\s*\)"),
+    re.compile(r"(?:^|(?<=\s))([A-J])\)"),
+    re.compile(r"^[ \t]*([A-J])[.:](?=\s)", re.M),
+]
+_MARKED_ITEM = re.compile(r"\s*\(?\s*([A-J])\s*[).:]\s*(.*)", re.DOTALL)
+# How an answer names an option: "(C)", "C", "C)", "C.", "\textbf{(C)}\ 12", "(C) 12".
+_CHOSEN = re.compile(
+    r"(?:(?:option|choice)\s*)?(?:\(\s*([A-J])\s*\)|([A-J])(?:\s*[).:]|$))\s*:?\s*(.*)",
+    re.DOTALL,
+)
+_CHOICE_CHARS = 4000  # the end of a longer problem text is where its options are read
+
+
+def _unwrap(s: str) -> str:
+    s = _CHOICE_SPACE.sub(" ", s)
+    for _ in range(2):  # \textbf{\mathrm{(A)}}
+        s = _CHOICE_WRAP.sub(r"\1", s)
+    return s
+
+
+def _option_text(s: str) -> str:
+    s = re.sub(r"(?:[\s,;.]|\b(?:or|and)\b)+$", "", s.strip())
+    return s.strip()
+
+
+@functools.lru_cache(maxsize=1024)
+def _choices_in_text(text: str) -> tuple[tuple[str, str], ...] | None:
+    """The last run of options A, B, C, ... in a problem's text (two or more, one marking
+    style), each up to the next mark, the last up to the end of its line."""
+    text = _unwrap(text[-_CHOICE_CHARS:])
+    best: list = []
+    for style in _CHOICE_MARKS:
+        marks = list(style.finditer(text))
+        for k in range(len(marks) - 1, -1, -1):  # the last run that starts at "A"
+            if marks[k].group(1) != "A":
+                continue
+            run = [marks[k]]
+            for m in marks[k + 1 :]:
+                if m.group(1) != _LETTERS[len(run)]:
+                    break
+                run.append(m)
+            if len(run) >= 2 and len(run) > len(best):
+                best = run
+            break
+    if not best:
+        return None
+    ends = [m.start() for m in best[1:]] + [text.find("\n", best[-1].end()) % (len(text) + 1)]
+    options = tuple((m.group(1), _option_text(text[m.end() : end])) for m, end in zip(best, ends))
+    return options if all(value for _, value in options) else None
+
+
+def choices_of(value) -> dict[str, str] | None:
+    """A problem's options as letter -> text, from a dataset column or the problem's text (see
+    above); None when there are none."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        found = _choices_in_text(value)
+        return dict(found) if found else None
+    if isinstance(value, dict):
+        if isinstance(value.get("text"), (list, tuple)):  # ARC: {"label": [...], "text": [...]}
+            labels = value.get("label") or _LETTERS[: len(value["text"])]
+            value = dict(zip(labels, value["text"]))
+        options = {str(k).strip(): str(v).strip() for k, v in value.items()}
+        return options if options and all(k in _LETTERS for k in options) else None
+    try:
+        items = [str(v) for v in value][: len(_LETTERS)]
+    except TypeError:
+        return None
+    if len(items) < 2:
+        return None
+    marked = [_MARKED_ITEM.fullmatch(v) for v in items]
+    if all(m and m.group(1) == _LETTERS[i] for i, m in enumerate(marked)):
+        return {m.group(1): m.group(2).strip() for m in marked}  # ["A)21", "B)21.5", ...]
+    return {_LETTERS[i]: v.strip() for i, v in enumerate(items)}
+
+
+def _chosen(s: str) -> tuple[str, str | None] | None:
+    """(letter, the value written after it or None) of an answer naming an option, else None."""
+    m = _CHOSEN.fullmatch(_unwrap(s).strip())
+    if m is None:
+        return None
+    value = _option_text(m.group(3))
+    return m.group(1) or m.group(2), value or None
+
+
+def _match_choice(pred: str, gold: str, choices: dict | None) -> bool | None:
+    """The verdict when either side names an option, else None (compared as usual). With the
+    options known, a letter stands for its option's value and a letter with a value must agree
+    with them; without them, a letter matches the same letter and a letter with a value matches
+    by its value."""
+    p, g = _chosen(pred), _chosen(gold)
+    if p is None and g is None:
+        return None
+    options = choices or {}
+    (p_letter, p_value), (g_letter, g_value) = p or (None, pred), g or (None, gold)
+    if p_letter in options:
+        if p_value is not None and not _answers_match(p_value, options[p_letter]):
+            return False  # "(B) 12" where (B) is 10: two different answers
+        p_value = options[p_letter]
+    elif p_letter and options:
+        return p_value is None and p_letter == g_letter  # no such option: only the gold's letter
+    if g_letter in options and g_value is None:
+        g_value = options[g_letter]
+    if p_letter and g_letter:
+        return p_letter == g_letter
+    if p_value is None:
+        # A letter alone and no options to read it by: a symbol like any other ("E", "C" for a
+        # constant), which a number never equals.
+        return None
+    if g_value is None:
+        return False  # a value against a letter, without the options to read it by
+    return _answers_match(p_value, g_value)
 
 
 # ---------------------------------------------------------------------------- comparison
@@ -419,37 +793,61 @@ def _equations_assign(s: str) -> bool:
     """Whether every equation in `s` (its parts between commas and "or"/"and") has a variable
     for its left side: "x = 2, y = 3" and "x = 2 \\text{ or } x = 3" do, "1 = 2" does not."""
     for part in _CANDIDATES.split(s):
+        part = _outside_braces(part)
         if (m := _RELATION.search(part)) and not _ASSIGN.fullmatch(part[: m.end()].strip()):
             return False
     return True
+
+
+_BRACED = re.compile(r"\{[^{}]*\}")
+
+
+def _outside_braces(s: str) -> str:
+    """`s` with what its braces hold left out: `\\sum_{k=1}^{n} k` -> `\\sum_{}^{} k`."""
+    while (t := _BRACED.sub("{}", s)) != s and len(t) < len(s):
+        s = t
+    return s
 
 
 def _squash(s: str) -> str:
     return "".join(s.split())
 
 
-def answers_match(pred: str, gold: str) -> bool:
-    """Whether the extracted answer `pred` equals the gold answer (see the module docstring).
-    Never raises: a failure of the grader itself is counted (errors.record) and is no match."""
+def answers_match(pred: str, gold: str, choices=None) -> bool:
+    """Whether the extracted answer `pred` equals the gold answer (see the module docstring);
+    `choices` as math_reward takes them. Never raises: a failure of the grader itself is
+    counted (errors.record) and is no match."""
     try:
-        return _answers_match(pred, gold)
+        return _answers_match(pred, gold, choices_of(choices))
     except Exception as e:
         grader_errors.record("math", e)
         return False
 
 
-def _answers_match(pred: str, gold: str) -> bool:
+# Two numbers with only space between them: two values ("3 \quad 4"), which math-verify
+# would add up as a mixed number (7); not a subscript or exponent before a number (`\log_2 8`).
+_JUXTAPOSED = re.compile(r"(?<![\w^.])\d+(?:\.\d+)?\s+\d")
+
+
+def _unbraced(s: str) -> str:
+    return s.replace("{", "").replace("}", "")
+
+
+def _answers_match(pred: str, gold: str, choices: dict | None = None) -> bool:
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return _squash(pred) == _squash(gold)
-    hedged = _HEDGE.search(pred) and not _HEDGE.search(gold)
+    if _qualified(pred, gold):
+        return False  # "4 \text{ is not the answer}", "2 \lor 3" for one value, "\approx 4"
+    if (verdict := _match_choice(pred, gold, choices)) is not None:
+        return verdict
     pred, gold = _normalize(pred), _normalize(gold)
     if not pred or not gold:
         return False
-    if hedged and len(_items(gold)) == 1:
-        return False  # "2 \lor 3", "3 (or possibly 2)", "\pm 3" for one value: not an answer
     if "," in pred and "," not in gold:
         return False  # several values for one ("\{3, 6\}1", of which math-verify reads a 6)
-    if not _RELATION.search(gold) and not _equations_assign(pred):
+    if _JUXTAPOSED.search(_unbraced(pred)) and not _JUXTAPOSED.search(_unbraced(gold)):
+        return False
+    if not _RELATION.search(_outside_braces(gold)) and not _equations_assign(pred):
         return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
     a, b = _as_number(pred), _as_number(gold)
     if a is not None and b is not None:
@@ -468,14 +866,17 @@ def _answers_match(pred: str, gold: str) -> bool:
     return _verify_bounded(gold, pred)
 
 
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the gold answer, else 0.0. Never raises:
-    a failure of the grader itself scores 0 and is counted (ibpo.rewards.errors)."""
+def math_reward(completion: str, answer: str, choices=None) -> float:
+    """1.0 when the completion's final answer equals the gold answer, else 0.0. `choices`: the
+    problem's options when it gives them (a dataset column or the problem's text: choices_of),
+    so that a letter, its value or both score against a gold letter or value. Never raises: a
+    failure of the grader itself scores 0 and is counted (ibpo.rewards.errors)."""
     try:
         if not completion or answer is None:
             return 0.0
-        pred = extract_answer(completion)
-        return float(pred is not None and _answers_match(pred, str(answer)))
+        options = choices_of(choices)
+        pred = _final_answer(completion, options)
+        return float(pred is not None and _answers_match(pred, str(answer), options))
     except Exception as e:
         grader_errors.record("math", e)
         return 0.0
@@ -495,9 +896,78 @@ def _verify(gold: str, pred: str) -> bool:
 
     try:
         g, p = _parse(gold), _parse(pred)
-        return bool(g and p and verify(g, p, timeout_seconds=None))
+        return bool(g and p and verify(g, p, timeout_seconds=None) and _parse_holds_all(pred, p))
     except Exception:  # a malformed expression (or MemoryError in a worker) is a wrong answer
         return False
+
+
+# What a parse may have dropped: each number; each letter and symbol command (`\pi`, `\infty`,
+# `\alpha`) outside a command's name, an environment's name, a \text{...} or the left side of an
+# assignment (`x = 2, y = 3` reads as the values); each \text{...} (`\text{three} \to 4`).
+_SKIPPED = re.compile(
+    r"\\(?:begin|end|text[a-z]*|mathrm|operatorname|mbox)\s*\{[^{}]*\}|\\[A-Za-z]+"
+    r"|[A-Za-z](?:_\{?\w+\}?)?\s*=(?!=)"
+)
+_SYMBOL_COMMAND = (
+    r"\\(?:alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda"
+    r"|mu|nu|xi|pi|varpi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta"
+    r"|Lambda|Xi|Pi|Sigma|Upsilon|Phi|Psi|Omega|infty|emptyset)(?![A-Za-z])"
+)
+_LITERAL = re.compile(
+    rf"(?P<text>\\(?:text[a-z]*|mathrm|mbox)\s*\{{[^{{}}]*\}})|(?P<command>{_SYMBOL_COMMAND})"
+    r"|\d+(?:\.\d+)?|(?<![A-Za-z\\])[A-Za-z](?![A-Za-z])"
+)
+MAX_PROBES = 12  # literals missing from a parse that are tried; more: the parse is not trusted
+
+
+def _parse_holds_all(s: str, parsed: list) -> bool:
+    """Whether math-verify's parse of `s` kept all of it: every literal of `s` (above) appears
+    in the parsed expression or changes it when replaced (a \\text{...}: when deleted). The
+    parser drops what it cannot read and keeps the rest, so `3 \\to 4`, `3 \\\\ 4`, a `cases`
+    row and `4 \\; (n \\neq 2)` would read as one value (4, 4, the last row's, 2); a mixed
+    number `3\\frac12` reads as 7/2, which every digit of it changes."""
+    exprs = [x for x in parsed if not isinstance(x, str)]
+    if not exprs:
+        return True  # compared as text
+    numbers, names = set(), set()
+    for e in exprs:
+        for atom in getattr(e, "atoms", lambda: ())():
+            if getattr(atom, "is_Number", False):
+                with contextlib.suppress(ValueError, TypeError):
+                    numbers.add(Fraction(str(atom)))
+            else:
+                names.add(str(atom).split("_")[0])  # x_1 holds x; pi, alpha
+    skipped = [m.span() for m in _SKIPPED.finditer(s)]
+    probes = 0
+    for m in _LITERAL.finditer(s):
+        lit = m.group(0)
+        if m.group("text"):
+            swap = ""
+        elif m.group("command"):
+            if lit[1:] in names:
+                continue
+            swap = "\\varkappa " if "\\zeta" in s else "\\zeta "
+        elif any(a <= m.start() < b for a, b in skipped):
+            continue
+        elif lit[0].isdigit():
+            if Fraction(lit) in numbers:
+                continue
+            swap = "7919" if lit != "7919" else "7907"
+        else:
+            if lit in names:
+                continue
+            swap = "\\varkappa " if "\\zeta" in s else "\\zeta "
+        probes += 1
+        if probes > MAX_PROBES:
+            return False
+        try:
+            other = _parse.__wrapped__(s[: m.start()] + swap + s[m.end() :])
+            same = [x for x in other if not isinstance(x, str)] == exprs
+        except Exception:  # could not read it changed: it was not ignored
+            same = False
+        if same:
+            return False
+    return True
 
 
 _BOOT = (
