@@ -66,11 +66,20 @@ def train(
     dataset=None,
     reward_funcs: Callable | str | Sequence[Callable | str] | None = None,
     reward_weights: Sequence[float] | None = None,
+    callbacks: Sequence[Any] | None = None,
 ) -> TrainResult:
     """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
-    when given (module docstring). -> TrainResult."""
+    when given, observed and steered by `callbacks` (module docstring). -> TrainResult."""
     if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
         recipe = resolve_recipe(str(recipe))
+    if dataset is not None:
+        if isinstance(dataset, (str, Path)):
+            raise ConfigError(
+                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
+                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
+            )
+        # before resolving: what the data is decides the prompts' default (data.prompt_template)
+        overrides = _with_override(overrides, "data.dataset", IN_MEMORY)
     cfg = load_config(recipe, overrides)
     funcs = None
     if reward_funcs is not None:
@@ -79,15 +88,15 @@ def train(
         cfg.objective.reward = names if len(names) > 1 else names[0]
     if reward_weights is not None:
         cfg.objective.reward_weights = [float(w) for w in reward_weights]
-    if dataset is not None:
-        if isinstance(dataset, (str, Path)):
-            raise ConfigError(
-                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
-                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
-            )
-        cfg.data.dataset = IN_MEMORY
     validate(cfg)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    summary = run_recipe(cfg, rows=dataset, reward_funcs=funcs)
+    summary = run_recipe(cfg, rows=dataset, reward_funcs=funcs, callbacks=callbacks)
     adapter = summary.get("adapter")
     return TrainResult(summary, Path(adapter) if adapter else None, Path(cfg.run.output_dir))
+
+
+def _with_override(overrides, key: str, value):
+    """`overrides` (a mapping, a list of "k=v" strings or None) with key=value last."""
+    if isinstance(overrides, Mapping):
+        return {**overrides, key: value}
+    return [*(overrides or []), f"{key}={value}"]

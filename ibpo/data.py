@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ibpo.config import ConfigError, DataConfig
+from ibpo.config import BUILTIN_PROMPT_TEMPLATE, ConfigError, DataConfig
 from ibpo.rewards.code import livecodebench_spec
 from ibpo.rewards.math import last_boxed
 
@@ -57,6 +57,8 @@ class Example:
     answer: str
     columns: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     messages: tuple | None = field(default=None, compare=False, hash=False, repr=False)
+    # a string prompt exactly as the dataset gives it (`question` is it stripped); None: same
+    given: str | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 # --- built-in generators -------------------------------------------------------------------------
@@ -316,7 +318,8 @@ def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool)
             f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
             f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
         )
-    return Example(str(q).strip(), a or "", dict(row), messages)
+    given = q if isinstance(q, str) and messages is None and q != q.strip() else None
+    return Example(str(q).strip(), a or "", dict(row), messages, given)
 
 
 def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:
@@ -627,9 +630,66 @@ def drop_long_prompts(examples: list[Example], tokenizer, cfg: DataConfig, what:
     return kept, len(examples) - len(kept)
 
 
+def prompt_template(cfg: DataConfig) -> str | None:
+    """The template a string prompt is asked with: data.prompt_template; where it is None, the
+    built-in tasks' (a DataConfig not passed through config.resolve), else None: the prompt
+    as given."""
+    if cfg.prompt_template is not None:
+        return cfg.prompt_template
+    return BUILTIN_PROMPT_TEMPLATE if cfg.dataset.startswith("builtin:") else None
+
+
+def as_given(cfg: DataConfig) -> bool:
+    """A string prompt is the model's text itself (TRL's standard format): no template and no
+    system prompt, which only a chat can hold."""
+    return prompt_template(cfg) is None and not cfg.system_prompt
+
+
 def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
-    """The text the model continues: the chat template applied to the templated question."""
+    """The text the model continues for a string prompt: the prompt as given, after the special
+    tokens the tokenizer puts in front of a text (a BOS), as TRL tokenizes it (`as_given`);
+    else the chat template applied to the templated question."""
+    if as_given(cfg):
+        return special_prefix(tokenizer) + question
     return render_user_message(tokenizer, user_message(question, cfg), cfg)
+
+
+def special_prefix(tokenizer) -> str:
+    """The text of the special tokens `tokenizer` adds in front of a text (a Llama tokenizer's
+    BOS; "" for most), which rollouts, tokenizing rendered prompts without them, need written."""
+    cached = getattr(tokenizer, "_ibpo_special_prefix", None)
+    if cached is not None:
+        return cached
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    starts = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
+    prefix = tokenizer.decode(full[: starts[0]]) if starts and starts[0] > 0 else ""
+    try:
+        tokenizer._ibpo_special_prefix = prefix
+    except AttributeError:  # a tokenizer that takes no new attributes: computed each time
+        pass
+    return prefix
+
+
+def describe_prompts(tokenizer, cfg: DataConfig) -> str:
+    """The line a run prints saying how it asks its problems."""
+    template = prompt_template(cfg)
+    if getattr(tokenizer, "chat_template", None):
+        chat = "a conversation through the model's chat template"
+    else:
+        chat = "a conversation's messages one after another (the model has no chat template)"
+    if as_given(cfg):
+        return (
+            "ibpo: prompts as the dataset gives them (data.prompt_template=null, as TRL does): a "
+            f"string prompt as its text, {chat}. data.prompt_template='{{question}}' asks a "
+            "string prompt as a chat message instead"
+        )
+    builtin = cfg.dataset.startswith("builtin:") and template == BUILTIN_PROMPT_TEMPLATE
+    system = " after data.system_prompt" if cfg.system_prompt else ""
+    return (
+        f"ibpo: prompts: data.prompt_template {template!r}"
+        f"{' (the built-in tasks)' if builtin else ''} as the user message{system}; {chat}"
+    )
 
 
 def thinking_note(tokenizer, cfg: DataConfig, max_new_tokens: int) -> str | None:
@@ -646,8 +706,10 @@ def thinking_note(tokenizer, cfg: DataConfig, max_new_tokens: int) -> str | None
 
 
 def user_message(question: str, cfg: DataConfig) -> str:
+    """The question in data.prompt_template (the question itself without one)."""
+    template = prompt_template(cfg)
     # not str.format: templates hold literal braces ("put your answer within \\boxed{}")
-    return cfg.prompt_template.replace("{question}", question)
+    return question if template is None else template.replace("{question}", question)
 
 
 def render_user_message(tokenizer, user: str, cfg: DataConfig) -> str:
@@ -685,9 +747,11 @@ def render_messages(tokenizer, messages: list[dict], cfg: DataConfig) -> str:
 
 
 def render_example(tokenizer, ex: Example, cfg: DataConfig) -> str:
-    """The text the model continues for a problem: its whole chat, or render_prompt."""
+    """The text the model continues for a problem: its whole chat, or render_prompt (of the
+    prompt exactly as the dataset gives it, when it is asked as given)."""
     if ex.messages is None:
-        return render_prompt(tokenizer, ex.question, cfg)
+        text = ex.given if ex.given is not None and as_given(cfg) else ex.question
+        return render_prompt(tokenizer, text, cfg)
     return render_messages(tokenizer, prompt_messages(ex, cfg), cfg)
 
 

@@ -1,15 +1,16 @@
 """Counterfactual repairs (IBPO.md Part 2): the group's own members as counterfactuals.
 
-For each failed completion y_i of a group (reward 0; at most `max_repairs_per_group` per group),
-K - 1 sibling references are chosen (correct siblings, reward 1, first by default) and the policy
-is asked, through
-a documented template, to repair y_i *locally* given the question and the reference. All repairs of
-a step are generated in one batched call (adapter on, no gradient) and graded by the run's
-reward functions (rewards/functions.py), with the original problem's row, as its completions
-are: a repair succeeds when its weighted reward is >= 1. A conversational prompt keeps its
-earlier turns; the repair request takes the place of its last user message. From them:
+For each failed completion y_i of a group (reward <= objective.failed_threshold, 0 by default;
+at most `max_repairs_per_group` per group), K - 1 sibling references are chosen (correct
+siblings, reward >= objective.correct_threshold, 1 by default, first) and the policy is asked,
+through a documented template, to repair y_i *locally* given the question and the reference.
+All repairs of a step are generated in one batched call (adapter on, no gradient) and graded by
+the run's reward functions (rewards/functions.py), with the original problem's row, as its
+completions are: a repair succeeds when its weighted reward reaches the correct threshold. A
+conversational prompt keeps its earlier turns; the repair request takes the place of its last
+user message. From them:
 
-    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 unless R_i = 0)
+    phi_i = rho * mean over y_i's references of 1[repair correct]      (0 unless y_i failed)
     edited[i, t] = token t of y_i was changed by its most local successful repair
                    (token-level Levenshtein alignment; all True when no repair succeeded)
 
@@ -61,15 +62,22 @@ def choose_references(
 
 
 def plan_repairs(
-    rewards: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
+    rewards: Tensor,
+    references: int,
+    max_per_group: int,
+    selection: str,
+    rng: random.Random,
+    correct_at: float = 1.0,
+    failed_at: float = 0.0,
 ) -> list[RepairJob]:
     """rewards [B, G] (host) -> the repair generations of a step (at most max_per_group x K-1 per
-    group): failed members (R = 0) get references, correct ones (R >= 1) first. Which failed
-    members are repaired when the cap binds is random, not positional."""
+    group): failed members (R <= failed_at) get references, correct ones (R >= correct_at)
+    first. Which failed members are repaired when the cap binds is random, not positional. A
+    NaN reward (no reward applies) is neither."""
     jobs = []
     for b, row in enumerate(rewards.tolist()):
-        correct = [r >= 1.0 for r in row]
-        failed = [i for i, r in enumerate(row) if r <= 0.0]
+        correct = [r >= correct_at for r in row]
+        failed = [i for i, r in enumerate(row) if r <= failed_at]
         rng.shuffle(failed)
         for i in failed[:max_per_group]:
             for j in choose_references(correct, i, references, selection, rng):
@@ -167,10 +175,16 @@ def run_repairs(
     gets phi = 0 and all-blame masks from the same code as one that does."""
     B, G = rewards.shape
     jobs = plan_repairs(
-        rewards, rep.references, rep.max_repairs_per_group, rep.reference_selection, rng
+        rewards,
+        rep.references,
+        rep.max_repairs_per_group,
+        rep.reference_selection,
+        rng,
+        reward_set.correct,
+        reward_set.failed,
     )
     width = rollout.completion_mask.shape[1]
-    n_wrong = int((rewards <= 0.0).sum().item())
+    n_wrong = int((rewards <= reward_set.failed).sum().item())
     stats = {
         "repairs": float(len(jobs)),
         "repair_tokens": 0.0,
@@ -213,7 +227,7 @@ def run_repairs(
     totals, _ = grade(
         reward_set, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
     )
-    success = [t >= 1.0 for t in totals]
+    success = [t >= reward_set.correct for t in totals]
     prompt_tokens = sum(out.host_prompt_lengths())
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
