@@ -304,7 +304,8 @@ def collect_batch(
         no_signal,
     )
     all_rewards = torch.cat(sampled)
-    reward, accuracy, _ = reward_summary(all_rewards, rewards.correct)
+    correct = 1.0 if rewards is None else rewards.correct  # None: rounds scored elsewhere
+    reward, accuracy, _ = reward_summary(all_rewards, correct)
     stats.update(
         sampled_reward=reward,
         sampled_accuracy=accuracy,
