@@ -25,7 +25,7 @@ from ibpo.data import (
 from ibpo.repair import plan_repairs
 from ibpo.rewards import calls
 from ibpo.rewards.functions import RewardError, grade, reward_set
-from ibpo.run.callbacks import Callbacks, CallbackError, RunControl, RunState
+from ibpo.run.callbacks import CallbackError, Callbacks, RunControl, RunState
 from ibpo.step import reward_summary
 from tests.conftest import make_tokenizer
 
