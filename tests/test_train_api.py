@@ -103,7 +103,10 @@ def test_yaml_names_a_reward_by_import_path(tiny_model_dir, tmp_path, graded, ca
     args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in
             _settings(tiny_model_dir, tmp_path / "run").items()]  # fmt: skip
     assert cli_main(["train", str(recipe), *args]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-1].startswith("ibpo: ibpo on ") and "[completed]" in said[-1]
+    assert not any(line.startswith("{") for line in said)  # the summary is in summary.json
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed"
     calls = reward_module.CALLS
     assert calls and all({"shift", "answer", "completion_ids"} <= c["keys"] for c in calls)
