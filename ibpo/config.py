@@ -409,8 +409,9 @@ class ObjectiveConfig:
     is_cap: float = positive(2.0)
     # The reward: a built-in grader's name (ibpo.rewards.REWARDS; see reward_names), an import
     # path 'package.module:function' of a reward function in TRL's convention
-    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), or a list
-    # of them, whose weighted sum (None: does not apply) is the reward
+    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), a
+    # sequence-classification reward model's Hub id or folder (org/name), or a list of them,
+    # whose weighted sum (None: does not apply) is the reward
     reward: str | list[str] = "math"
     reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
     # >1: the reward functions, and chunks of a step's completions, run on this many threads
@@ -615,10 +616,11 @@ def _check_reward(obj: ObjectiveConfig) -> None:
     if not names:
         raise ConfigError("objective.reward is an empty list; name at least one reward")
     for name in names:
-        if name not in reward_names() and ":" not in name:
+        if name not in reward_names() and ":" not in name and "/" not in name:
             raise ConfigError(
-                f"objective.reward={name!r}; choose one of: {', '.join(reward_names())}, or an "
-                "import path 'package.module:function'"
+                f"objective.reward={name!r}; choose one of: {', '.join(reward_names())}, an "
+                "import path 'package.module:function', or a reward model's Hub id or folder "
+                "(org/name)"
             )
     weights = obj.reward_weights
     if weights is not None and len(weights) != len(names):

@@ -9,8 +9,11 @@ Sources (`data.dataset`):
 
 For a file or Hub source without the requested eval split, `eval_size` rows are carved out of the
 training split (deterministically) and never trained on. A row without a question or answer is an
-error that names the row. Prompts go through the tokenizer's chat template (Qwen3 thinking on/off
-via `enable_thinking`).
+error that names the row. Prompts (`render_example`): a string prompt of your data is asked as
+given (data.prompt_template null, as TRL: the text itself, after the tokenizer's own leading
+special tokens); with a template (the built-in tasks resolve to theirs) the templated question is
+the user message through the tokenizer's chat template (Qwen3 thinking on/off via
+`enable_thinking`); a conversation goes through the chat template whole.
 
 Columns as RL datasets store them: `question_column` / `answer_column` may be dotted paths into
 struct columns (`reward_model.ground_truth`). A question column holding a chat (a list of
@@ -340,45 +343,72 @@ def eval_layout(cfg: DataConfig) -> DataConfig:
 
 
 def load_splits(
-    cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True
+    cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True, eval_rows=None
 ) -> tuple[list[Example], list[Example]]:
     """(train examples, held-out eval examples, at most cfg.eval_size of them). `rows`: the
     training rows given in Python (a `datasets.Dataset` or a list of dicts), read as a local
-    file's are (the held-out rows carved out of them unless data.eval_dataset names a source).
-    `need_answer`: whether a built-in grader reads the gold answers (rows_to_examples)."""
-    if rows is not None:
-        return _in_memory_splits(rows, cfg, need_answer)
-    if cfg.dataset == IN_MEMORY:
+    file's are (the held-out rows carved out of them unless data.eval_dataset names a source);
+    `eval_rows`: held-out rows given in Python, read with the eval_* layout (data.eval_dataset
+    is then `in-memory`), nothing carved out of training. `need_answer`: whether a built-in
+    grader reads the gold answers (rows_to_examples)."""
+    if rows is None and cfg.dataset == IN_MEMORY:
         raise ConfigError(
             "this run's rows were given in Python (data.dataset=in-memory). Fix: pass them "
             "again, ibpo.train(..., dataset=rows), or set data.dataset to a file or Hub id"
         )
+    if eval_rows is None and cfg.eval_dataset == IN_MEMORY:
+        raise ConfigError(
+            "this run's held-out rows were given in Python (data.eval_dataset=in-memory). Fix: "
+            "pass them again, ibpo.train(..., eval_dataset=rows), or set data.eval_dataset"
+        )
+    if eval_rows is not None:
+        if rows is not None:
+            train = rows_to_examples(_row_table(rows, "dataset"), cfg, IN_MEMORY, need_answer)
+        elif cfg.dataset.startswith("builtin:"):
+            train = builtin_examples(cfg.dataset.split(":", 1)[1], "train")
+        else:
+            train = rows_to_examples(_source_rows(cfg), cfg, cfg.dataset, need_answer)
+        table = _row_table(eval_rows, "eval_dataset")
+        held = rows_to_examples(table, eval_layout(cfg), f"{IN_MEMORY} eval", need_answer)
+        return _without_held_out(train, held[: cfg.eval_size])
+    if rows is not None:
+        return _in_memory_splits(rows, cfg, need_answer)
     if cfg.dataset.startswith("builtin:"):
         name = cfg.dataset.split(":", 1)[1]
         train = builtin_examples(name, "train")
         held = builtin_examples(name, "test")
         random.Random(1234).shuffle(held)  # fixed, seed-independent eval set
         return train, held[: cfg.eval_size]
+    train = rows_to_examples(_source_rows(cfg), cfg, cfg.dataset, need_answer)
+    return _held_out_split(train, cfg, need_answer)
+
+
+def _source_rows(cfg: DataConfig):
+    """data.dataset's training split (a file or a Hub dataset)."""
     rows = _load_rows(cfg.dataset, cfg.split, cfg.subset)
     if rows is None:
         raise ConfigError(
             f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
             "Fix: set data.split to one it has (often 'train')."
         )
-    train = rows_to_examples(rows, cfg, cfg.dataset, need_answer)
-    return _held_out_split(train, cfg, need_answer)
+    return rows
 
 
-def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
+def _row_table(rows, what: str):
+    """Rows given in Python (`what`: the argument's name) as rows_to_examples reads them."""
     if isinstance(rows, list):
         rows = RowList(rows)
     elif not hasattr(rows, "column_names"):
         raise ConfigError(
-            f"dataset is a {type(rows).__name__}. Fix: pass a datasets.Dataset or a list of dicts"
+            f"{what} is a {type(rows).__name__}. Fix: pass a datasets.Dataset or a list of dicts"
         )
     if len(rows) == 0:
-        raise ConfigError("the dataset given in Python has no rows")
-    train = rows_to_examples(rows, cfg, IN_MEMORY, need_answer)
+        raise ConfigError(f"the {what} given in Python has no rows")
+    return rows
+
+
+def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
+    train = rows_to_examples(_row_table(rows, "dataset"), cfg, IN_MEMORY, need_answer)
     return _held_out_split(train, cfg, need_answer, in_memory=True)
 
 

@@ -105,12 +105,22 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def _build(cfg: Config, accelerator, rows=None, rewards: RewardSet | None = None):
+def _build(
+    cfg: Config,
+    accelerator,
+    rows=None,
+    rewards: RewardSet | None = None,
+    eval_rows=None,
+    peft_config=None,
+):
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng.
-    `rows`: the training rows given in Python (data.load_splits)."""
+    `rows`, `eval_rows`: the training and held-out rows given in Python (data.load_splits);
+    `peft_config`: a LoraConfig given in Python (modeling.load_policy)."""
     need_answer = rewards is None or rewards.reads_answer
-    train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed, rows, need_answer)
-    model, tokenizer = load_policy(cfg.model, accelerator.device)
+    train_examples, eval_examples = load_splits(
+        cfg.data, cfg.train.seed, rows, need_answer, eval_rows
+    )
+    model, tokenizer = load_policy(cfg.model, accelerator.device, peft_config=peft_config)
     set_kv_cache(model, cfg.rollout.kv_cache)
     accelerator.print(describe_prompts(tokenizer, cfg.data))
     if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
@@ -218,12 +228,21 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
             )
 
 
-def train(cfg: Config, *, rows=None, reward_funcs=None, callbacks=None) -> dict:
+def train(
+    cfg: Config,
+    *,
+    rows=None,
+    reward_funcs=None,
+    callbacks=None,
+    eval_rows=None,
+    peft_config=None,
+) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
     `rows`: the training rows given in Python (a datasets.Dataset or a list of dicts) instead
     of data.dataset; `reward_funcs`: reward functions given in Python instead of those
     objective.reward names (rewards/functions.py); `callbacks`: hooks into the run
-    (run/callbacks.py). The Python API is ibpo.api.train.
+    (run/callbacks.py); `eval_rows`: held-out rows given in Python; `peft_config`: a
+    peft.LoraConfig given in Python. The Python API is ibpo.api.train.
 
     Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
@@ -252,7 +271,9 @@ def train(cfg: Config, *, rows=None, reward_funcs=None, callbacks=None) -> dict:
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
-        parts, tokenizer, eval_examples = _build(cfg, accelerator, rows, rewards)
+        parts, tokenizer, eval_examples = _build(
+            cfg, accelerator, rows, rewards, eval_rows, peft_config
+        )
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     if accelerator.is_main_process:

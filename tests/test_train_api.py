@@ -9,11 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 import ibpo
 import ibpo.evaluation.evaluate as evaluate_mod
 import ibpo.repair as repair_mod
 from ibpo.cli import main as cli_main
+from ibpo.config import ConfigError
 from tests import reward_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,3 +231,36 @@ def test_a_config_and_a_mapping_of_overrides_load_as_a_recipe_and_key_value_pair
         load_config(None, {"train.stepz": 1})
     with pytest.raises(ConfigError, match="dataset= takes rows"):
         ibpo.train(dataset="rows.jsonl")
+
+
+def test_a_lora_config_and_held_out_rows_from_python(tiny_model_dir, tmp_path):
+    """TRL's peft_config= and eval_dataset=: the LoraConfig is the adapter's (rsLoRA, DoRA,
+    modules_to_save), the held-out rows are evaluated, nothing carved out of training."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True,
+                      use_dora=True, modules_to_save=["lm_head"])  # fmt: skip
+    held = [{"question": f"what is {i} * 2?", "answer": str(2 * i)} for i in range(3)]
+    out = tmp_path / "run"
+    settings = {**_settings(tiny_model_dir, out, steps=1, eval_size=5), "objective.name": "grpo"}
+    result = ibpo.train(
+        overrides=settings,
+        dataset=ROWS,
+        reward_funcs=reward_module.parity,
+        eval_dataset=held,
+        peft_config=lora,
+    )
+    assert result.status == "completed"
+    assert result.summary["eval_before"]["n"] == 3 == result.summary["eval_after"]["n"]
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], saved["use_rslora"], saved["use_dora"]) == (
+        4, 8, True, True,
+    )  # fmt: skip
+    assert saved["modules_to_save"] == ["lm_head"]
+    assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["model"]["lora_r"] == 4 and recorded["data"]["eval_dataset"] == "in-memory"
+    with pytest.raises(ConfigError, match="peft_config= is a dict; ibpo trains LoRA adapters"):
+        ibpo.train(overrides=settings, dataset=ROWS, peft_config={"r": 4})
+    with pytest.raises(ConfigError, match="held-out rows were given in Python"):
+        ibpo.train(overrides={**settings, "data.eval_dataset": "in-memory"}, dataset=ROWS)

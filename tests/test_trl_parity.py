@@ -385,3 +385,40 @@ def test_callbacks_hooks_flags_and_errors():
 
     with pytest.raises(CallbackError, match=r"callback Broken.on_step_begin raised: KeyError"):
         Callbacks([Broken()], None, state).call("on_step_begin")
+
+
+# --- reward models ----------------------------------------------------------------------------
+
+
+def _tiny_classifier(tok):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, num_labels=1, pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForSequenceClassification(cfg).eval()
+
+
+def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
+    tok = make_tokenizer()
+    model = _tiny_classifier(tok)
+    prompts, texts = ["what is 1+1?", "what is 2+2?"], ["2", "5 or so"]
+    with torch.inference_mode():
+        expected = [
+            model(**tok(p + c, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+            for p, c in zip(prompts, texts)
+        ]
+    rs = reward_set([(model, tok)])  # the pair, as TRL's reward model + processing class
+    _, per = rs.score(texts, {}, prompts)
+    (name,) = rs.names
+    assert per[name] == pytest.approx(expected, abs=1e-5)  # padded in a batch: the same scores
+    with pytest.raises(ConfigError, match=r"a torch module \(a reward model\) without its "):
+        reward_set(model)
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    by_path = reward_set(str(tmp_path / "rm"))  # a folder (or Hub id), loaded when first called
+    assert by_path.names == ["rm"]
+    assert by_path.score(texts, {}, prompts)[1]["rm"] == pytest.approx(expected, abs=1e-5)
+    cfg = load_config(None, ["objective.reward=[math, org/reward-model]"])
+    assert cfg.objective.reward == ["math", "org/reward-model"]

@@ -40,8 +40,10 @@ and the run goes on.
 
 `objective.reward` names the functions: a built-in (`math`, `code`: the graders of
 ibpo.rewards.REWARDS, each `(text, gold) -> float`, wrapped here), an import path
-`package.module:function`, or a list of them; `objective.reward_weights` gives one weight per
-function (default 1 each). The Python API passes callables directly (ibpo.train).
+`package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
+them; `objective.reward_weights` gives one weight per
+function (default 1 each). The Python API passes callables directly (ibpo.train), and a
+reward model as the pair (model, tokenizer).
 
 A function that returns anything but one number (or None) per completion (a string, a dict,
 the wrong count, NaN or infinity) or that raises is a RewardError naming the function (for an
@@ -69,6 +71,7 @@ from ibpo.config import ConfigError
 from ibpo.rewards import REWARDS
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
 from ibpo.rewards.math import as_graded
+from ibpo.rewards.models import hub_reward_model, reward_model
 
 RewardFn = Callable[..., list]
 
@@ -513,11 +516,15 @@ def reward_set(
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     fns = []
     for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and _is_module(item[0]):
+            fn = reward_model(*item)  # (a sequence-classification model, its tokenizer)
+            fns.append((reward_name(fn), fn, False))
+            continue
         if _is_module(item):
             raise ConfigError(
-                f"reward {type(item).__name__} is a torch module (a reward model), which ibpo "
-                "does not call itself. Fix: wrap it in a function "
-                "fn(prompts, completions, **kwargs) -> list[float] that tokenizes and scores"
+                f"reward {type(item).__name__} is a torch module (a reward model) without its "
+                "tokenizer. Fix: pass the pair (model, tokenizer), or "
+                "ibpo.rewards.models.reward_model(model, tokenizer)"
             )
         if callable(item):
             fns.append((reward_name(item), item, False))
@@ -526,10 +533,13 @@ def reward_set(
         elif isinstance(item, str) and ":" in item:
             fn = import_reward(item)
             fns.append((reward_name(fn), fn, False))
+        elif isinstance(item, str) and "/" in item:  # a reward model's Hub id or folder
+            fn = hub_reward_model(item)
+            fns.append((reward_name(fn), fn, False))
         else:
             raise ConfigError(
-                f"objective.reward={item!r}; choose a built-in ({', '.join(REWARDS)}) or an "
-                "import path 'package.module:function'"
+                f"objective.reward={item!r}; choose a built-in ({', '.join(REWARDS)}), an "
+                "import path 'package.module:function' or a reward model's Hub id or folder"
             )
     if weights is not None and len(weights) != len(fns):
         raise ConfigError(
