@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ibpo.config import ConfigError
+
 BATCH = 16  # sequences per forward of a reward model
 
 
@@ -48,8 +50,6 @@ def hub_reward_model(name: str, batch_size: int = BATCH):
 def _load(name: str):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from ibpo.config import ConfigError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
