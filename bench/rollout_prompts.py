@@ -28,8 +28,8 @@ from pathlib import Path
 
 def rebuilt_counts(command: str, tokenizer) -> dict[int, int]:
     """{step: prompt tokens the rollout ran} for the run of this `ibpo train` command line."""
-    from ibpo.config import load_config
     from ibpo.data import PromptStream, drop_long_prompts, load_splits, render_example
+    from ibpo.recipe import load_config
     from ibpo.rollout import encode_prompts
 
     overrides = [a for a in command.split() if "=" in a and "." in a.split("=")[0]]
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("copy", type=Path, help="where the copy with rebuilt counts goes (replaced)")
     p.add_argument("--tokenizer", default=None, help="default: the runs' model (model.name)")
     ns = p.parse_args(argv)
-    from ibpo.config import load_config
     from ibpo.modeling import load_tokenizer, resolve_model_path
+    from ibpo.recipe import load_config
 
     shutil.rmtree(ns.copy, ignore_errors=True)
     shutil.copytree(ns.study, ns.copy, ignore=shutil.ignore_patterns("checkpoints", "adapter"))

@@ -16,11 +16,16 @@
 `recipe`: a YAML path, a Config, or None (the embedded CPU demo's defaults); `overrides`:
 "section.key=value" strings or a mapping {"section.key": value}, applied on top. `dataset`: a
 `datasets.Dataset` or a list of dicts, in place of data.dataset (every column reaches the reward
-functions; the held-out rows are carved out of it as for a local file). `reward_funcs`: a
-reward function in TRL's convention, or a list of them, where a string is a built-in name or an
-import path (ibpo/rewards/functions.py); `reward_weights`: one weight each. The run's config.yaml
-records a Python function by its import path `module:qualname`, which resumes from YAML only
-for a function defined at a module's top level; passing the functions again always does.
+functions; the held-out rows are carved out of it as for a local file; its string prompts are
+asked as given unless data.prompt_template says otherwise). `reward_funcs`: a reward function
+in TRL's convention, or a list of them, where a string is a built-in name, an import path or a
+reward model's Hub id, and a pair (model, tokenizer) a reward model
+(ibpo/rewards/functions.py); `reward_weights`: one weight each. `callbacks`: objects with
+TRL-like hooks (ibpo/run/callbacks.py). `eval_dataset`: held-out rows in place of
+data.eval_dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The run's
+config.yaml records a Python function by its import path `module:qualname`, which resumes from
+YAML only for a function defined at a module's top level; passing the functions again always
+does.
 
 The CLI (`ibpo train`, recipes/train.py) calls this function; under `accelerate launch` every
 process calls it, as every process runs the CLI. Configuration errors raise ConfigError (the
@@ -67,12 +72,33 @@ def train(
     dataset=None,
     reward_funcs: Callable | str | Sequence[Callable | str] | None = None,
     reward_weights: Sequence[float] | None = None,
+    callbacks: Sequence[Any] | None = None,
+    eval_dataset=None,
+    peft_config=None,
 ) -> TrainResult:
     """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
-    when given (module docstring). -> TrainResult."""
+    when given, observed and steered by `callbacks`, held out on `eval_dataset`, with the
+    adapter `peft_config` (module docstring). -> TrainResult."""
     if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
         recipe = resolve_recipe(str(recipe))
+    if dataset is not None:
+        if isinstance(dataset, (str, Path)):
+            raise ConfigError(
+                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
+                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
+            )
+        # before resolving: what the data is decides the prompts' default (data.prompt_template)
+        overrides = _with_override(overrides, "data.dataset", IN_MEMORY)
+    if eval_dataset is not None:
+        if isinstance(eval_dataset, (str, Path)):
+            raise ConfigError(
+                "eval_dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a "
+                f"file or Hub id, pass overrides={{'data.eval_dataset': {str(eval_dataset)!r}}}"
+            )
+        overrides = _with_override(overrides, "data.eval_dataset", IN_MEMORY)
     cfg = load_config(recipe, overrides)
+    if peft_config is not None:
+        _take_lora_settings(cfg, peft_config)
     funcs = None
     if reward_funcs is not None:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -80,15 +106,49 @@ def train(
         cfg.objective.reward = names if len(names) > 1 else names[0]
     if reward_weights is not None:
         cfg.objective.reward_weights = [float(w) for w in reward_weights]
-    if dataset is not None:
-        if isinstance(dataset, (str, Path)):
-            raise ConfigError(
-                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
-                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
-            )
-        cfg.data.dataset = IN_MEMORY
     validate(cfg)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    summary = run_recipe(cfg, rows=dataset, reward_funcs=funcs)
+    summary = run_recipe(
+        cfg,
+        rows=dataset,
+        reward_funcs=funcs,
+        callbacks=callbacks,
+        eval_rows=eval_dataset,
+        peft_config=peft_config,
+    )
     adapter = summary.get("adapter")
     return TrainResult(summary, Path(adapter) if adapter else None, Path(cfg.run.output_dir))
+
+
+def _with_override(overrides, key: str, value):
+    """`overrides` (a mapping, a list of "k=v" strings or None) with key=value last."""
+    if isinstance(overrides, Mapping):
+        return {**overrides, key: value}
+    return [*(overrides or []), f"{key}={value}"]
+
+
+def _take_lora_settings(cfg: Config, peft_config) -> None:
+    """A LoraConfig given in Python: its rank, alpha, dropout and target modules recorded in
+    the model section (config.yaml, `ibpo plan`), the object itself used as it is. DoRA is not
+    a plain B A update, which the CPU fast path folds into a dequantised 4-bit weight: there
+    that path is off."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise ConfigError(
+            f"peft_config= is a {type(peft_config).__name__}; ibpo trains LoRA adapters. Fix: "
+            "pass a peft.LoraConfig (rsLoRA, DoRA and modules_to_save are its options)"
+        )
+    m = cfg.model
+    m.lora_r, m.lora_alpha = peft_config.r, peft_config.lora_alpha
+    m.lora_dropout = float(peft_config.lora_dropout)
+    targets = peft_config.target_modules
+    if targets is not None:
+        m.lora_target_modules = targets if isinstance(targets, str) else sorted(targets)
+    if peft_config.use_dora and m.quantization == "nf4":
+        if m.cpu_dequantize:
+            raise ConfigError(
+                "model.cpu_dequantize=true folds plain LoRA updates into the 4-bit weights, "
+                "not DoRA's. Fix: set model.cpu_dequantize=false (or null)"
+            )
+        m.cpu_dequantize = False

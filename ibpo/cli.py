@@ -26,7 +26,6 @@ run's adapter, tokenizer, recipe, metrics and a model card to the Hugging Face H
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -139,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ibpo: error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:  # several processes: the summary once
-        print(summary_line(summary))
-        print(json.dumps(summary))
+        print(summary_line(summary))  # the whole summary is <output_dir>/summary.json
     # schedulers and scripts tell the endings apart (an interrupted run is resumable, not done)
     return summary.get("exit_code", exit_code(summary["status"]))
 

@@ -47,6 +47,8 @@ IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # algo.objectives.importance
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
 
 
+# The prompt of the built-in tasks (data.dataset=builtin:*; their answers are numbers).
+BUILTIN_PROMPT_TEMPLATE = "{question}\nAnswer with just the number."
 # The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
 # engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
 VLLM_BATCHED_TOKENS = 8192
@@ -96,7 +98,7 @@ def within(
     return _bounded(default, low, high, open_low, open_high, why, null, "")
 
 
-def containing(default: str, *parts: str) -> Any:
+def containing(default: str | None, *parts: str) -> Any:
     """A template that must hold each of `parts` (its placeholders)."""
     return field(default=default, metadata={"contains": parts})
 
@@ -233,7 +235,12 @@ class DataConfig:
     # boxed (last \boxed{} of a worked solution, as in MATH) | code_tests (a test-case column ->
     # the code reward's JSON spec).
     answer_format: str = choice(*ANSWER_FORMATS)
-    prompt_template: str = containing("{question}\nAnswer with just the number.", "{question}")
+    # How a string prompt is asked: null = the prompt as given, as TRL does (the text itself,
+    # no chat template; a conversation goes through the chat template whole), except for the
+    # built-in tasks, which resolve to BUILTIN_PROMPT_TEMPLATE. A template (it must hold
+    # {question}) makes the templated question the user message of a chat through the model's
+    # chat template (data.system_prompt in front).
+    prompt_template: str | None = containing(None, "{question}")
     system_prompt: str | None = None
     enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
     max_prompt_tokens: int = positive(512)  # longer prompts (chat template included) are left out
@@ -337,13 +344,23 @@ class ObjectiveConfig:
     is_cap: float = positive(2.0)
     # The reward: a built-in grader's name (ibpo.rewards.REWARDS), an import
     # path 'package.module:function' of a reward function in TRL's convention
-    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), or a list
-    # of them, whose weighted sum (None: does not apply) is the reward
+    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), a
+    # sequence-classification reward model's Hub id or folder (org/name), or a list of them,
+    # whose weighted sum (None: does not apply) is the reward
     reward: str | list[str] = "math"
     reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
     # >1: the reward functions, and chunks of a step's completions, run on this many threads
     # (slow rewards that wait: a remote verifier, a compiler)
     reward_workers: int = positive(1)
+    # Seconds one call of a reward function may take (on a step's completions, or a chunk of
+    # them); past it those completions score 0, counted in the step's reward_timeouts, and the
+    # run goes on. null = wait as long as it takes (the functions then run on the main thread)
+    reward_timeout: float | None = positive(600.0, null="no limit")
+    # What the weighted reward means: >= correct_threshold is a correct completion (accuracy,
+    # held-out accuracy, a successful repair, a preferred repair reference), <= failed_threshold
+    # a failed one (IBPO repairs it); rewards outside [failed, correct] get one warning
+    correct_threshold: float = 1.0
+    failed_threshold: float = 0.0
     # Which sandboxes tested code may run in during training, whatever runs it (the code reward,
     # a reward function that calls grade_code; ibpo/sandbox/policy.py): isolated (bwrap or
     # namespaces, with a memory cgroup bounding each whole test: training refuses to start
@@ -529,6 +546,12 @@ def _check_reward(obj: ObjectiveConfig) -> None:
         )
     if weights is not None and not all(math.isfinite(w) for w in weights):
         raise ConfigError("objective.reward_weights must be finite numbers")
+    low, high = obj.failed_threshold, obj.correct_threshold
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ConfigError(
+            f"objective.failed_threshold={low:g} must be below objective.correct_threshold="
+            f"{high:g} (both finite): a completion cannot be failed and correct at once"
+        )
 
 
 def _check_reward_and_answers(cfg: Config) -> None:
@@ -595,13 +618,17 @@ def inherit(cfg: Config, declared: typing.Mapping[str, Any] | None = None) -> Co
     eval_answer_format from training's). A field the user set keeps its value. Idempotent. Other
     None fields (a Hub revision, vllm_kv_cache_gb sized at run time, data.eval_dataset /
     eval_subset: "the same source", not a copy...) mean something else and stay None. `inherited`
-    lists what was filled, so that the recipe form (to_dict(recipe=True)) inherits afresh."""
+    lists what was filled, so that the recipe form (to_dict(recipe=True)) inherits afresh.
+    data.prompt_template of a built-in task is BUILTIN_PROMPT_TEMPLATE; other sources keep None:
+    the prompt as given."""
     before = cfg.to_dict(recipe=True)
     cfg = copy.deepcopy(cfg)
     for key, value in (declared or {}).items():
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) is None:
             setattr(getattr(cfg, section), name, value)
+    if cfg.data.prompt_template is None and cfg.data.dataset.startswith("builtin:"):
+        cfg.data.prompt_template = BUILTIN_PROMPT_TEMPLATE
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):

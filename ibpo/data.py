@@ -9,8 +9,11 @@ Sources (`data.dataset`):
 
 For a file or Hub source without the requested eval split, `eval_size` rows are carved out of the
 training split (deterministically) and never trained on. A row without a question or answer is an
-error that names the row. Prompts go through the tokenizer's chat template (Qwen3 thinking on/off
-via `enable_thinking`).
+error that names the row. Prompts (`render_example`): a string prompt of your data is asked as
+given (data.prompt_template null, as TRL: the text itself, after the tokenizer's own leading
+special tokens); with a template (the built-in tasks resolve to theirs) the templated question is
+the user message through the tokenizer's chat template (Qwen3 thinking on/off via
+`enable_thinking`); a conversation goes through the chat template whole.
 
 Columns as RL datasets store them: `question_column` / `answer_column` may be dotted paths into
 struct columns (`reward_model.ground_truth`). A question column holding a chat (a list of
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ibpo.config import ConfigError, DataConfig
+from ibpo.config import BUILTIN_PROMPT_TEMPLATE, ConfigError, DataConfig
 from ibpo.rewards.code import livecodebench_spec
 from ibpo.rewards.math import last_boxed
 
@@ -57,6 +60,8 @@ class Example:
     answer: str
     columns: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     messages: tuple | None = field(default=None, compare=False, hash=False, repr=False)
+    # a string prompt exactly as the dataset gives it (`question` is it stripped); None: same
+    given: str | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 # --- built-in generators -------------------------------------------------------------------------
@@ -316,7 +321,8 @@ def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool)
             f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
             f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
         )
-    return Example(str(q).strip(), a or "", dict(row), messages)
+    given = q if isinstance(q, str) and messages is None and q != q.strip() else None
+    return Example(str(q).strip(), a or "", dict(row), messages, given)
 
 
 def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:
@@ -337,45 +343,72 @@ def eval_layout(cfg: DataConfig) -> DataConfig:
 
 
 def load_splits(
-    cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True
+    cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True, eval_rows=None
 ) -> tuple[list[Example], list[Example]]:
     """(train examples, held-out eval examples, at most cfg.eval_size of them). `rows`: the
     training rows given in Python (a `datasets.Dataset` or a list of dicts), read as a local
-    file's are (the held-out rows carved out of them unless data.eval_dataset names a source).
-    `need_answer`: whether a built-in grader reads the gold answers (rows_to_examples)."""
-    if rows is not None:
-        return _in_memory_splits(rows, cfg, need_answer)
-    if cfg.dataset == IN_MEMORY:
+    file's are (the held-out rows carved out of them unless data.eval_dataset names a source);
+    `eval_rows`: held-out rows given in Python, read with the eval_* layout (data.eval_dataset
+    is then `in-memory`), nothing carved out of training. `need_answer`: whether a built-in
+    grader reads the gold answers (rows_to_examples)."""
+    if rows is None and cfg.dataset == IN_MEMORY:
         raise ConfigError(
             "this run's rows were given in Python (data.dataset=in-memory). Fix: pass them "
             "again, ibpo.train(..., dataset=rows), or set data.dataset to a file or Hub id"
         )
+    if eval_rows is None and cfg.eval_dataset == IN_MEMORY:
+        raise ConfigError(
+            "this run's held-out rows were given in Python (data.eval_dataset=in-memory). Fix: "
+            "pass them again, ibpo.train(..., eval_dataset=rows), or set data.eval_dataset"
+        )
+    if eval_rows is not None:
+        if rows is not None:
+            train = rows_to_examples(_row_table(rows, "dataset"), cfg, IN_MEMORY, need_answer)
+        elif cfg.dataset.startswith("builtin:"):
+            train = builtin_examples(cfg.dataset.split(":", 1)[1], "train")
+        else:
+            train = rows_to_examples(_source_rows(cfg), cfg, cfg.dataset, need_answer)
+        table = _row_table(eval_rows, "eval_dataset")
+        held = rows_to_examples(table, eval_layout(cfg), f"{IN_MEMORY} eval", need_answer)
+        return _without_held_out(train, held[: cfg.eval_size])
+    if rows is not None:
+        return _in_memory_splits(rows, cfg, need_answer)
     if cfg.dataset.startswith("builtin:"):
         name = cfg.dataset.split(":", 1)[1]
         train = builtin_examples(name, "train")
         held = builtin_examples(name, "test")
         random.Random(1234).shuffle(held)  # fixed, seed-independent eval set
         return train, held[: cfg.eval_size]
+    train = rows_to_examples(_source_rows(cfg), cfg, cfg.dataset, need_answer)
+    return _held_out_split(train, cfg, need_answer)
+
+
+def _source_rows(cfg: DataConfig):
+    """data.dataset's training split (a file or a Hub dataset)."""
     rows = _load_rows(cfg.dataset, cfg.split, cfg.subset)
     if rows is None:
         raise ConfigError(
             f"dataset '{cfg.dataset}' has no split '{cfg.split}'. "
             "Fix: set data.split to one it has (often 'train')."
         )
-    train = rows_to_examples(rows, cfg, cfg.dataset, need_answer)
-    return _held_out_split(train, cfg, need_answer)
+    return rows
 
 
-def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
+def _row_table(rows, what: str):
+    """Rows given in Python (`what`: the argument's name) as rows_to_examples reads them."""
     if isinstance(rows, list):
         rows = RowList(rows)
     elif not hasattr(rows, "column_names"):
         raise ConfigError(
-            f"dataset is a {type(rows).__name__}. Fix: pass a datasets.Dataset or a list of dicts"
+            f"{what} is a {type(rows).__name__}. Fix: pass a datasets.Dataset or a list of dicts"
         )
     if len(rows) == 0:
-        raise ConfigError("the dataset given in Python has no rows")
-    train = rows_to_examples(rows, cfg, IN_MEMORY, need_answer)
+        raise ConfigError(f"the {what} given in Python has no rows")
+    return rows
+
+
+def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
+    train = rows_to_examples(_row_table(rows, "dataset"), cfg, IN_MEMORY, need_answer)
     return _held_out_split(train, cfg, need_answer, in_memory=True)
 
 
@@ -627,9 +660,66 @@ def drop_long_prompts(examples: list[Example], tokenizer, cfg: DataConfig, what:
     return kept, len(examples) - len(kept)
 
 
+def prompt_template(cfg: DataConfig) -> str | None:
+    """The template a string prompt is asked with: data.prompt_template; where it is None, the
+    built-in tasks' (a DataConfig not passed through config.resolve), else None: the prompt
+    as given."""
+    if cfg.prompt_template is not None:
+        return cfg.prompt_template
+    return BUILTIN_PROMPT_TEMPLATE if cfg.dataset.startswith("builtin:") else None
+
+
+def as_given(cfg: DataConfig) -> bool:
+    """A string prompt is the model's text itself (TRL's standard format): no template and no
+    system prompt, which only a chat can hold."""
+    return prompt_template(cfg) is None and not cfg.system_prompt
+
+
 def render_prompt(tokenizer, question: str, cfg: DataConfig) -> str:
-    """The text the model continues: the chat template applied to the templated question."""
+    """The text the model continues for a string prompt: the prompt as given, after the special
+    tokens the tokenizer puts in front of a text (a BOS), as TRL tokenizes it (`as_given`);
+    else the chat template applied to the templated question."""
+    if as_given(cfg):
+        return special_prefix(tokenizer) + question
     return render_user_message(tokenizer, user_message(question, cfg), cfg)
+
+
+def special_prefix(tokenizer) -> str:
+    """The text of the special tokens `tokenizer` adds in front of a text (a Llama tokenizer's
+    BOS; "" for most), which rollouts, tokenizing rendered prompts without them, need written."""
+    cached = getattr(tokenizer, "_ibpo_special_prefix", None)
+    if cached is not None:
+        return cached
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    starts = [k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain]
+    prefix = tokenizer.decode(full[: starts[0]]) if starts and starts[0] > 0 else ""
+    try:
+        tokenizer._ibpo_special_prefix = prefix
+    except AttributeError:  # a tokenizer that takes no new attributes: computed each time
+        pass
+    return prefix
+
+
+def describe_prompts(tokenizer, cfg: DataConfig) -> str:
+    """The line a run prints saying how it asks its problems."""
+    template = prompt_template(cfg)
+    if getattr(tokenizer, "chat_template", None):
+        chat = "a conversation through the model's chat template"
+    else:
+        chat = "a conversation's messages one after another (the model has no chat template)"
+    if as_given(cfg):
+        return (
+            "ibpo: prompts as the dataset gives them (data.prompt_template=null, as TRL does): a "
+            f"string prompt as its text, {chat}. data.prompt_template='{{question}}' asks a "
+            "string prompt as a chat message instead"
+        )
+    builtin = cfg.dataset.startswith("builtin:") and template == BUILTIN_PROMPT_TEMPLATE
+    system = " after data.system_prompt" if cfg.system_prompt else ""
+    return (
+        f"ibpo: prompts: data.prompt_template {template!r}"
+        f"{' (the built-in tasks)' if builtin else ''} as the user message{system}; {chat}"
+    )
 
 
 def thinking_note(tokenizer, cfg: DataConfig, max_new_tokens: int) -> str | None:
@@ -646,8 +736,10 @@ def thinking_note(tokenizer, cfg: DataConfig, max_new_tokens: int) -> str | None
 
 
 def user_message(question: str, cfg: DataConfig) -> str:
+    """The question in data.prompt_template (the question itself without one)."""
+    template = prompt_template(cfg)
     # not str.format: templates hold literal braces ("put your answer within \\boxed{}")
-    return cfg.prompt_template.replace("{question}", question)
+    return question if template is None else template.replace("{question}", question)
 
 
 def render_user_message(tokenizer, user: str, cfg: DataConfig) -> str:
@@ -685,9 +777,11 @@ def render_messages(tokenizer, messages: list[dict], cfg: DataConfig) -> str:
 
 
 def render_example(tokenizer, ex: Example, cfg: DataConfig) -> str:
-    """The text the model continues for a problem: its whole chat, or render_prompt."""
+    """The text the model continues for a problem: its whole chat, or render_prompt (of the
+    prompt exactly as the dataset gives it, when it is asked as given)."""
     if ex.messages is None:
-        return render_prompt(tokenizer, ex.question, cfg)
+        text = ex.given if ex.given is not None and as_given(cfg) else ex.question
+        return render_prompt(tokenizer, text, cfg)
     return render_messages(tokenizer, prompt_messages(ex, cfg), cfg)
 
 

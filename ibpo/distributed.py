@@ -273,7 +273,8 @@ MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb", "mismatch_abs_
           "mismatch_worst_sequence")  # fmt: skip
 SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
         "trained_sequences", "dropped_groups", "rollout_prefill_tokens", "repair_prefill_tokens",
-        "repair_prompt_tokens", "repair_decode_tokens")  # fmt: skip
+        "repair_prompt_tokens", "repair_decode_tokens", "reward_timeouts",
+        "grader_errors")  # fmt: skip
 
 
 def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
@@ -284,7 +285,8 @@ def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:
         return m
     every = gather_object([m])
     out = {}
-    for key in m:
+    # every process's keys: a metric a reward function logged (log_metric) on some processes only
+    for key in dict.fromkeys(k for d in every for k in d):
         rows = [d for d in every if key in d]
         values = [d[key] for d in rows]
         if key.startswith("time_") or key in MAXIMA:

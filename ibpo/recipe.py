@@ -80,10 +80,11 @@ def validate(cfg: Config) -> Config:
     config.validate(cfg)
     check_objective(cfg.objective)
     for name in config.reward_list(cfg.objective):
-        if name not in REWARDS and ":" not in name:
+        if name not in REWARDS and ":" not in name and "/" not in name:
             raise ConfigError(
                 f"objective.reward={name!r}; choose one of: {', '.join(REWARDS)}, or an "
-                "import path 'package.module:function'"
+                "import path 'package.module:function', or a reward model's Hub id or folder "
+                "(org/name)"
             )
     return cfg
 

@@ -4,8 +4,9 @@ The plan (which failed members are repaired against which siblings), phi and the
 the algorithm's (algo/counterfactual.py); this module runs the model for them. All repairs of a
 step are generated in one batched call (adapter on, no gradient) and graded by the run's reward
 functions (rewards/functions.py), with the original problem's row, as its completions are: a
-repair succeeds when its weighted reward is >= 1. A conversational prompt keeps its earlier
-turns; the repair request takes the place of its last user message.
+repair succeeds when its weighted reward reaches objective.correct_threshold (1 by default). A
+conversational prompt keeps its earlier turns; the repair request takes the place of its last
+user message. A member is failed when its reward is <= objective.failed_threshold (0 by default).
 
 `advantages.shape_rewards` and `advantages.token_advantages` turn phi and the masks into R' and
 token advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the
@@ -73,10 +74,16 @@ def run_repairs(
     gets phi = 0 and all-blame masks from the same code as one that does."""
     B, G = rewards.shape
     jobs = plan_repairs(
-        rewards, rep.references, rep.max_repairs_per_group, rep.reference_selection, rng
+        rewards,
+        rep.references,
+        rep.max_repairs_per_group,
+        rep.reference_selection,
+        rng,
+        reward_set.correct,
+        reward_set.failed,
     )
     width = rollout.completion_mask.shape[1]
-    n_wrong = int((rewards <= 0.0).sum().item())
+    n_wrong = int((rewards <= reward_set.failed).sum().item())
     stats = {
         "repairs": float(len(jobs)),
         "repair_tokens": 0.0,
@@ -119,7 +126,7 @@ def run_repairs(
     totals, _ = grade(
         reward_set, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
     )
-    success = [t >= 1.0 for t in totals]
+    success = [t >= reward_set.correct for t in totals]
     prompt_tokens = sum(out.host_prompt_lengths())
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)

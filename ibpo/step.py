@@ -80,7 +80,7 @@ from ibpo.modeling import (
 )
 from ibpo.repair import run_repairs
 from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.functions import RewardSet, grade, reward_means, run_reward_set
+from ibpo.rewards.functions import RewardSet, grade, reward_stats, run_reward_set
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
 # --- what the stages hand each other ------------------------------------------------------------
@@ -111,11 +111,19 @@ class Round:
     edited: Tensor | None
     stats: dict[str, float] = field(default_factory=dict)
     per_reward: dict[str, list[float]] = field(default_factory=dict)
+    table: list[dict] = field(default_factory=list)  # one row per completion (completion_rows)
 
     def select(self, groups: list[int], group_size: int) -> Round:
         rows = [b * group_size + i for b in groups for i in range(group_size)]
         edited = None if self.edited is None else self.edited[rows]
-        return Round(self.rollout.select(rows), self.rewards[groups], self.shaped[groups], edited)
+        table = [self.table[i] for i in rows] if self.table else []
+        return Round(
+            self.rollout.select(rows),
+            self.rewards[groups],
+            self.shaped[groups],
+            edited,
+            table=table,
+        )
 
 
 @dataclass
@@ -125,6 +133,10 @@ class ScoredBatch:
     seq_adv: Tensor  # [N] sequence advantages (from shaped rewards)
     adv: Tensor  # [N, T] token advantages (edit masks applied)
     stats: dict[str, float] = field(default_factory=dict)
+    host_adv: list[float] = field(default_factory=list)  # seq_adv, read from the host copy
+    # every sampled completion of the step (the trained ones with their advantage): the run
+    # folder's completions table
+    table: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -152,11 +164,14 @@ def rl_step(
     *,
     step: int,
     rewards: RewardSet | None = None,
+    table: list[dict] | None = None,
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
     before this one, which seeds this step's sampling streams (rollout.SamplingStreams).
-    `rewards`: the run's reward functions (rewards/functions.py; None: objective.reward's)."""
+    `rewards`: the run's reward functions (rewards/functions.py; None: objective.reward's);
+    the metrics they logged (log_metric) join the step's. `table`: this process's completions
+    of the step are appended to it (ScoredBatch.table)."""
     model, device = parts.model, accelerator.device
     if rewards is None:
         rewards = run_reward_set(cfg.objective)
@@ -186,7 +201,10 @@ def rl_step(
         )
     t_end = time.perf_counter()
     # 9. metrics
-    metrics = step_metrics(batch, upd, lr)
+    metrics = step_metrics(batch, upd, lr, rewards.correct)
+    for key, value in rewards.take_metrics().items():  # log_metric: ours keep their names
+        metrics.setdefault(key, value)
+    metrics["reward_timeouts"] = float(rewards.take_timeouts())
     metrics.update(
         time_rollout=t_gen - t0,
         time_frozen_logprobs=upd.time_frozen,
@@ -195,6 +213,8 @@ def rl_step(
         tokens_per_second=sum(batch.rollout.lengths) / (t_end - t0),
         **memory_metrics(device),
     )
+    if table is not None:
+        table.extend(batch.table)
     return gather_metrics(accelerator, metrics)
 
 
@@ -249,6 +269,7 @@ def collect_batch(
     sampled: list[Tensor] = []
     stats: dict[str, float] = {}
     per_reward: dict[str, list[float]] = {}
+    table: list[dict] = []
     need, dropped, rounds = B, 0, 0
     while True:
         r = score_round(
@@ -257,6 +278,7 @@ def collect_batch(
         _add(stats, r.stats)
         for name, values in r.per_reward.items():
             per_reward.setdefault(name, []).extend(values)
+        table.extend(r.table)
         sampled.append(r.rewards)
         live = (~flat_groups(r.shaped)).tolist()
         if cfg.rollout.dynamic_sampling:
@@ -283,16 +305,40 @@ def collect_batch(
         no_signal,
     )
     all_rewards = torch.cat(sampled)
+    correct = 1.0 if rewards is None else rewards.correct  # None: rounds scored elsewhere
+    reward, accuracy, _ = reward_summary(all_rewards, correct)
     stats.update(
-        sampled_reward=all_rewards.mean().item(),
-        sampled_accuracy=(all_rewards >= 1.0).float().mean().item(),
+        sampled_reward=reward,
+        sampled_accuracy=accuracy,
         sampled_zero_variance_groups=flat_groups(all_rewards).float().mean().item(),
         dropped_groups=float(dropped),
         resample_rounds=float(rounds),
     )
-    stats.update(reward_means(per_reward))  # rewards/<name>, over every sampled completion
+    # TRL's names, over every sampled completion: rewards/<name>/mean and /std (and ours,
+    # rewards/<name>), the weighted rewards' std and the share of completions whose group's
+    # rewards are all equal (groups are of one size: the share of such groups)
+    stats.update(reward_stats(per_reward))
+    scored = all_rewards[~all_rewards.isnan()]
+    stats["reward_std"] = scored.std().item() if scored.numel() > 1 else math.nan
+    stats["frac_reward_zero_std"] = stats["sampled_zero_variance_groups"]
     batch.stats.update(stats)
+    for i, row in enumerate(table):
+        row["group"] = i // G
+    for row, a in zip((row for k in kept for row in k.table), batch.host_adv):
+        row["advantage"] = a
+    batch.table = table
     return batch
+
+
+def reward_summary(rewards: Tensor, correct: float) -> tuple[float, float, float]:
+    """Host rewards -> (mean, share >= `correct`: accuracy, share that is NaN: no reward
+    applied); the first two over the completions a reward applied to (NaN: none did)."""
+    scored = ~rewards.isnan()
+    n = scored.sum().item()
+    if n == 0:
+        return math.nan, math.nan, 1.0
+    mean = rewards[scored].mean().item()
+    return mean, (rewards[scored] >= correct).sum().item() / n, 1.0 - n / rewards.numel()
 
 
 def score_round(
@@ -330,6 +376,7 @@ def score_round(
         rewards, each, [p for p in prompts for _ in range(G)], rollout.texts, rollout.host_tokens()
     )
     scores = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
+    table = completion_rows(each, rollout.texts, flat, per, rewards.last_extra)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
     # the rollout's prompt tokens the model ran (a prompt the backend runs once for its G
     # samples counts once; the prompts' tokens where it does not say): compute, with the decode
@@ -340,7 +387,7 @@ def score_round(
     )
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
-        return Round(rollout, scores, scores, None, stats, per)
+        return Round(rollout, scores, scores, None, stats, per, table)
     rep = cfg.repair
     gen = {
         "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
@@ -353,11 +400,31 @@ def score_round(
         out = run_repairs(
             generator, tokenizer, examples, rollout, scores, rewards, rep, cfg.data, gen, rng
         )
-    shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= 1.0)
+    shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= rewards.correct)
     stats.update(out.stats)
     stats["time_repair"] = time.perf_counter() - t1
     stats["generated_tokens"] += out.stats["repair_tokens"]
-    return Round(rollout, scores, shaped, out.edited, stats, per)
+    for row, r in zip(table, shaped.flatten().tolist()):
+        row["shaped_reward"] = r
+    return Round(rollout, scores, shaped, out.edited, stats, per, table)
+
+
+def completion_rows(examples, texts, totals, per, extra) -> list[dict]:
+    """The completions table's rows of one round (host values): the prompt as the dataset
+    gives it, the completion, its weighted reward and each function's value (NaN: None), and
+    the columns the functions logged with log_extra."""
+    rows = []
+    for i, (ex, text, total) in enumerate(zip(examples, texts, totals)):
+        if ex.messages is not None:
+            prompt = [dict(m) for m in ex.messages]
+        else:
+            prompt = ex.question if ex.given is None else ex.given
+        row = {"prompt": prompt, "completion": text, "reward": total}
+        row["rewards"] = {name: values[i] for name, values in per.items()}
+        if extra:
+            row["extra"] = {col: values[i] for col, values in extra.items()}
+        rows.append(row)
+    return rows
 
 
 def _stream(streams: SamplingStreams | None, phase: str, round_: int):
@@ -402,7 +469,7 @@ def assemble_batch(
         edited = edited.to(device)
     seq_adv = host_adv.to(device)
     adv = token_advantages(seq_adv, rollout.completion_mask, edited, unchanged_weight)
-    return ScoredBatch(rollout, rewards, seq_adv, adv, stats)
+    return ScoredBatch(rollout, rewards, seq_adv, adv, stats, host_adv.tolist())
 
 
 def _join_edits(parts: list[Tensor | None], width: int) -> Tensor | None:
@@ -621,7 +688,7 @@ PER_GROUP = frozenset({"weight_mean"})
 PER_MAX = frozenset({"mismatch_abs_max", "mismatch_worst_sequence"})
 
 
-def step_metrics(batch, upd, lr: float) -> dict[str, float]:
+def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float]:
     """A step's metrics from its scored batch (host values) and its update's statistics (already
     read from the device): this reads nothing from the device itself. A per-micro-batch rate is
     averaged with its micro-batch's weight (trained tokens; groups for PER_GROUP), so the figure
@@ -640,9 +707,11 @@ def step_metrics(batch, upd, lr: float) -> dict[str, float]:
         metrics[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
     metrics["loss"] = sum(stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)
+    reward, accuracy, unscored = reward_summary(rewards, correct)
     metrics.update(
-        reward=rewards.mean().item(),
-        accuracy=(rewards >= 1.0).float().mean().item(),
+        reward=reward,
+        accuracy=accuracy,  # weighted reward >= objective.correct_threshold
+        unscored=unscored,  # no reward function applied: no advantage
         zero_variance_groups=flat_groups(rewards).float().mean().item(),
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
@@ -650,6 +719,11 @@ def step_metrics(batch, upd, lr: float) -> dict[str, float]:
         trained_tokens=float(n_tokens),
         trained_sequences=float(rollout.num_sequences),
         truncated=sum(truncated) / len(truncated),
+        # TRL's names for two of these
+        **{
+            "completions/mean_length": n_tokens / rollout.num_sequences,
+            "completions/clipped_ratio": sum(truncated) / len(truncated),
+        },
         grad_norm=upd.grad_norm,
         skipped_nonfinite=float(upd.skipped),
         grader_errors=float(sum(grader_errors.take().values())),  # graded 0, counted since last

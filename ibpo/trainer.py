@@ -28,14 +28,21 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate.utils import gather_object
 
 from ibpo.algo.objectives import ResolvedObjective
 from ibpo.config import Config
-from ibpo.data import PromptStream, drop_long_prompts, load_splits, thinking_note
+from ibpo.data import (
+    PromptStream,
+    describe_prompts,
+    drop_long_prompts,
+    load_splits,
+    prompt_template,
+    thinking_note,
+)
 from ibpo.distributed import (
     check_launch,
     check_shared_output,
+    gather_object,
     launch_kind,
     save_adapter,
 )
@@ -52,7 +59,8 @@ from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
 from ibpo.run.alarm import MismatchAlarm
-from ibpo.run.log import log_eval, log_step
+from ibpo.run.callbacks import CallbackError, Callbacks, RunState
+from ibpo.run.log import COMPLETIONS, log_completions, log_eval, log_step, trim_completions
 from ibpo.run.version import code_version, header
 from ibpo.sandbox import policy as sandbox_policy
 from ibpo.step import StepParts, generating, rl_step
@@ -97,13 +105,24 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def _build(cfg: Config, accelerator, rows=None, rewards: RewardSet | None = None):
+def _build(
+    cfg: Config,
+    accelerator,
+    rows=None,
+    rewards: RewardSet | None = None,
+    eval_rows=None,
+    peft_config=None,
+):
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng.
-    `rows`: the training rows given in Python (data.load_splits)."""
+    `rows`, `eval_rows`: the training and held-out rows given in Python (data.load_splits);
+    `peft_config`: a LoraConfig given in Python (modeling.load_policy)."""
     need_answer = rewards is None or rewards.reads_answer
-    train_examples, eval_examples = load_splits(cfg.data, cfg.train.seed, rows, need_answer)
-    model, tokenizer = load_policy(cfg.model, accelerator.device)
+    train_examples, eval_examples = load_splits(
+        cfg.data, cfg.train.seed, rows, need_answer, eval_rows
+    )
+    model, tokenizer = load_policy(cfg.model, accelerator.device, peft_config=peft_config)
     set_kv_cache(model, cfg.rollout.kv_cache)
+    accelerator.print(describe_prompts(tokenizer, cfg.data))
     if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
         accelerator.print(note)
     train_examples, n_train = drop_long_prompts(train_examples, tokenizer, cfg.data, "training")
@@ -146,6 +165,7 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: C
         state = ckpt.load_checkpoint(accelerator, resume, parts)
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
+            trim_completions(metrics.with_name(COMPLETIONS), state.step)
         accelerator.print(f"resumed from {resume} (step {state.step})")
         applied = outdir.apply_optimizer_settings(
             parts, cfg.train.learning_rate, cfg.train.weight_decay
@@ -210,11 +230,21 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
             )
 
 
-def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
+def train(
+    cfg: Config,
+    *,
+    rows=None,
+    reward_funcs=None,
+    callbacks=None,
+    eval_rows=None,
+    peft_config=None,
+) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
     `rows`: the training rows given in Python (a datasets.Dataset or a list of dicts) instead
     of data.dataset; `reward_funcs`: reward functions given in Python instead of those
-    objective.reward names (rewards/functions.py). The Python API is ibpo.api.train.
+    objective.reward names (rewards/functions.py); `callbacks`: hooks into the run
+    (run/callbacks.py); `eval_rows`: held-out rows given in Python; `peft_config`: a
+    peft.LoraConfig given in Python. The Python API is ibpo.api.train.
 
     Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
@@ -246,7 +276,9 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
-        parts, tokenizer, eval_examples = _build(cfg, accelerator, rows, rewards)
+        parts, tokenizer, eval_examples = _build(
+            cfg, accelerator, rows, rewards, eval_rows, peft_config
+        )
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     code = code_version() if accelerator.is_main_process else None  # the code this run runs
@@ -281,9 +313,22 @@ def train(cfg: Config, *, rows=None, reward_funcs=None) -> dict:
                 run.sandbox = sandbox
                 run.code = code
                 run.rewards = rewards  # given in Python, they may not import back from the config
-                run.state = _start_or_resume(
-                    accelerator, parts, resume, run.metrics_path, run.held_out, cfg
-                )
+                run.callbacks = Callbacks(callbacks, cfg, run.run_state)
+                run.callbacks.objects = {
+                    "model": parts.model,
+                    "processing_class": tokenizer,
+                    "optimizer": parts.optimizer,
+                    "lr_scheduler": parts.scheduler,
+                }
+                rewards.trainer_state = run.run_state
+                try:
+                    run.state = _start_or_resume(
+                        accelerator, parts, resume, run.metrics_path, run.held_out, cfg
+                    )
+                except RewardError as e:  # in the first held-out evaluation: its traceback kept
+                    where = "the held-out evaluation before training"
+                    kept = failures.keep_traceback(out, e, where, accelerator.process_index)
+                    raise RewardError(f"{e} ({where}; traceback: {kept})") from e.__cause__
             except KeyboardInterrupt:
                 if (
                     resume is None and accelerator.is_main_process
@@ -309,6 +354,7 @@ class Ending:
     last: Path | None = None
     cut_short: bool = False
     signum: int | None = None
+    alone: bool = False  # this process ends by itself (the others may be in a collective)
 
 
 class Run:
@@ -321,6 +367,13 @@ class Run:
         self.parts, self.tokenizer, self.eval_examples = parts, tokenizer, eval_examples
         self.objective, self.engine = objective, engine
         self.rewards: RewardSet | None = None  # train() sets the run's
+        # what callbacks and rewards see (trainer_state=); train() sets the callbacks
+        self.run_state = RunState(
+            max_steps=cfg.train.steps,
+            is_world_process_zero=accelerator.is_main_process,
+            is_local_process_zero=accelerator.is_local_main_process,
+        )
+        self.callbacks = Callbacks(None, cfg, self.run_state)
         self.main = accelerator.is_main_process
         self.metrics_path = out / "metrics.jsonl"
         self.state = ckpt.TrainerState()
@@ -337,17 +390,22 @@ class Run:
         if not self.eval_examples:
             return None
         cfg = self.cfg
+        rewards = self.rewards or run_reward_set(cfg.objective)
         with generating(self.parts.model, cfg, self.accelerator.device, self.engine) as generate:
-            return evaluate_accuracy(
+            result = evaluate_accuracy(
                 generate,
                 self.tokenizer,
                 self.eval_examples,
                 cfg.data,
-                self.rewards or run_reward_set(cfg.objective),
+                rewards,
                 cfg.rollout.eval_max_new_tokens,
                 cfg.rollout.eval_batch_size,
                 self.accelerator,
             )
+        logged = rewards.take_metrics()  # log_metric in the evaluation's grading: its own
+        if logged:
+            result["metrics"] = logged
+        return result
 
     def wall_seconds(self) -> float:
         return self.prior + time.time() - self.start
@@ -374,17 +432,27 @@ class Run:
         tr, run = cfg.train, cfg.run
         end = Ending(last=self.resume)
         metrics = open(self.metrics_path, "a" if self.resume else "w") if self.main else None  # noqa: SIM115
+        table_path = self.out / COMPLETIONS
+        table = open(table_path, "a" if self.resume else "w") if self.main else None  # noqa: SIM115
         bar = tqdm(
             total=tr.steps,
             initial=min(state.step, tr.steps),
             desc="ibpo",
             disable=not (self.main and run.progress),
         )
-        phase = "step"  # what ran when an error came: step | eval | save
+        phase = "step"  # what ran when an error came: step | eval | save | callback
+        cbs = self.callbacks
         try:
             with failures.GracefulStop() as stop:
+                phase = "callback"
+                self._observe()
+                cbs.call("on_train_begin")
                 while state.step < tr.steps:
+                    phase = "callback"
+                    self._observe()
+                    cbs.call("on_step_begin")
                     phase = "step"
+                    rows: list[dict] = []
                     m = rl_step(
                         self.parts,
                         self.tokenizer,
@@ -394,10 +462,20 @@ class Run:
                         self.engine,
                         step=state.step,
                         rewards=self.rewards,
+                        table=rows,
                     )
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
                     log_step(m, state.step, bar, metrics, acc, run.log_with)
+                    if acc.num_processes > 1:  # one table: every process's completions
+                        rows = gather_object(rows)
+                    if table:
+                        log_completions(rows, state.step, table)
+                    phase = "callback"
+                    self._observe(m)
+                    cbs.call("on_step_end", metrics=m)
+                    cbs.call("on_log", logs=m)
+                    wants_stop, wants_save, wants_eval = cbs.take(acc) if cbs else (0, 0, 0)
                     if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
                         end.status = "nonfinite"
                         break
@@ -409,12 +487,26 @@ class Run:
                     if stop.requested(acc):
                         end.status, end.signum = "interrupted", stop.signum
                         break
-                    if tr.eval_every and state.step % tr.eval_every == 0 and state.step < tr.steps:
+                    if wants_stop and state.step < tr.steps:
+                        end.status = "stopped"
+                        end.message = (
+                            f"stopped by a callback after step {state.step} of {tr.steps} "
+                            "(run.resume_from=latest with a later train.steps goes on)"
+                        )
+                        break
+                    periodic = tr.eval_every and state.step % tr.eval_every == 0
+                    if (periodic or wants_eval) and state.step < tr.steps:
                         phase = "eval"
-                        log_eval(self.held_out(), state.step, bar, metrics, acc, run.log_with)
-                    if run.save_every and state.step % run.save_every == 0:
+                        e = self.held_out()
+                        log_eval(e, state.step, bar, metrics, acc, run.log_with)
+                        phase = "callback"
+                        self._observe(e)
+                        cbs.call("on_evaluate", metrics=e)
+                    if (run.save_every and state.step % run.save_every == 0) or wants_save:
                         phase = "save"
                         end.last = self.checkpoint()
+                        phase = "callback"
+                        cbs.call("on_save", checkpoint=end.last)
                 phase = "save"
                 # the end, a signal or a non-finite stop: checkpoint what the last save missed
                 if end.last is None or ckpt.step_of(end.last) != state.step:
@@ -429,6 +521,8 @@ class Run:
                 raise
             end.status, end.cut_short = "failed", True
             end.message = failures.save_failed_message(e, end.last)
+        except CallbackError as e:  # the callback is named; the steps before it are kept
+            self._callback_failed(end, e)
         except RewardError as e:  # the function is named; the steps before it are kept
             self._reward_failed(end, e, phase)
         except Exception as e:
@@ -445,23 +539,36 @@ class Run:
             bar.close()
             if metrics:
                 metrics.close()
+            if table:
+                table.close()
         if end.status == "nonfinite":
             end.message = failures.nonfinite_message(state, end.last)
         if end.status == "interrupted" and end.message is None:
             end.message = failures.interrupted_message(state.step, end.last)
         return end
 
+    def _observe(self, logged: dict | None = None) -> None:
+        """The run state callbacks and rewards see, as of now (and a metrics line logged)."""
+        rs, stream = self.run_state, self.parts.stream
+        rs.global_step = self.state.step
+        rs.epoch = stream.epoch + stream.position / max(len(stream.examples), 1)
+        if logged:
+            rs.log_history.append({**logged, "step": self.state.step})
+
     def _reward_failed(self, end: Ending, error: RewardError, phase: str) -> None:
         """A reward function failed in a step (before its update: the policy is as the last
         step left it) or an evaluation: with one process that state is saved; with several
-        the others may wait in a collective, so the last checkpoint stands (as out of memory)."""
+        the others may wait in a collective, so the last checkpoint stands (as out of memory).
+        The whole exception goes to the run folder's errors.log."""
         end.status, done = "reward_failed", self.state.step
         where = f"step {done + 1}" if phase == "step" else f"the evaluation after step {done}"
+        kept = failures.keep_traceback(self.out, error, where, self.accelerator.process_index)
         saved = self.accelerator.num_processes == 1
         if saved:
             end.last = self.checkpoint()
         else:
             end.cut_short = True
+        error = RewardError(f"{error} (traceback: {kept})")
         end.message = failures.reward_failed_message(error, where, done, end.last, saved)
 
     def isolation(self, alone: bool) -> str | None:
@@ -477,6 +584,22 @@ class Run:
                 record.merge(sandbox_policy.Record(modes=modes))
         return record.isolation()
 
+    def _callback_failed(self, end: Ending, error: CallbackError) -> None:
+        """A callback raised between steps: the steps done are whole, and with one process
+        they are saved (with several, as for a failed reward, the last checkpoint stands)."""
+        end.status, done = "failed", self.state.step
+        kept = failures.keep_traceback(
+            self.out, error, f"after step {done}", self.accelerator.process_index
+        )
+        saved = self.accelerator.num_processes == 1
+        if saved:
+            if end.last is None or ckpt.step_of(end.last) != done:
+                end.last = self.checkpoint()
+        else:
+            end.cut_short = end.alone = True
+        error = CallbackError(f"{error} (traceback: {kept})")
+        end.message = failures.callback_failed_message(error, done, end.last, saved)
+
     def finish(self, end: Ending) -> dict:
         """Print how the run ended, keep its adapter, write summary.json (before and after the
         final held-out evaluation), then the plots and the Hub upload."""
@@ -485,7 +608,9 @@ class Run:
         # that this one will never join, so it joins none from here on and ends (the CLI exits 3);
         # the others' collective then fails and the launcher stops the run, instead of everyone
         # waiting for a collective timeout.
-        alone = end.status in ("out_of_memory", "reward_failed") and acc.num_processes > 1
+        alone = end.alone or (
+            end.status in ("out_of_memory", "reward_failed") and acc.num_processes > 1
+        )
         if end.message and (main or alone):
             who = f"process {acc.process_index}: " if alone else ""
             print(f"ibpo: {who}{end.message}", file=sys.stderr)
@@ -506,6 +631,7 @@ class Run:
             "quantization": cfg.model.quantization,
             "dataset": cfg.data.dataset,
             "code": self.code,  # {"version", "commit", "dirty"}: "unknown" without git
+            "prompt_template": prompt_template(cfg.data),  # None: the prompts as given
             "isolation": isolation,  # the sandbox modes tests ran in; None: no test ran
             "status": end.status,
             "message": end.message,
@@ -518,7 +644,13 @@ class Run:
         }
         if main:  # written now too: a run killed in its final evaluation still has a summary
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if end.status == "completed":
+        if not alone:
+            try:
+                self.callbacks.call("on_train_end")
+            except CallbackError as e:  # the run is done: reported, never costing it
+                kept = failures.keep_traceback(out, e, "on_train_end", acc.process_index)
+                print(f"ibpo: {e} (traceback: {kept})", file=sys.stderr)
+        if end.status in ("completed", "stopped"):
             summary["eval_after"] = _final_eval(self.held_out, acc)
             summary["wall_seconds"] = round(self.wall_seconds(), 1)
         if not alone:

@@ -12,7 +12,7 @@ from ibpo.data import Example, load_splits, render_example, rows_to_examples
 from ibpo.recipe import load_config
 from ibpo.repair import repair_prompt
 from ibpo.rewards import REWARDS
-from ibpo.rewards.functions import RewardError, grade, reward_means, reward_set
+from ibpo.rewards.functions import RewardError, grade, reward_set, reward_stats
 from ibpo.rewards.math import math_reward
 from tests.conftest import make_tokenizer
 
@@ -35,9 +35,12 @@ def test_none_does_not_apply_and_the_weighted_sum_ignores_it():
 
     rs = reward_set([a, b], weights=[2.0, 4.0])
     total, per = rs.score(["w", "x", "y", "z"], {}, ["p"] * 4)
-    assert total == [2.0, 1.0, 5.0, 0.0]  # TRL: nansum of weight x value; none applies -> 0
+    assert total[:3] == [2.0, 1.0, 5.0]  # TRL: nansum of weight x value
+    assert math.isnan(total[3])  # none applies: no reward at all (TRL), not a 0
     assert math.isnan(per["a"][1]) and per["b"][1] == 0.25
-    assert reward_means(per) == {"rewards/a": 0.75, "rewards/b": 0.625}
+    stats = reward_stats(per)
+    assert stats["rewards/a"] == stats["rewards/a/mean"] == 0.75 and stats["rewards/b"] == 0.625
+    assert stats["rewards/a/std"] == pytest.approx(math.sqrt(0.125))  # Bessel's, as TRL
     assert not rs.reads_answer
 
 
@@ -84,7 +87,9 @@ def test_a_conversation_reaches_rewards_as_messages():
 @pytest.mark.parametrize(
     "returns, message",
     [
-        ([1.0], "reward function 'bad' returned 1 values for 2 completions. Fix: return one"),
+        ([1.0], "reward function 'bad' returned 1 values for 2 completions. Fix: return a"),
+        ("0.5", "reward function 'bad' returned a str ('0.5'), not a list. Fix: return a list"),
+        ({"a": 1.0}, "reward function 'bad' returned a dict ({'a': 1.0}), not a list."),
         ([1.0, float("nan")], "reward function 'bad' returned nan for sample 1. Fix: return a"),
         ([float("inf"), 0.0], "reward function 'bad' returned inf for sample 0. Fix: return a"),
         ([1.0, "0.5"], "reward function 'bad' returned '0.5' (str) for sample 1, not a number."),
@@ -125,8 +130,14 @@ def test_names_import_paths_and_weights_are_checked_before_anything_loads():
         reward_set(["math", "tests.reward_module:parity"], weights=[1, 2, 3])
     with pytest.raises(ConfigError, match="two reward functions are named 'math'"):
         reward_set(["math", "math"])
-    with pytest.raises(ConfigError, match="takes no positional argument"):
-        reward_set(lambda **kw: [])
+    with pytest.raises(ConfigError, match="positional-only parameter"):
+        reward_set(lambda c, /, **kw: [])
+
+    def no_kwargs(completions):
+        return []
+
+    with pytest.raises(ConfigError, match="does not take 'prompts', 'completion_ids', "):
+        reward_set(no_kwargs)
     with pytest.raises(ConfigError, match=r"objective.reward='nope'; choose one of: math, code"):
         load_config(None, ["objective.reward=nope"])
     with pytest.raises(ConfigError, match="objective.reward_weights has 1 weights for 2"):

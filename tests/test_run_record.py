@@ -15,8 +15,8 @@ import torch
 import yaml
 
 import ibpo
-from ibpo.config import load_config
 from ibpo.data import Example
+from ibpo.recipe import load_config
 from ibpo.rollout import Rollout
 from ibpo.run import report, version
 from ibpo.step import score_round

@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 import ibpo
 import ibpo.evaluation.evaluate as evaluate_mod
 import ibpo.repair as repair_mod
 from ibpo.cli import main as cli_main
+from ibpo.config import ConfigError
 from tests import reward_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +106,10 @@ def test_yaml_names_a_reward_by_import_path(tiny_model_dir, tmp_path, graded, ca
     args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in
             _settings(tiny_model_dir, tmp_path / "run").items()]  # fmt: skip
     assert cli_main(["train", str(recipe), *args]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said[-1].startswith("ibpo: ibpo on ") and "[completed]" in said[-1]
+    assert not any(line.startswith("{") for line in said)  # the summary is in summary.json
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed"
     calls = reward_module.CALLS
     assert calls and all({"shift", "answer", "completion_ids"} <= c["keys"] for c in calls)
@@ -127,13 +132,72 @@ def test_a_reward_that_raises_mid_run_ends_it_with_a_checkpoint(tiny_model_dir, 
     s = result.summary
     assert s["status"] == "reward_failed" and s["exit_code"] == 6 and s["steps"] == 1
     assert s["message"].startswith(
-        "reward function 'flaky' raised on sample 0: ConnectionError: connection refused (step 2)"
+        "reward function 'flaky' raised on sample 0: ConnectionError: connection refused "
+        f"(traceback: {out / 'errors.log'}) (step 2)"
     )
+    # the whole exception is kept in the run folder: its traceback, its first line too
+    log = (out / "errors.log").read_text()
+    assert "Traceback (most recent call last)" in log and "in flaky" in log
+    assert "ConnectionError: verifier unreachable\nconnection refused" in log
     assert Path(s["checkpoint"]).name == "step-1" and "run.resume_from=latest" in s["message"]
     # nothing lost: the fixed function resumes from the checkpoint to the end
     settings["run.resume_from"] = "latest"
-    again = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=lambda c, **k: [0.5] * len(c))
+    again = ibpo.train(
+        overrides=settings, dataset=ROWS, reward_funcs=lambda completions, **k: [0.5] * 8
+    )
     assert again.status == "completed" and again.summary["steps"] == 3
+
+
+def test_trainer_state_logs_metric_names_a_completions_table_and_a_callback_that_stops(
+    tiny_model_dir, tmp_path
+):
+    """A TRL user's habits from Python: a reward reading trainer_state, logging a metric and
+    a table column; TRL's metric names; a callback stopping the run; the table resumes."""
+    from transformers import TrainerCallback
+
+    steps_seen, ends = [], []
+
+    def staged(prompts, completions, shift, trainer_state, log_metric, log_extra, **kwargs):
+        steps_seen.append((trainer_state.global_step, trainer_state.max_steps))
+        log_metric("stage", float(trainer_state.global_step))
+        log_extra("chars", [len(c) for c in completions])
+        return [float((len(c) + s) % 2) for c, s in zip(completions, shift)]
+
+    class StopAfterTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append((state.global_step, kwargs["metrics"]))
+            control.should_training_stop = state.global_step == 2
+
+    out = tmp_path / "run"
+    settings = {**_settings(tiny_model_dir, out, steps=4), "objective.name": "grpo"}
+    result = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=staged,
+                        callbacks=[StopAfterTwo()])  # fmt: skip
+    s = result.summary
+    assert s["status"] == "stopped" and s["exit_code"] == 0 and s["steps"] == 2
+    assert s["eval_after"]["n"] == 2 and s["prompt_template"] is None  # the prompts as given
+    # rollouts of steps 1 and 2 saw the steps done before them
+    assert {step for step, _ in steps_seen} >= {0, 1} and all(m == 4 for _, m in steps_seen)
+    assert [step for step, _ in ends] == [1, 2]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    step_lines = [m for m in lines if "step_time" in m]
+    trl_names = {"rewards/staged/mean", "rewards/staged/std", "reward", "reward_std",
+                 "frac_reward_zero_std", "completions/mean_length",
+                 "completions/clipped_ratio"}  # fmt: skip
+    assert all(trl_names | {"stage", "rewards/staged", "reward_timeouts", "unscored"} <= set(m)
+               for m in step_lines)  # fmt: skip
+    assert trl_names <= set(ends[0][1]) and step_lines[0]["reward_timeouts"] == 0
+    table = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [1] * 8 + [2] * 8  # B * G completions a step
+    row = table[0]
+    assert row["prompt"] in {r["question"] for r in ROWS} and row["extra"]["chars"] >= 0
+    assert row["rewards"]["staged"] == row["reward"] and "advantage" in row
+    assert [r["group"] for r in table[:8]] == [0] * 4 + [1] * 4
+    # resumed from step 2 with more steps: the table goes on from there
+    settings.update({"run.resume_from": "latest", "train.steps": 3})
+    again = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=staged)
+    assert again.status == "completed" and again.summary["steps"] == 3
+    table = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [1] * 8 + [2] * 8 + [3] * 8
 
 
 def readme_example() -> str:
@@ -212,3 +276,36 @@ def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
     s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
     assert s["status"] == "completed"
     assert s["isolation"] == f"{sandbox.isolation_mode()}, socket-patch"
+
+
+def test_a_lora_config_and_held_out_rows_from_python(tiny_model_dir, tmp_path):
+    """TRL's peft_config= and eval_dataset=: the LoraConfig is the adapter's (rsLoRA, DoRA,
+    modules_to_save), the held-out rows are evaluated, nothing carved out of training."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True,
+                      use_dora=True, modules_to_save=["lm_head"])  # fmt: skip
+    held = [{"question": f"what is {i} * 2?", "answer": str(2 * i)} for i in range(3)]
+    out = tmp_path / "run"
+    settings = {**_settings(tiny_model_dir, out, steps=1, eval_size=5), "objective.name": "grpo"}
+    result = ibpo.train(
+        overrides=settings,
+        dataset=ROWS,
+        reward_funcs=reward_module.parity,
+        eval_dataset=held,
+        peft_config=lora,
+    )
+    assert result.status == "completed"
+    assert result.summary["eval_before"]["n"] == 3 == result.summary["eval_after"]["n"]
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], saved["use_rslora"], saved["use_dora"]) == (
+        4, 8, True, True,
+    )  # fmt: skip
+    assert saved["modules_to_save"] == ["lm_head"]
+    assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["model"]["lora_r"] == 4 and recorded["data"]["eval_dataset"] == "in-memory"
+    with pytest.raises(ConfigError, match="peft_config= is a dict; ibpo trains LoRA adapters"):
+        ibpo.train(overrides=settings, dataset=ROWS, peft_config={"r": 4})
+    with pytest.raises(ConfigError, match="held-out rows were given in Python"):
+        ibpo.train(overrides={**settings, "data.eval_dataset": "in-memory"}, dataset=ROWS)

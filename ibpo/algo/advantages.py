@@ -1,7 +1,7 @@
 """Group advantages and the token-level credit seam of IBPO (IBPO.md Part 2).
 
 * `group_advantages`: A_i = R_i - mean_G(R) (optionally / (std_G(R) + eps)); a group whose rewards
-  are all equal gets exactly zero advantage.
+  are all equal gets exactly zero advantage, and a NaN reward (no reward applies) none.
 * `shape_rewards`: R'_i = R_i + lambda * phi_i, phi only on failed members (the counterfactual
   repair bonus; phi itself comes from repair generations, which this module does not run).
 * `overlong_penalty`: DAPO's soft length penalty, a reward term added before centring.
@@ -21,8 +21,13 @@ from torch import Tensor
 
 
 def group_advantages(rewards: Tensor, scale: bool, eps: float = 1e-6) -> Tensor:
-    """rewards [B, G] -> advantages [B, G] centred within each group."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    """rewards [B, G] -> advantages [B, G] centred within each group. A NaN reward (a
+    completion no reward function applies to) is left out of its group's mean and std, and its
+    advantage is 0 (TRL's rule: it carries no signal, and 0 in its place would be a failure)."""
+    scored = ~rewards.isnan()
+    n = scored.sum(dim=1, keepdim=True).clamp_min(1)
+    mean = torch.where(scored, rewards, 0.0).sum(dim=1, keepdim=True) / n
+    centred = torch.where(scored, rewards - mean, 0.0)
     # A flat group is zero by definition, not by rounding: the float32 mean of equal rewards such
     # as 0.3 can be off in its last bits, which std scaling would blow up into one equal, non-zero
     # advantage for every member (tests/test_repair.py).
@@ -33,12 +38,17 @@ def group_advantages(rewards: Tensor, scale: bool, eps: float = 1e-6) -> Tensor:
     # of a larger one. TRL divides by G - 1 (Bessel), which makes its advantages
     # sqrt(G / (G - 1)) smaller (1.069x at G = 8). Adam's update barely depends on that scale;
     # what it moves is the weight of the policy term against objective.kl_coef.
-    return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    std = (centred.square().sum(dim=1, keepdim=True) / n).sqrt()
+    return centred / (std + eps)
 
 
 def flat_groups(rewards: Tensor) -> Tensor:
-    """rewards [B, G] -> [B] bool: every member of the group has the same reward (no signal)."""
-    return rewards.amax(dim=1) == rewards.amin(dim=1)
+    """rewards [B, G] -> [B] bool: every member of the group has the same reward (no signal).
+    NaN rewards (no reward applies) are left out: a group with at most one other is flat."""
+    scored = ~rewards.isnan()
+    high = torch.where(scored, rewards, -torch.inf).amax(dim=1)
+    low = torch.where(scored, rewards, torch.inf).amin(dim=1)
+    return (high == low) | (scored.sum(dim=1) <= 1)
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: float, penalty: float) -> Tensor:

@@ -54,15 +54,22 @@ def choose_references(
 
 
 def plan_repairs(
-    rewards: Tensor, references: int, max_per_group: int, selection: str, rng: random.Random
+    rewards: Tensor,
+    references: int,
+    max_per_group: int,
+    selection: str,
+    rng: random.Random,
+    correct_at: float = 1.0,
+    failed_at: float = 0.0,
 ) -> list[RepairJob]:
     """rewards [B, G] (host) -> the repair generations of a step (at most max_per_group x K-1 per
-    group): failed members (R = 0) get references, correct ones (R >= 1) first. Which failed
-    members are repaired when the cap binds is random, not positional."""
+    group): failed members (R <= failed_at) get references, correct ones (R >= correct_at)
+    first. Which failed members are repaired when the cap binds is random, not positional. A
+    NaN reward (no reward applies) is neither."""
     jobs = []
     for b, row in enumerate(rewards.tolist()):
-        correct = [r >= 1.0 for r in row]
-        failed = [i for i, r in enumerate(row) if r <= 0.0]
+        correct = [r >= correct_at for r in row]
+        failed = [i for i, r in enumerate(row) if r <= failed_at]
         rng.shuffle(failed)
         for i in failed[:max_per_group]:
             for j in choose_references(correct, i, references, selection, rng):

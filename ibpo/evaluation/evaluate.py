@@ -83,7 +83,8 @@ def evaluate_accuracy(
     accelerator=None,
 ) -> dict[str, float]:
     """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length}.
-    A completion is correct when the run's weighted reward (rewards/functions.py) is >= 1."""
+    A completion is correct when the run's weighted reward (rewards/functions.py) reaches its
+    correct threshold (objective.correct_threshold); one no reward applies to is not."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     shard = examples[rank::world]
     correct = tokens = 0.0
@@ -92,7 +93,7 @@ def evaluate_accuracy(
         prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
         totals, _ = grade(rewards, batch, prompts, out.texts, out.host_tokens())
-        correct += sum(t >= 1.0 for t in totals)
+        correct += sum(t >= rewards.correct for t in totals)
         tokens += float(sum(out.lengths))
     totals = torch.tensor([correct, tokens, float(len(shard))], device="cpu")
     if accelerator is not None and world > 1:

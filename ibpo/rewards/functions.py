@@ -1,37 +1,58 @@
 """Reward functions in TRL's convention, and the weighted set of them a run grades with.
 
-A reward function is `fn(completions: list[str], **kwargs) -> list[float | None]`, one value per
-completion, as TRL's GRPOTrainer calls it. The keyword arguments are every column of the
-dataset by name (one entry per completion: a prompt's row repeated for each of its G
-completions), `prompts` (the prompts as the dataset gives them: a string, or a chat's list of
-{"role", "content"} messages) and `completion_ids` (the completion's token ids). `answer`
-holds the gold answer as data.answer_column and data.answer_format read it, which is what the
-built-in graders compare against. For a conversational prompt each completion is, as in TRL,
-a one-message list `[{"role": "assistant", "content": text}]`. A completion reaches the
-functions as graders must read it (rewards.math.as_graded: with "<think>" in front when the
-prompt opened the think block). A function that accepts only some of these arguments should
-take `**kwargs` for the rest, as TRL's do.
+A reward function returns one value per completion (`list[float | None]`) and is called as
+TRL's GRPOTrainer calls it, every argument by keyword:
 
-None means "this reward does not apply to that completion". The run's reward is TRL's weighted
-sum over the functions that apply (`nansum` of weight x value), so a completion no function
-applies to scores 0. Each function's mean over the completions it applies to is logged per
-step as `rewards/<name>`.
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=...,
+       log_metric=..., **columns)
+
+one entry per completion (a prompt's row repeated for each of its G completions). `prompts`
+are the prompts as the dataset gives them (a string, or a chat's list of {"role", "content"}
+messages); `completions` the texts, or for a conversational prompt one-message chats
+`[{"role": "assistant", "content": text}]`, as graders must read them (rewards.math.as_graded:
+with "<think>" in front when the prompt opened the think block); `completion_ids` their token
+ids; `trainer_state` the run's state (global_step, max_steps, epoch: run/callbacks.RunState);
+`log_metric(name, value)` adds a scalar to the step's metrics, `log_extra(column, values)` a
+column (one value per completion of the call) to the step's completions table. Every dataset
+column comes by name, except TRL's `prompt` (it is `prompts`) and `completion`; `answer` holds
+the gold answer as data.answer_column and data.answer_format read it (what the built-in
+graders compare against). A function that takes only some of these takes `**kwargs` for the
+rest, as TRL's do; one that needs an argument nobody passes, or refuses one that is passed,
+is an error naming it before its first call runs.
+
+None means "this reward does not apply to that completion". The reward is TRL's weighted sum
+over the functions that apply (`nansum` of weight x value); a completion no function applies
+to has no reward (NaN, TRL's rule: left out of its group's baseline, no advantage), and a
+warning names the first such row. Each function's mean over the completions it applies to is
+logged per step as `rewards/<name>` (and TRL's `rewards/<name>/mean`, `/std`).
+
+What the values mean is the set's thresholds (objective.correct_threshold, failed_threshold):
+a weighted reward >= `correct` is a correct completion (held-out accuracy, a successful
+repair, a preferred repair reference), <= `failed` a failed one (IBPO repairs it); the first
+weighted reward outside [failed, correct] gets one warning saying so.
+
+`async def` functions are awaited together on an event loop of their own while the others run
+(rewards/calls.py); `reward_workers` > 1 runs the synchronous ones on a thread pool, each
+one's completions split into that many chunks (for remote verifiers, compilers and other slow
+rewards that wait rather than compute). `reward_timeout` bounds every call: one that runs out
+of time scores 0 for its completions, counted (`reward_timeouts`, one warning naming it),
+and the run goes on.
 
 `objective.reward` names the functions: a built-in (`math`, `code`: the graders of
 ibpo.rewards.REWARDS, each `(text, gold) -> float`, wrapped here), an import path
-`package.module:function`, or a list of them; `objective.reward_weights` gives one weight per
-function (default 1 each). The Python API passes callables directly (ibpo.train).
+`package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
+them; `objective.reward_weights` gives one weight per
+function (default 1 each). The Python API passes callables directly (ibpo.train), and a
+reward model as the pair (model, tokenizer).
 
-A function that returns the wrong number of values, a value that is not a number, NaN or
-infinity, or that raises, is a RewardError naming the function (for an exception, the index of
-the first sample that raises on its own and the exception's last line; for a test the run's
-sandbox policy refused, sandbox/policy.py, the refusal and its fix). `reward_workers` > 1
-grades on a thread pool: the functions and, split into that many chunks, the completions run
-concurrently (for remote verifiers, compilers and other slow rewards that wait rather than
-compute).
+A function that returns anything but one number (or None) per completion (a string, a dict,
+the wrong count, NaN or infinity) or that raises is a RewardError naming the function (for an
+exception: the first sample that raises on its own, the exception's last line, and the
+exception itself chained, traceback and all, for the run folder; for a test the run's sandbox
+policy refused, sandbox/policy.py, the refusal and its fix).
 
-Not here: what the values mean to the objective (step.py, repair.py) or the graders (math.py,
-code.py).
+Not here: what the values do to the objective (step.py, advantages.py, repair.py), the graders
+(math.py, code.py), how calls run concurrently and within their time (calls.py).
 """
 
 from __future__ import annotations
@@ -41,16 +62,27 @@ import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ibpo.config import ConfigError
 from ibpo.rewards import REWARDS
+from ibpo.rewards.calls import EventLoop, Outcome, run_sync
 from ibpo.rewards.math import as_graded
+from ibpo.rewards.models import hub_reward_model, reward_model
 from ibpo.sandbox.policy import Refused
 
 RewardFn = Callable[..., list]
+
+# What every reward function is passed besides the dataset's columns (TRL's names).
+ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# Columns not passed by their name: TRL passes the prompt as `prompts` and the completion as
+# `completions`; a column named like one of the arguments would collide with it.
+NOT_COLUMNS = frozenset({"prompt", "completion", *ARGUMENTS})
+_SHOWN = 200  # characters of a prompt, completion or column shown in a warning
 
 
 class RewardError(ConfigError):
@@ -154,6 +186,22 @@ def import_path(fn: RewardFn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', reward_name(fn))}"
 
 
+def is_async_callable(fn) -> bool:
+    """An `async def` function, a partial of one, or an object whose __call__ is one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return callable(fn) and not inspect.isroutine(fn) and inspect.iscoroutinefunction(fn.__call__)
+
+
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: judged when called
+        return None
+
+
 @dataclass(frozen=True)
 class Reward:
     name: str
@@ -161,11 +209,33 @@ class Reward:
     weight: float = 1.0
     builtin: bool = False  # a built-in grader: reads the gold `answer`
 
+    @functools.cached_property
+    def is_async(self) -> bool:
+        return is_async_callable(self.fn)
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature | None:
+        return _signature(self.fn)
+
+
+class _TimedOut(Exception):
+    """An awaitable a synchronous function returned ran out of time."""
+
 
 class RewardSet:
-    """The run's reward functions with their weights: `score` grades a batch of completions."""
+    """The run's reward functions with their weights and thresholds: `score` grades a batch of
+    completions. Also what the functions see and leave between calls: `trainer_state` (the
+    trainer sets it), the metrics they log (`take_metrics`), the extra columns of the last
+    `score` (`last_extra`) and the calls that ran out of time (`take_timeouts`)."""
 
-    def __init__(self, rewards: Sequence[Reward], workers: int = 1):
+    def __init__(
+        self,
+        rewards: Sequence[Reward],
+        workers: int = 1,
+        timeout: float | None = None,
+        correct: float = 1.0,
+        failed: float = 0.0,
+    ):
         if not rewards:
             raise ConfigError("objective.reward names no reward function")
         names = [r.name for r in rewards]
@@ -176,6 +246,17 @@ class RewardSet:
                 "Fix: give each function its own name"
             )
         self.rewards, self.workers = list(rewards), max(int(workers), 1)
+        self.timeout = None if timeout is None or timeout <= 0 else float(timeout)
+        self.correct, self.failed = float(correct), float(failed)
+        self.trainer_state: Any = None
+        self.last_extra: dict[str, list] = {}
+        self._n = 0
+        self._metrics: dict[str, list[float]] = {}
+        self._timeouts = 0
+        self._lock = threading.Lock()
+        self._loop = EventLoop()
+        self._warned: set[str] = set()
+        self._bindable: set = set()
 
     @property
     def names(self) -> list[str]:
@@ -186,40 +267,237 @@ class RewardSet:
         """Whether a built-in grader needs each row's gold answer (data.answer_column)."""
         return any(r.builtin for r in self.rewards)
 
+    # --- what the functions leave -----------------------------------------------------------
+
+    def take_metrics(self) -> dict[str, float]:
+        """The mean of each metric the functions logged (log_metric) since the last take."""
+        with self._lock:
+            out = {k: sum(v) / len(v) for k, v in self._metrics.items() if v}
+            self._metrics.clear()
+        return out
+
+    def take_timeouts(self) -> int:
+        """Calls that ran out of time since the last take."""
+        with self._lock:
+            n, self._timeouts = self._timeouts, 0
+        return n
+
+    def _log_metric(self, name: str, value: float) -> None:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            self._warn_once(
+                f"metric:{name}",
+                f"log_metric({name!r}, {value!r}): not a number, not logged. Fix: pass a float",
+            )
+            return
+        with self._lock:
+            self._metrics.setdefault(str(name), []).append(value)
+
+    def _log_extra(self, lo: int, hi: int, column: str, values) -> None:
+        """log_extra of a call on completions[lo:hi]: its values take their rows' places."""
+        values = list(values)
+        if len(values) != hi - lo:
+            self._warn_once(
+                f"extra:{column}",
+                f"log_extra({column!r}, ...) got {len(values)} values for a call on {hi - lo} "
+                "completions; the column is not logged. Fix: one value per completion",
+            )
+            return
+        with self._lock:
+            self.last_extra.setdefault(str(column), [None] * self._n)[lo:hi] = values
+
+    def _warn_once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        print(f"ibpo: warning: {message}", file=sys.stderr)
+
+    # --- grading ----------------------------------------------------------------------------
+
     def score(
         self, completions: list, columns: dict[str, list], prompts: list, completion_ids=None
     ) -> tuple[list[float], dict[str, list[float]]]:
-        """-> (the weighted sum per completion, each function's values with NaN where it
-        returned None). `columns`: name -> one value per completion."""
+        """-> (the weighted sum per completion, NaN where no function applies; each function's
+        values, NaN where it returned None). `columns`: name -> one value per completion."""
         n = len(completions)
-        kwargs = dict(columns, prompts=prompts)
-        if completion_ids is not None:
-            kwargs["completion_ids"] = completion_ids
-        chunks = _chunks(n, self.workers if self.workers > 1 else 1)
-        jobs = [(r, lo, hi) for r in self.rewards for lo, hi in chunks]
-        if self.workers > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                parts = list(pool.map(lambda j: _call(j[0], completions, kwargs, j[1], j[2]), jobs))
-        else:
-            parts = [_call(r, completions, kwargs, lo, hi) for r, lo, hi in jobs]
-        per: dict[str, list[float]] = {r.name: [] for r in self.rewards}
-        for (r, _, _), values in zip(jobs, parts):
-            per[r.name].extend(values)
-        total = [0.0] * n
-        for r in self.rewards:
-            for i, v in enumerate(per[r.name]):
-                if not math.isnan(v):
-                    total[i] += r.weight * v
+        self._n, self.last_extra = n, {}
+        base = {k: v for k, v in columns.items() if k not in NOT_COLUMNS}
+        base.update(
+            prompts=list(prompts),
+            completions=list(completions),
+            completion_ids=completion_ids,
+            trainer_state=self.trainer_state,
+        )
+        sync = [r for r in self.rewards if not r.is_async]
+        concurrent = [r for r in self.rewards if r.is_async]
+        pending = None
+        if concurrent:  # started first: awaited on the loop while the others run
+            coros = [r.fn(**self._kwargs(r, base, 0, n)) for r in concurrent]
+            pending = self._loop.start(coros, self.timeout)
+        chunks = _chunks(n, self.workers)
+        jobs = [(r, lo, hi) for r in sync for lo, hi in chunks]
+        calls = [self._call(r, self._kwargs(r, base, lo, hi)) for r, lo, hi in jobs]
+        outcomes = run_sync(calls, self.workers, self.timeout)
+        if concurrent:
+            jobs += [(r, 0, n) for r in concurrent]
+            outcomes += self._loop.collect(pending, len(concurrent), self.timeout)
+        per: dict[str, list[float]] = {r.name: [math.nan] * n for r in self.rewards}
+        for (r, lo, hi), outcome in zip(jobs, outcomes):
+            per[r.name][lo:hi] = self._values(r, outcome, base, lo, hi)
+        total = []
+        for i in range(n):
+            applied = [(r.weight, per[r.name][i]) for r in self.rewards]
+            applied = [w * v for w, v in applied if not math.isnan(v)]
+            total.append(sum(applied) if applied else math.nan)
+        self._check_total(total, base)
         return total, per
 
+    def _kwargs(self, r: Reward, base: dict, lo: int, hi: int) -> dict:
+        kw = {k: v[lo:hi] if isinstance(v, list) else v for k, v in base.items()}
+        kw["log_extra"] = functools.partial(self._log_extra, lo, hi)
+        kw["log_metric"] = self._log_metric
+        self._check_arguments(r, kw)
+        return kw
 
-def reward_means(per: dict[str, list[float]]) -> dict[str, float]:
-    """`rewards/<name>`: each function's mean over the completions it applied to (NaN when it
-    applied to none)."""
+    def _call(self, r: Reward, kw: dict) -> Callable[[], Any]:
+        """A synchronous function's call; an awaitable it returns is awaited on the loop."""
+
+        def call():
+            out = r.fn(**kw)
+            if inspect.isawaitable(out):
+                (done,) = self._loop.run([out], self.timeout)
+                if done.timed_out:
+                    raise _TimedOut
+                if done.error is not None:
+                    raise done.error
+                return done.value
+            return out
+
+        return call
+
+    def _check_arguments(self, r: Reward, kw: dict) -> None:
+        """The arguments must bind: a parameter nobody passes, or a passed one that the
+        function does not take (and no **kwargs), is named before anything runs."""
+        key = (r.name, frozenset(kw))
+        if r.signature is None or key in self._bindable:
+            return
+        params = list(r.signature.parameters.values())
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        missing = [p.name for p in named if p.default is p.empty and p.name not in kw]
+        missing += [p.name for p in params if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+        if missing:
+            columns = sorted(k for k in kw if k not in ARGUMENTS)
+            raise RewardError(
+                f"reward function {r.name!r} needs argument {missing[0]!r}, which is neither "
+                f"one of TRL's arguments ({', '.join(ARGUMENTS)}) nor a column of the dataset "
+                f"(its columns: {', '.join(columns) or 'none'}). Every argument is passed by "
+                "keyword, as TRL does. Fix: name the parameter after what it reads (e.g. "
+                "completions), or give it a default"
+            )
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            extra = [k for k in kw if k not in {p.name for p in named}]
+            if extra:
+                raise RewardError(
+                    f"reward function {r.name!r} does not take {', '.join(map(repr, extra))}, "
+                    "which every reward function is passed by keyword (TRL's convention). Fix: "
+                    "add **kwargs to its signature"
+                )
+        self._bindable.add(key)
+
+    def _values(self, r: Reward, o: Outcome, base: dict, lo: int, hi: int) -> list[float]:
+        if o.timed_out or isinstance(o.error, _TimedOut):
+            with self._lock:
+                self._timeouts += 1
+            self._warn_once(
+                f"timeout:{r.name}",
+                f"reward function {r.name!r} ran past objective.reward_timeout="
+                f"{self.timeout:g} s on {hi - lo} completions: they score 0 and the run goes "
+                "on (counted in the step's reward_timeouts; later ones are not reported). Fix: "
+                "make the reward faster, or raise objective.reward_timeout",
+            )
+            return [0.0] * (hi - lo)
+        if isinstance(o.error, Refused):  # the run's sandbox policy, not the function: the fix
+            raise RewardError(f"reward function {r.name!r} ran tested code: {o.error}") from o.error
+        if o.error is not None:
+            message, error = self._raised(r, base, lo, hi, o.error)
+            raise RewardError(message) from error
+        return _checked(r, o.value, hi - lo, lo)
+
+    def _raised(self, r: Reward, base: dict, lo: int, hi: int, e: BaseException):
+        """(The message, the exception) for a function that raised on completions[lo:hi]:
+        the first sample that raises on its own, found by calling it one sample at a time."""
+        for i in range(lo, hi):
+            kw = self._kwargs(r, base, i, i + 1)
+            if r.is_async:
+                (o,) = self._loop.run([r.fn(**kw)], self.timeout)
+            else:
+                (o,) = run_sync([self._call(r, kw)], 1, self.timeout)
+            if o.timed_out or isinstance(o.error, _TimedOut):
+                break
+            if o.error is not None:
+                return (
+                    f"reward function {r.name!r} raised on sample {i}: {_last_line(o.error)}",
+                    o.error,
+                )
+        return (
+            f"reward function {r.name!r} raised on a batch of {hi - lo} completions "
+            f"(each alone passes): {_last_line(e)}"
+        ), e
+
+    def _check_total(self, total: list[float], base: dict) -> None:
+        """The warnings about the weighted rewards: a completion no function applied to (its
+        row named), and rewards outside the scale the thresholds assume. Once each."""
+        unscored = [i for i, t in enumerate(total) if math.isnan(t)]
+        if unscored and "unscored" not in self._warned:
+            i = unscored[0]
+            columns = {
+                k: _short(v[i])
+                for k, v in base.items()
+                if isinstance(v, list) and k != "completion_ids"
+            }
+            self._warn_once(
+                "unscored",
+                f"no reward function applies to completion {i} of {len(total)} (every one "
+                "returned None): it gets no advantage and is left out of its group's baseline, "
+                f"as in TRL; later ones are counted (the step's `unscored`), not reported. Its "
+                f"row: {columns}",
+            )
+        scored = [t for t in total if not math.isnan(t)]
+        if scored and "range" not in self._warned:
+            low, high = min(scored), max(scored)
+            if low < self.failed or high > self.correct:
+                self._warn_once(
+                    "range",
+                    f"weighted rewards reach {low:g}..{high:g}, outside [{self.failed:g}, "
+                    f"{self.correct:g}]: a completion counts as correct at >= "
+                    f"{self.correct:g} (held-out accuracy, a successful repair) and as failed at "
+                    f"<= {self.failed:g} (IBPO repairs it). If your rewards' scale is another, "
+                    "set objective.correct_threshold and objective.failed_threshold to it",
+                )
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def reward_stats(per: dict[str, list[float]]) -> dict[str, float]:
+    """Each function's mean over the completions it applied to, as `rewards/<name>` and TRL's
+    `rewards/<name>/mean`, and their standard deviation (Bessel's, as TRL) as
+    `rewards/<name>/std`; NaN where it applied to none (std: to fewer than two)."""
     out = {}
     for name, values in per.items():
         seen = [v for v in values if not math.isnan(v)]
-        out[f"rewards/{name}"] = sum(seen) / len(seen) if seen else math.nan
+        mean = sum(seen) / len(seen) if seen else math.nan
+        std = (
+            math.sqrt(sum((v - mean) ** 2 for v in seen) / (len(seen) - 1))
+            if len(seen) > 1
+            else math.nan
+        )
+        out.update({f"rewards/{name}": mean, f"rewards/{name}/mean": mean})
+        out[f"rewards/{name}/std"] = std
     return out
 
 
@@ -228,40 +506,19 @@ def _chunks(n: int, k: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, max(n, 1), size)]
 
 
-def _call(r: Reward, completions: list, kwargs: dict, lo: int, hi: int) -> list[float]:
-    """One function on completions[lo:hi] -> its checked values (NaN for None)."""
-    part = {k: v[lo:hi] if isinstance(v, list) else v for k, v in kwargs.items()}
-    try:
-        out = r.fn(completions[lo:hi], **part)
-    except Refused as e:  # the run's sandbox policy, not the function: its message has the fix
-        raise RewardError(f"reward function {r.name!r} ran tested code: {e}") from e
-    except Exception as e:
-        raise RewardError(_raised(r, completions[lo:hi], part, e, lo)) from e
-    return _checked(r, out, hi - lo, lo)
-
-
-def _raised(r: Reward, completions: list, kwargs: dict, e: Exception, offset: int) -> str:
-    """The message for a function that raised: the first sample that raises on its own."""
-    for i in range(len(completions)):
-        one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
-        try:
-            r.fn(completions[i : i + 1], **one)
-        except Exception as inner:
-            return f"reward function {r.name!r} raised on sample {offset + i}: {_last_line(inner)}"
-    return (
-        f"reward function {r.name!r} raised on a batch of {len(completions)} completions "
-        f"(each alone passes): {_last_line(e)}"
-    )
-
-
 def _last_line(e: BaseException) -> str:
     lines = [line for line in str(e).strip().splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 
 
 def _checked(r: Reward, out, n: int, offset: int) -> list[float]:
-    fix = "Fix: return one float (or None: does not apply) per completion"
-    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+    fix = "Fix: return a list of one float (or None: does not apply) per completion"
+    if isinstance(out, (str, bytes, Mapping)):
+        raise RewardError(
+            f"reward function {r.name!r} returned a {type(out).__name__} ({_short(out)}), not "
+            f"a list. {fix}"
+        )
+    if not isinstance(out, Sequence):
         try:
             out = list(out)  # a tensor or an array
         except TypeError:
@@ -297,12 +554,25 @@ def reward_set(
     spec: str | list[str] | RewardFn | Sequence,
     weights: Sequence[float] | None = None,
     workers: int = 1,
+    timeout: float | None = None,
+    correct: float = 1.0,
+    failed: float = 0.0,
 ) -> RewardSet:
     """Names (built-in or import path) and/or callables -> a RewardSet; weights one per
-    function (None: 1 each)."""
+    function (None: 1 each); the other arguments are RewardSet's."""
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     fns = []
     for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and _is_module(item[0]):
+            fn = reward_model(*item)  # (a sequence-classification model, its tokenizer)
+            fns.append((reward_name(fn), fn, False))
+            continue
+        if _is_module(item):
+            raise ConfigError(
+                f"reward {type(item).__name__} is a torch module (a reward model) without its "
+                "tokenizer. Fix: pass the pair (model, tokenizer), or "
+                "ibpo.rewards.models.reward_model(model, tokenizer)"
+            )
         if callable(item):
             fns.append((reward_name(item), item, False))
         elif item in REWARDS:
@@ -310,10 +580,13 @@ def reward_set(
         elif isinstance(item, str) and ":" in item:
             fn = import_reward(item)
             fns.append((reward_name(fn), fn, False))
+        elif isinstance(item, str) and "/" in item:  # a reward model's Hub id or folder
+            fn = hub_reward_model(item)
+            fns.append((reward_name(fn), fn, False))
         else:
             raise ConfigError(
-                f"objective.reward={item!r}; choose a built-in ({', '.join(REWARDS)}) or an "
-                "import path 'package.module:function'"
+                f"objective.reward={item!r}; choose a built-in ({', '.join(REWARDS)}), an "
+                "import path 'package.module:function' or a reward model's Hub id or folder"
             )
     if weights is not None and len(weights) != len(fns):
         raise ConfigError(
@@ -323,30 +596,54 @@ def reward_set(
     for name, fn, _ in fns:
         _check_signature(name, fn)
     ws = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
-    return RewardSet([Reward(n, f, w, b) for (n, f, b), w in zip(fns, ws)], workers)
+    rewards = [Reward(n, f, w, b) for (n, f, b), w in zip(fns, ws)]
+    return RewardSet(rewards, workers, timeout, correct, failed)
+
+
+def _is_module(item) -> bool:
+    """A torch.nn.Module, told without importing torch."""
+    return any(
+        c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(item).__mro__
+    )
 
 
 def _check_signature(name: str, fn: RewardFn) -> None:
-    """A function that cannot take the completions as its first argument fails now, not at
-    the first step."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: judged when called
+    """What fails now rather than at the first step: a function that cannot be called by
+    keyword, or that refuses one of TRL's arguments (no **kwargs to take it)."""
+    sig = _signature(fn)
+    if sig is None:
         return
     params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not positional and not any(p.kind == p.VAR_POSITIONAL for p in params):
+    if any(p.kind == p.POSITIONAL_ONLY and p.default is p.empty for p in params):
         raise ConfigError(
-            f"reward function {name!r} takes no positional argument; TRL's convention is "
-            "fn(completions, **kwargs) -> list[float | None]"
+            f"reward function {name!r} has a positional-only parameter; every argument is "
+            "passed by keyword, as TRL does: fn(completions, **kwargs) -> list[float | None]"
+        )
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    taken = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    refused = [a for a in ARGUMENTS if a not in taken]
+    if refused:
+        raise ConfigError(
+            f"reward function {name!r} does not take {', '.join(map(repr, refused))}, which "
+            "every reward function is passed by keyword (TRL's convention). Fix: add **kwargs "
+            "to its signature"
         )
 
 
 def run_reward_set(objective, reward_funcs=None) -> RewardSet:
     """The run's reward functions: `reward_funcs` (given in Python) or those objective.reward
-    names, with objective.reward_weights and objective.reward_workers (an ObjectiveConfig)."""
+    names, with objective.reward_weights, reward_workers, reward_timeout, correct_threshold and
+    failed_threshold (an ObjectiveConfig)."""
     spec = objective.reward if reward_funcs is None else reward_funcs
-    return reward_set(spec, objective.reward_weights, objective.reward_workers)
+    return reward_set(
+        spec,
+        objective.reward_weights,
+        objective.reward_workers,
+        objective.reward_timeout,
+        objective.correct_threshold,
+        objective.failed_threshold,
+    )
 
 
 def grade(rewards: RewardSet, examples: list, rendered: list[str], texts: list[str], ids=None):
@@ -363,7 +660,9 @@ def grade(rewards: RewardSet, examples: list, rendered: list[str], texts: list[s
     columns = {k: [ex.columns.get(k) for ex in examples] for k in names}
     columns["answer"] = [ex.answer for ex in examples]
     prompts = [
-        [dict(m) for m in ex.messages] if ex.messages is not None else ex.question
+        [dict(m) for m in ex.messages]
+        if ex.messages is not None
+        else (ex.question if ex.given is None else ex.given)
         for ex in examples
     ]
     return rewards.score(completions, columns, prompts, ids)

@@ -7,7 +7,9 @@ a full disk. Each gets a message naming what happened, what was kept and the fix
   exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
   of memory 3, non-finite steps 4, rollout mismatch over rollout.mismatch_stop_kl 5 (run/alarm.py),
   reward function that failed (raised, or returned what is not one number per completion) 6,
-  interrupted 130 (SIGINT) or 143 (SIGTERM); resumable.
+  interrupted 130 (SIGINT) or 143 (SIGTERM); resumable. A callback that asked the run to stop
+  ends it "stopped" (0); one that raised, "failed" (1).
+* `keep_traceback`: a failed reward's or callback's whole exception, into the run folder.
 * `StoppedEarly`: Ctrl-C before the loop (loading, the first held-out evaluation): one line.
 
 Not here: saving or loading checkpoints (checkpoint.py), the loop that decides (ibpo/trainer.py).
@@ -29,6 +31,7 @@ from ibpo.run.checkpoint import TrainerState
 
 EXIT_CODES = {
     "completed": 0,
+    "stopped": 0,
     "failed": 1,
     "out_of_memory": 3,
     "nonfinite": 4,
@@ -182,6 +185,31 @@ def reward_failed_message(
         f"{error} ({where})\n  {kept} Fix the function, then resume with "
         "run.resume_from=latest (the failed step's prompts are not trained on)."
     )
+
+
+def keep_traceback(out: Path, error: BaseException, where: str, process: int = 0) -> Path:
+    """Append `error`, the exception it was raised from and their tracebacks to the run
+    folder's errors.log (errors-process-<i>.log for process i > 0): what a one-line message
+    leaves out. -> the file."""
+    import traceback
+
+    name = "errors.log" if process == 0 else f"errors-process-{process}.log"
+    path = Path(out) / name
+    cause = error.__cause__ or error
+    text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"=== {where}: {error}\n{text}\n")
+    return path
+
+
+def callback_failed_message(error: Exception, done: int, last: Path | None, saved: bool) -> str:
+    """A callback raised after `done` steps (CallbackError names it and its hook)."""
+    kept = (
+        f"The {done} steps done are saved: {last}."
+        if saved
+        else (f"The last checkpoint is {last}." if last else "No checkpoint was saved yet.")
+    )
+    return f"{error}\n  {kept} Fix the callback, then resume with run.resume_from=latest."
 
 
 def nonfinite_message(state: TrainerState, last: Path | None) -> str:
