@@ -337,3 +337,82 @@ def test_run_all_against_a_fake_device_falls_back_and_keeps_two_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
     log = (out / "gpu_check.log").read_text()
     assert all(f"== {s.name}:" in log for s in stages) and "[bnb_cuda] no kernel image" in log
+
+
+HIDDEN_BNB_RUN = r"""
+import json, os, sys
+from pathlib import Path
+sys.modules["bitsandbytes"] = None  # hidden: `import bitsandbytes` fails, find_spec finds none
+os.environ["IBPO_GPU_QUANTIZATION"] = "none"  # what gpu_check sets when bnb_cuda fails
+import pytest, torch
+torch.set_num_threads(1)
+import tests.test_gpu_e2e as e2e
+model_dir, tmp = sys.argv[1], Path(sys.argv[2])
+mp = pytest.MonkeyPatch()
+try:
+    entry = e2e.check_wrong_then_right(model_dir, tmp / "train", mp)
+finally:
+    mp.undo()
+mp = pytest.MonkeyPatch()
+try:
+    evaluated = e2e.check_eval_script(model_dir, tmp / "eval", mp)
+finally:
+    mp.undo()
+bench = e2e.runpy.run_path("bench/bench_gpu.py", run_name="bench_gpu")
+summary = bench["main"](["--smoke", "--quantization", "none", "--configs", "recipe"])
+print("HIDDEN " + json.dumps({
+    "no_4bit": e2e.NO_4BIT, "facts": entry["facts"], "eval": evaluated["loaded"],
+    "bench": {k: summary[k] for k in ("status", "rows", "quantization")},
+    "bench_phases": list(summary["results"][0]["phases"]),
+    "bench_optimizer": summary["results"][0]["phases"]["load"]["optimizer"],
+    "bnb_module": repr(sys.modules.get("bitsandbytes")),
+}))
+"""
+
+
+def test_the_fallback_runs_with_bitsandbytes_hidden(tiny_model_dir, tmp_path):
+    """What gpu_check runs when bitsandbytes' CUDA probe fails, in a process where bitsandbytes
+    cannot be imported: the suite's harness (a train() run and the eval script, with
+    expectations that follow IBPO_GPU_QUANTIZATION=none) and bench_gpu's recipe row without
+    4-bit. Nothing imports bitsandbytes, and every phase still runs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("IBPO_GPU_REPORT", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", HIDDEN_BNB_RUN, tiny_model_dir, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("HIDDEN "))[7:])
+    assert got["no_4bit"] and got["bnb_module"] == "None"  # still hidden: never imported
+    model, opt = got["facts"]["model"], got["facts"]["optimizer"]
+    assert model["linear4bit"] == 0 and model["base_dtypes"] == ["torch.bfloat16"]
+    assert opt["type"] == "AdamW" and opt["states"] == model["lora_tensors"] > 0
+    assert got["eval"]["linear4bit"] == 0 and got["eval"]["lora"]
+    assert got["bench"] == {"status": "ok", "rows": {"recipe": "ok"}, "quantization": "none"}
+    assert got["bench_phases"] == ["build", "load", "rollout", "repairs", "update",
+                                   "evaluation", "update_offload"]  # fmt: skip
+    assert got["bench_optimizer"] == "AdamW"
+
+
+def test_without_bitsandbytes_a_4bit_run_names_the_fix():
+    """The other side of the fallback: asking for 4-bit where bitsandbytes cannot be imported
+    ends in one message naming both fixes, before any model is built."""
+    code = (
+        "import sys; sys.modules['bitsandbytes'] = None\n"
+        "import torch\n"
+        "from ibpo.config import ConfigError\n"
+        "from ibpo.modeling import quantize_nf4\n"
+        "try:\n"
+        "    quantize_nf4(torch.nn.Linear(4, 4), torch.bfloat16)\n"
+        "except ConfigError as e:\n"
+        "    print('MESSAGE', e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "MESSAGE model.quantization=nf4 needs bitsandbytes" in proc.stdout, proc.stderr
+    assert "model.quantization=none" in proc.stdout
