@@ -212,6 +212,7 @@ def quantize_nf4(model: nn.Module, dtype: torch.dtype) -> int:
     quantise without a checkpoint on disk."""
     _quantization_config(dtype)  # first: without bitsandbytes, the message naming the fix
     import bitsandbytes as bnb
+
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
     for name in names:
         parent, _, leaf = name.rpartition(".")
