@@ -667,7 +667,7 @@ def share_of_characters(text: str) -> float:
     return sum(c in CHARS for c in text) / max(len(text), 1)
 
 
-def mostly_characters(text: str, answer: str, threshold: float = 0.25) -> float:
+def mostly_characters(text: str, answer: str, threshold: float = 0.4) -> float:
     """The learning run's reward, which its model can learn from scratch: 1 when at least
     `threshold` of the completion is CHARS, else 0. Binary, as IBPO's repairs need: a failed
     completion (0) is repaired, and a repair succeeds when it reaches the threshold."""

@@ -242,14 +242,14 @@ def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
     ids=["default", "terse", "long"],
 )
 def test_the_planned_repair_prompt_is_the_one_the_code_sends(template):
-    """With a character tokenizer (one token per character, as bench/bench_gpu.py's) the
-    planner's repair prompt length is exactly that of repair_prompt's rendering, for a problem
-    at data.max_prompt_tokens and an attempt and a reference at full length."""
+    """With a character tokenizer (one token per character: bench/bench_gpu.py's) the planner's
+    repair prompt length is exactly that of repair_prompt's rendering, for a problem at
+    data.max_prompt_tokens and an attempt and a reference at full length."""
+    from bench.bench_gpu import make_tokenizer
     from ibpo.data import Example, render_prompt
     from ibpo.repair import repair_prompt
-    from tests.conftest import make_tokenizer
 
-    tok, T = make_tokenizer(), 40
+    tok, T = make_tokenizer(256), 40
     question = "what is 12 + 34 * 5 - 6 ?"
     extra = [f"repair.template={json.dumps(template)}"] if template else []
     cfg = _cfg(f"rollout.max_new_tokens={T}", "objective.name=ibpo", *extra)
