@@ -91,7 +91,7 @@ GPU_TESTS = (
 STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
 # Each stage's own timeout (s); the overall --budget-s caps them further. The quick stages are
 # quick unless something hangs (a driver, a lock).
-TIMEOUTS = {"install": 40, "environment": 40, "bnb_cuda": 40, "bench_gpu": 330, "learning": 90,
+TIMEOUTS = {"install": 40, "environment": 45, "bnb_cuda": 40, "bench_gpu": 330, "learning": 90,
             "gpu_suite": 240}  # fmt: skip
 # Guaranteed shares: even if every stage before it runs to its timeout, each of these has this
 # much, because every stage's timeout is capped by what is left less the shares of the stages
@@ -174,11 +174,11 @@ except Exception as e:
 print("GPU_CHECK_ENV " + json.dumps(info), flush=True)
 try:
     r = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True,
-                       text=True, timeout=20)
+                       text=True, timeout=30)
     last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
     bnb = True if r.returncode == 0 else last[:300]
 except subprocess.TimeoutExpired:
-    bnb = "import bitsandbytes did not finish in 20 s"
+    bnb = "import bitsandbytes did not finish in 30 s"
 print("GPU_CHECK_ENV_BNB " + json.dumps({"bitsandbytes_imports": bnb}), flush=True)
 """
 
@@ -341,11 +341,11 @@ def bench_budget(timeout_s: float) -> int:
     return max(int(timeout_s - BENCH_STARTUP_S), 1)
 
 
-def stage_timeout(name: str, left: float, later: list[str]) -> int:
-    """A stage's timeout: its own, capped by what is `left` less the guaranteed shares (MIN_S)
-    of the stages `later` in the run that will run, so each of those keeps its share."""
+def stage_timeout(own_s: float, left: float, later: list[str]) -> int:
+    """A stage's timeout: its own (`own_s`), capped by what is `left` less the guaranteed shares
+    (MIN_S) of the stages `later` in the run that will run, so each of those keeps its share."""
     keep = sum(MIN_S.get(n, 0) for n in later)
-    return int(max(min(TIMEOUTS[name], left - keep), 0))
+    return int(max(min(own_s, left - keep), 0))
 
 
 def worst_case_timeouts(budget_s: float, skip=()) -> dict[str, int]:
@@ -355,7 +355,7 @@ def worst_case_timeouts(budget_s: float, skip=()) -> dict[str, int]:
     names = [n for n in STAGES if n not in skip]
     left, out = budget_s - RESERVE_S, {}
     for i, name in enumerate(names):
-        out[name] = stage_timeout(name, left, names[i + 1 :])
+        out[name] = stage_timeout(TIMEOUTS[name], left, names[i + 1 :])
         left -= out[name]
     return out
 
@@ -753,8 +753,15 @@ def run_all(
             s.skip = f"no CUDA device (environment stage: cuda_available={cuda!r})"
         if not s.skip and s.needs_cuda and cuda is None:
             record["note"] = "the environment stage did not say whether CUDA is there: run anyway"
+        later = [t.name for t in stages[i + 1 :] if not t.skip]
+        timeout = stage_timeout(s.timeout_s, left, later)
         if not s.skip and left < MIN_STAGE_S:
             s.skip = f"overall budget spent ({max(left, 0):.0f} s left of --budget-s {budget_s:g})"
+        elif not s.skip and timeout < MIN_STAGE_S:
+            s.skip = (
+                f"{max(left, 0):.0f} s left of --budget-s {budget_s:g}, kept for "
+                f"{', '.join(n for n in later if n in MIN_S)}"
+            )
         if s.skip:
             record.update(status="skipped", reason=s.skip)
             print(f"\n== {s.name}: skipped: {s.skip}", flush=True)
@@ -762,8 +769,6 @@ def run_all(
             continue
         if report.get("fallback"):
             s = with_fallback(s)
-        later = [t.name for t in stages[i + 1 :] if not t.skip]
-        timeout = stage_timeout(s.name, left, later)
         command = s.command
         if s.name == "bench_gpu":
             command = [*command, "--budget-s", str(bench_budget(timeout))]
