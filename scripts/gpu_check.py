@@ -7,30 +7,40 @@ its plugins preinstalled; no bitsandbytes, no network), from the repository root
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-Stages, in order, each under its own timeout, capped by what is left of --budget-s (540 s by
-default: the device allows 600 s a command), each recorded as ok / failed / timeout / skipped
-(with the reason); a stage that fails does not stop the next:
+Before anything else it prints the versions it finds (peft first: the image's peft version is
+not known in advance), read from package metadata without importing them.
+
+Stages, in order, each recorded as ok / failed / timeout / skipped (with the reason); a stage
+that fails does not stop the next. Each runs under its own timeout, capped by what is left of
+--budget-s (560 s by default: the device allows 600 s a command) less the guaranteed shares
+(MIN_S) of the stages after it, so bench_gpu, the learning run and the suite each keep theirs
+even if every earlier stage runs to its timeout:
   1. install      the carried wheels (.whl/*.whl) into a temporary folder with `pip install
                   --no-index --no-deps --target` (nothing is fetched), first on every later
                   stage's PYTHONPATH; wheels of what the image has (pytest, pluggy, ...: IN_IMAGE)
                   are never installed, a carried copy first on the path can break the suite;
-  2. environment  versions, the GPU, and which modules the training loop imports are there;
+  2. environment  versions, then torch and the GPU, then whether bitsandbytes imports (last, in
+                  a child process: a crash there cannot take the lines before it along), and
+                  which modules the training loop imports are there;
   3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step.
-                  If it fails on a CUDA device, the later stages fall back to a bf16 base without
-                  4-bit and torch AdamW (bench_gpu --quantization none at the sizes the planner
-                  fits, IBPO_GPU_QUANTIZATION=none for the suite) and the report's "fallback"
-                  says why;
+                  If it fails on a device that may have CUDA, the later stages fall back to a
+                  bf16 base without 4-bit and torch AdamW (bench_gpu --quantization none at the
+                  sizes the planner fits, IBPO_GPU_QUANTIZATION=none for the suite) and the
+                  report's "fallback" says why;
   4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
                   shapes, phase by phase, beside the planner (see its docstring), then smaller
-                  models while its --budget-s lasts. It runs before the suite and is guaranteed
-                  BENCH_MIN_S even if every earlier stage runs to its timeout;
-  5. learning     bench_gpu.py --learn: 20 steps of a tiny Qwen3 whose training reward must rise;
+                  models, each row only if its planned seconds fit its --budget-s. The stage
+                  fails when its headline row (the recipe) is not ok; each row's status is in
+                  the report and the summary line;
+  5. learning     bench_gpu.py --learn: 20 steps of ibpo with its repairs on a tiny Qwen3 whose
+                  training reward must rise;
   6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` (and GPU_TESTS' other files) with
                   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
                   in what the others left; a test skipped on a CUDA device is flagged in the
                   report's "flags" with its reason (the exact-resume test's carries its numbers).
-Stages 3-5 run only with a CUDA device. Progress is printed as it goes (each child's output,
-prefixed with its stage).
+Stages 3-5 are skipped only when the environment stage says there is no CUDA device; one that
+failed before saying gates nothing. Progress is printed as it goes (each child's output, prefixed
+with its stage).
 
 Files: the device returns at most 8 files from $OUT (OUT_FILES_MAX). The check writes two there:
 <out>/gpu_check.json, the report, rewritten after every stage (a run cut short keeps what it
@@ -40,11 +50,13 @@ and into the report. Exit status: 0 when every stage that ran passed, 1 otherwis
 
     python3 scripts/gpu_check.py --dry-run --out /tmp/plan   # any machine: the plan, nothing run
 
---dry-run prints the order, the file bound, the budget (each stage's timeout if every earlier one
-ran to its own, and the bench's guaranteed share), what is carried (whether .whl/ holds a
-bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, and the rows
-bench_gpu would measure with the planner's figure per phase against --fake-device, with 4-bit
-and without; it writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it.
+--dry-run prints the versions, the order, the file bound, the budget (each stage's timeout if
+every earlier one ran to its own, and the guaranteed shares), what is carried (whether .whl/
+holds a bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, the
+headline rule, and the rows bench_gpu would measure with the planner's figure per phase against
+--fake-device, with 4-bit and without, each with its planned seconds and whether it would start
+(at worst, and with the bench's whole timeout); it writes the plan as the report and runs
+nothing. tests/test_gpu_check.py runs it.
 
 The carried wheels: .whl/ is git-ignored. Fetch them where the package index is reachable, at
 the development venv's versions, for the device's Python 3.12 (about 45 MiB; carry allows 64):
