@@ -674,12 +674,42 @@ def mostly_characters(text: str, answer: str, threshold: float = 0.4) -> float:
     return float(share_of_characters(text) >= threshold)
 
 
+def characters_reward(threshold: float):
+    def reward(text: str, answer: str) -> float:
+        return mostly_characters(text, answer, threshold)
+
+    return reward
+
+
+# The learning run's threshold: what about one in seven of the untrained model's completions
+# reaches, so that its first steps score about 0.15 whatever the random weights on the device
+# favour (the same seed draws other weights on CUDA than on CPU), within these bounds.
+LEARN_QUANTILE, LEARN_THRESHOLD_RANGE = 0.85, (0.2, 0.9)
+
+
+def calibrate_threshold(model, tok, cfg, device: torch.device) -> tuple[float, float]:
+    """(threshold, the untrained completions' mean share of characters), from one generation
+    batch of the untrained policy sampled as the run samples."""
+    ro = cfg.rollout
+    prompts = [render_prompt(tok, "write", cfg.data)] * ro.generation_batch_size
+    with step.generating(model, cfg, device) as generate:
+        out = generate(
+            tok, prompts, 1, ro.max_new_tokens, len(prompts),
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        )  # fmt: skip
+    shares = sorted(share_of_characters(t) for t in out.texts)
+    low, high = LEARN_THRESHOLD_RANGE
+    threshold = min(max(shares[int(LEARN_QUANTILE * len(shares))], low), high)
+    return round(threshold, 4), sum(shares) / len(shares)
+
+
 def learning_run(args, device: torch.device) -> dict:
     """`args.learn_steps` steps of the default objective, ibpo with its repairs, of the tiny
     Qwen3 (from its config, random weights; NF4 unless --quantization none, the compute dtype
-    model.dtype=auto picks: bf16 on a CUDA device with native bf16) on mostly_characters; the
-    training reward must rise: the mean of the last five steps above the first five's by
-    `args.learn_margin`, with repairs made. -> {rewards, repairs, first, last, learned, ...}."""
+    model.dtype=auto picks: bf16 on a CUDA device with native bf16) on mostly_characters at the
+    threshold calibrate_threshold finds; the training reward must rise: the mean of the last five
+    steps above the first five's by `args.learn_margin`, with repairs made.
+    -> {threshold, rewards, repairs, first, last, learned, repaired, ...}."""
     from accelerate import Accelerator
 
     cfg = load_config(None, [
@@ -700,6 +730,8 @@ def learning_run(args, device: torch.device) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accelerator = Accelerator(cpu=device.type == "cpu")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    threshold, initial_share = calibrate_threshold(model, tok, cfg, device)
+    REWARDS[LEARN_REWARD] = characters_reward(threshold)
     examples = [Example("write", "")] * cfg.train.prompts_per_step
     parts = step.StepParts(
         model, optimizer, scheduler, PromptStream(examples, 0, True), random.Random(0)
@@ -723,6 +755,8 @@ def learning_run(args, device: torch.device) -> dict:
         "quantization": cfg.model.quantization,
         "dtype": str(dtype).removeprefix("torch."),
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "threshold": threshold,
+        "initial_share": round(initial_share, 4),
         "rewards": rewards,
         "repairs": repairs,
         "repair_success_rate": successes,
