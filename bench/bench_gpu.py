@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import itertools
 import json
@@ -123,10 +124,12 @@ def filler_tokens(n: int) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
 def make_tokenizer(vocab_size: int):
     """A character tokenizer padded with one-character filler tokens to the model's vocabulary,
     so that every sampled id decodes (the real Qwen3 tokenizer would need the Hub) and decode ->
-    encode gives back the ids (tests/test_bench_scripts.py checks 1,024 random ones)."""
+    encode gives back the ids (tests/test_bench_scripts.py checks 1,024 random ones). One per
+    vocabulary size (building Qwen3's takes seconds); nothing here changes it after."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

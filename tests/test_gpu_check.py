@@ -27,7 +27,7 @@ STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_su
 BNB_WHEEL = "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
 
 
-def _run(*args, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(*args, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     env.pop("OUT", None)
     return subprocess.run(
