@@ -217,9 +217,9 @@ def quantize_nf4(model: nn.Module, dtype: torch.dtype) -> int:
     storage in `dtype`), one layer at a time so that only one layer's 16-bit copy is extra;
     returns how many were replaced. For weights built in memory, which from_pretrained cannot
     quantise without a checkpoint on disk."""
+    _quantization_config(dtype)  # first: without bitsandbytes, the message naming the fix
     import bitsandbytes as bnb
 
-    _quantization_config(dtype)  # the missing-bitsandbytes message
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
     for name in names:
         parent, _, leaf = name.rpartition(".")

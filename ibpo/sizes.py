@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibpo.config import DEFAULT_REPAIR_TEMPLATE, ConfigError, ModelConfig
 from ibpo.config import VLLM_BATCHED_TOKENS as VLLM_BATCHED_TOKENS  # re-exported
-from ibpo.config import ConfigError, ModelConfig
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.recipe import objective_spec
 
@@ -43,9 +43,9 @@ ADAMW32_BYTES = 2 * F32  # torch AdamW on fp32 LoRA weights: exp_avg + exp_avg_s
 # five fp32 copies in backward.
 HEAD_CHUNK_BYTES = F32 + F32 / 16
 HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
-# The repair prompt wraps question, failed attempt and a reference completion in the repair
-# template (config.DEFAULT_REPAIR_TEMPLATE, ~60 words): ~96 tokens besides them.
-REPAIR_TEMPLATE_TOKENS = 96
+# The repair prompt wraps question, failed attempt and a reference completion in repair.template
+# (repair_template_tokens below counts what it adds besides them).
+REPAIR_PLACEHOLDERS = ("{question}", "{attempt}", "{reference}")
 # The vLLM rollout engine (vllm_rollout.py). LoRA ranks it has adapter slots for, in every release
 # the vllm extra admits (an adapter is served by the next one up):
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -280,6 +280,17 @@ def sampling_bytes(sequences: int, vocab: int, b: int, top_p: float, sample: boo
 # --- generation requests -------------------------------------------------------------------------
 
 
+def repair_template_tokens(template: str) -> int:
+    """Tokens repair.template adds to a repair prompt besides the question, attempt and reference
+    it holds. The planner has no tokenizer, so it counts the template's UTF-8 bytes: exact for a
+    character tokenizer on ASCII text (bench/bench_gpu.py's), an upper bound for byte-level BPE
+    tokenizers, whose merges only shorten (the default template is 256 bytes; SmolLM2-135M's
+    tokenizer makes 59 tokens of it)."""
+    for placeholder in REPAIR_PLACEHOLDERS:
+        template = template.replace(placeholder, "")
+    return len(template.encode())
+
+
 def repair_generation(cfg) -> tuple[int, int, int] | None:
     """(batch, prompt tokens, new tokens) of the repair generations, None when repairs are off.
     Reads the config's `repair` section (IBPO.md Part 2) where there is one."""
@@ -293,7 +304,10 @@ def repair_generation(cfg) -> tuple[int, int, int] | None:
     jobs = cfg.train.prompts_per_step * min(getattr(rep, "max_repairs_per_group", G), G)
     jobs *= getattr(rep, "references", 1)
     batch = getattr(rep, "batch_size", None) or ro.generation_batch_size
-    prompt = cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + REPAIR_TEMPLATE_TOKENS
+    # the prompt as repair.repair_prompt renders it: the problem's rendered prompt (chat template
+    # and data.prompt_template included), the template's own text, the attempt and the reference
+    template = getattr(rep, "template", None) or DEFAULT_REPAIR_TEMPLATE
+    prompt = cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + repair_template_tokens(template)
     return min(batch, jobs), prompt, getattr(rep, "max_new_tokens", None) or ro.max_new_tokens
 
 

@@ -7,30 +7,40 @@ its plugins preinstalled; no bitsandbytes, no network), from the repository root
 
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT
 
-Stages, in order, each under its own timeout, capped by what is left of --budget-s (540 s by
-default: the device allows 600 s a command), each recorded as ok / failed / timeout / skipped
-(with the reason); a stage that fails does not stop the next:
+Before anything else it prints the versions it finds (peft first: the image's peft version is
+not known in advance), read from package metadata without importing them.
+
+Stages, in order, each recorded as ok / failed / timeout / skipped (with the reason); a stage
+that fails does not stop the next. Each runs under its own timeout, capped by what is left of
+--budget-s (560 s by default: the device allows 600 s a command) less the guaranteed shares
+(MIN_S) of the stages after it, so bench_gpu, the learning run and the suite each keep theirs
+even if every earlier stage runs to its timeout:
   1. install      the carried wheels (.whl/*.whl) into a temporary folder with `pip install
                   --no-index --no-deps --target` (nothing is fetched), first on every later
                   stage's PYTHONPATH; wheels of what the image has (pytest, pluggy, ...: IN_IMAGE)
                   are never installed, a carried copy first on the path can break the suite;
-  2. environment  versions, the GPU, and which modules the training loop imports are there;
+  2. environment  versions, then torch and the GPU, then whether bitsandbytes imports (last, in
+                  a child process: a crash there cannot take the lines before it along), and
+                  which modules the training loop imports are there;
   3. bnb_cuda     bitsandbytes' CUDA kernels: an NF4 round trip and one paged 8-bit AdamW step.
-                  If it fails on a CUDA device, the later stages fall back to a bf16 base without
-                  4-bit and torch AdamW (bench_gpu --quantization none at the sizes the planner
-                  fits, IBPO_GPU_QUANTIZATION=none for the suite) and the report's "fallback"
-                  says why;
+                  If it fails on a device that may have CUDA, the later stages fall back to a
+                  bf16 base without 4-bit and torch AdamW (bench_gpu --quantization none at the
+                  sizes the planner fits, IBPO_GPU_QUANTIZATION=none for the suite) and the
+                  report's "fallback" says why;
   4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
                   shapes, phase by phase, beside the planner (see its docstring), then smaller
-                  models while its --budget-s lasts. It runs before the suite and is guaranteed
-                  BENCH_MIN_S even if every earlier stage runs to its timeout;
-  5. learning     bench_gpu.py --learn: 20 steps of a tiny Qwen3 whose training reward must rise;
+                  models, each row only if its planned seconds fit its --budget-s. The stage
+                  fails when its headline row (the recipe) is not ok; each row's status is in
+                  the report and the summary line;
+  5. learning     bench_gpu.py --learn: 20 steps of ibpo with its repairs on a tiny Qwen3 whose
+                  training reward must rise;
   6. gpu_suite    `pytest -m gpu tests/test_gpu_e2e.py` (and GPU_TESTS' other files) with
                   PYTEST_DISABLE_PLUGIN_AUTOLOAD=1,
                   in what the others left; a test skipped on a CUDA device is flagged in the
                   report's "flags" with its reason (the exact-resume test's carries its numbers).
-Stages 3-5 run only with a CUDA device. Progress is printed as it goes (each child's output,
-prefixed with its stage).
+Stages 3-5 are skipped only when the environment stage says there is no CUDA device; one that
+failed before saying gates nothing. Progress is printed as it goes (each child's output, prefixed
+with its stage).
 
 Files: the device returns at most 8 files from $OUT (OUT_FILES_MAX). The check writes two there:
 <out>/gpu_check.json, the report, rewritten after every stage (a run cut short keeps what it
@@ -40,11 +50,13 @@ and into the report. Exit status: 0 when every stage that ran passed, 1 otherwis
 
     python3 scripts/gpu_check.py --dry-run --out /tmp/plan   # any machine: the plan, nothing run
 
---dry-run prints the order, the file bound, the budget (each stage's timeout if every earlier one
-ran to its own, and the bench's guaranteed share), what is carried (whether .whl/ holds a
-bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, and the rows
-bench_gpu would measure with the planner's figure per phase against --fake-device, with 4-bit
-and without; it writes the plan as the report and runs nothing. tests/test_gpu_check.py runs it.
+--dry-run prints the versions, the order, the file bound, the budget (each stage's timeout if
+every earlier one ran to its own, and the guaranteed shares), what is carried (whether .whl/
+holds a bitsandbytes wheel with CUDA libraries), each stage's command, the fallback plan, the
+headline rule, and the rows bench_gpu would measure with the planner's figure per phase against
+--fake-device, with 4-bit and without, each with its planned seconds and whether it would start
+(at worst, and with the bench's whole timeout); it writes the plan as the report and runs
+nothing. tests/test_gpu_check.py runs it.
 
 The carried wheels: .whl/ is git-ignored. Fetch them where the package index is reachable, at
 the development venv's versions, for the device's Python 3.12 (about 45 MiB; carry allows 64):
@@ -90,14 +102,22 @@ GPU_TESTS = (
 )
 STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
 # Each stage's own timeout (s); the overall --budget-s caps them further. The quick stages are
-# quick unless something hangs (a driver, a lock); the suite gets what the others leave.
-TIMEOUTS = {"install": 60, "environment": 45, "bnb_cuda": 60, "bench_gpu": 330, "learning": 60,
+# quick unless something hangs (a driver, a lock).
+TIMEOUTS = {"install": 40, "environment": 45, "bnb_cuda": 40, "bench_gpu": 330, "learning": 90,
             "gpu_suite": 240}  # fmt: skip
+# Guaranteed shares: even if every stage before it runs to its timeout, each of these has this
+# much, because every stage's timeout is capped by what is left less the shares of the stages
+# after it that will run (stage_timeout; parse_args refuses a --budget-s that cannot give them).
+MIN_S = {"bench_gpu": 240, "learning": 45, "gpu_suite": 120}
 RESERVE_S = 30  # kept back from the budget: ending a stage that timed out (<= 20 s), the report
 MIN_STAGE_S = 15  # a stage with less than this left is skipped rather than started and killed
-# The bench's guaranteed share: even if every stage before it runs to its timeout, it has this
-# much (parse_args refuses a --budget-s that cannot give it).
-BENCH_MIN_S = 240
+# bench_gpu's own --budget-s is its timeout less this: its imports and CUDA start-up before its
+# clock starts, and the last row's save after it
+BENCH_STARTUP_S = 30
+# The device image's versions (what docs/gpu.md's CPU run against them used); the check prints
+# what it finds first, peft's among them, and the report names every difference.
+DEVICE_VERSIONS = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.15",
+                   "tokenizers": "0.23.2", "huggingface_hub": "1.33", "peft": None}  # fmt: skip
 TAIL_CHARS = 4000  # output tail per stage in the report (the whole output is in the log)
 # The device returns at most 8 files from $OUT. The check writes two there: the report and one
 # combined log (plus, only for the instant of a rewrite, the report's .tmp): raw files (JUnit
@@ -108,18 +128,31 @@ OUT_FILES = ("gpu_check.json", "gpu_check.log")
 # the path can break the suite at start-up, so these wheels are never installed.
 IN_IMAGE = ("pytest", "pluggy", "iniconfig", "pygments", "packaging")
 ENV_MARK, BNB_MARK = "GPU_CHECK_ENV ", "GPU_CHECK_BNB "
+VERSIONS_MARK, ENV_BNB_MARK = "GPU_CHECK_VERSIONS ", "GPU_CHECK_ENV_BNB "
 
 # Versions, the GPU, and the modules the loop, the suite and the graders import (a missing one is
-# named, not fatal). Printed as one marked JSON line.
+# named, not fatal), in the order least likely to hang or crash first, each printed as one marked
+# JSON line as soon as it is known: the versions (importing nothing; peft first), then torch and
+# the GPU, then whether bitsandbytes imports, tried last and in a child process of its own, so
+# that a crash or hang there cannot take the lines before it along.
 ENV_PROBE = r"""
 import importlib.metadata as md, importlib.util, json, platform, subprocess, sys
+versions = {}
+for dist in ("peft", "torch", "transformers", "accelerate", "tokenizers", "huggingface_hub",
+             "bitsandbytes"):
+    try:
+        versions[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        versions[dist] = None
+print("GPU_CHECK_VERSIONS " + json.dumps(versions), flush=True)
 info = {"python": sys.version.split()[0], "platform": platform.platform(), "modules": {}}
 # module -> distribution; found without importing (fast), with where it comes from
 for mod, dist in (("torch", "torch"), ("transformers", "transformers"), ("peft", "peft"),
                   ("accelerate", "accelerate"), ("bitsandbytes", "bitsandbytes"),
                   ("pytest", "pytest"), ("yaml", "PyYAML"), ("numpy", "numpy"),
                   ("safetensors", "safetensors"), ("tokenizers", "tokenizers"), ("tqdm", "tqdm"),
-                  ("rapidfuzz", "rapidfuzz"), ("math_verify", "math-verify"),
+                  ("huggingface_hub", "huggingface_hub"), ("rapidfuzz", "rapidfuzz"),
+                  ("math_verify", "math-verify"),
                   ("latex2sympy2_extended", "latex2sympy2_extended"),
                   ("antlr4", "antlr4-python3-runtime"), ("sympy", "sympy"),
                   ("datasets", "datasets"), ("matplotlib", "matplotlib"),
@@ -133,15 +166,9 @@ for mod, dist in (("torch", "torch"), ("transformers", "transformers"), ("peft",
     except md.PackageNotFoundError:
         version = "unknown version"
     info["modules"][mod] = f"{version} ({spec.origin})"
-for mod in ("torch", "bitsandbytes"):  # these two are imported: they must load, not just exist
-    try:
-        importlib.import_module(mod)
-        info[f"{mod}_imports"] = True
-    except Exception as e:
-        info[f"{mod}_imports"] = f"{type(e).__name__}: {e}"[:300]
 try:
     import torch
-    info.update(torch=torch.__version__, torch_cuda_build=torch.version.cuda,
+    info.update(torch=torch.__version__, torch_imports=True, torch_cuda_build=torch.version.cuda,
                 cuda_available=torch.cuda.is_available())
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
@@ -149,14 +176,22 @@ try:
                     gpu_memory_gib=round(p.total_memory / 2**30, 2),
                     capability=f"{p.major}.{p.minor}", bf16=torch.cuda.is_bf16_supported())
 except Exception as e:
-    info["torch_error"] = f"{type(e).__name__}: {e}"[:300]
+    info["torch_imports"] = f"{type(e).__name__}: {e}"[:300]
 try:
     info["nvidia_smi"] = subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=20).stdout.strip()
+        capture_output=True, text=True, timeout=10).stdout.strip()
 except Exception as e:
     info["nvidia_smi"] = f"not run ({type(e).__name__})"
 print("GPU_CHECK_ENV " + json.dumps(info), flush=True)
+try:
+    r = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True,
+                       text=True, timeout=30)
+    last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+    bnb = True if r.returncode == 0 else last[:300]
+except subprocess.TimeoutExpired:
+    bnb = "import bitsandbytes did not finish in 30 s"
+print("GPU_CHECK_ENV_BNB " + json.dumps({"bitsandbytes_imports": bnb}), flush=True)
 """
 
 # bitsandbytes on the GPU: NF4 quantise/dequantise (its relative mean error was 0.091 with
@@ -229,6 +264,20 @@ def carried(wheels_dir: Path) -> dict:
     return info
 
 
+def image_versions() -> dict:
+    """The installed versions of DEVICE_VERSIONS' distributions (None: missing), read from their
+    metadata without importing them; peft first."""
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("peft", *(d for d in DEVICE_VERSIONS if d != "peft"), "bitsandbytes"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def _dist(wheel: str) -> str:
     return wheel.split("-")[0].lower().replace("_", "-")
 
@@ -299,22 +348,39 @@ def build_stages(args, raw: Path, site: Path, carry: dict) -> list[Stage]:
 
 
 def bench_budget(timeout_s: float) -> int:
-    """bench_gpu's --budget-s (it starts no configuration after that many seconds): half its
-    timeout, so that the one started last has the other half to finish."""
-    return max(int(timeout_s // 2), 1)
+    """bench_gpu's --budget-s: its timeout less its start-up; it starts no row and no phase whose
+    planned seconds do not fit in what is left of that (bench_gpu's Deadline)."""
+    return max(int(timeout_s - BENCH_STARTUP_S), 1)
+
+
+def stage_timeout(own_s: float, left: float, later: list[str]) -> int:
+    """A stage's timeout: its own (`own_s`), capped by what is `left` less the guaranteed shares
+    (MIN_S) of the stages `later` in the run that will run, so each of those keeps its share."""
+    keep = sum(MIN_S.get(n, 0) for n in later)
+    return int(max(min(own_s, left - keep), 0))
 
 
 def worst_case_timeouts(budget_s: float, skip=()) -> dict[str, int]:
     """Each stage's timeout if every stage before it ran to its own: what --budget-s guarantees
-    (the bench's share is at least BENCH_MIN_S, see parse_args). Real runs give later stages
+    (each stage of MIN_S gets at least its share, see parse_args). Real runs give later stages
     whatever the earlier ones left."""
+    names = [n for n in STAGES if n not in skip]
     left, out = budget_s - RESERVE_S, {}
-    for name in STAGES:
-        if name in skip:
-            continue
-        out[name] = int(max(min(TIMEOUTS[name], left), 0))
+    for i, name in enumerate(names):
+        out[name] = stage_timeout(TIMEOUTS[name], left, names[i + 1 :])
         left -= out[name]
     return out
+
+
+def budget_needed(skip=()) -> int:
+    """The least --budget-s that gives every stage of MIN_S its share after the stages before
+    them ran to their timeouts (0 when none of them runs)."""
+    names = [n for n in STAGES if n not in skip]
+    shared = [n for n in names if n in MIN_S]
+    if not shared:
+        return 0
+    before = names[: names.index(shared[0])]
+    return RESERVE_S + sum(TIMEOUTS[n] for n in before) + sum(MIN_S[n] for n in shared)
 
 
 # When bitsandbytes' CUDA kernels fail (or bitsandbytes is not there), the later stages still
@@ -334,9 +400,10 @@ def with_fallback(stage: Stage) -> Stage:
     )
 
 
-def bench_plan_rows(args, quantization: str) -> list[dict]:
+def bench_plan_rows(args, quantization: str, budgets: dict[str, int]) -> list[dict]:
     """What bench_gpu would measure, per configuration and phase, as the planner sees it under
-    the cap: the rows a dry run shows against the (fake) device."""
+    the cap, and which rows it would start under each of `budgets` (its --budget-s) if every
+    phase took its planned seconds: the rows a dry run shows against the (fake) device."""
     bench = _bench_module()
     configs = args.bench_configs or bench.parse_args([]).configs
     bargs = bench.parse_args(
@@ -348,6 +415,13 @@ def bench_plan_rows(args, quantization: str) -> list[dict]:
         cfg, arch, _ = bench._setup(item, bargs, row)
         row.update(planned=cfg is not None, model=row.get("model", f"qwen3-{arch}"))
         rows.append(row)
+    schedules = {}
+    for when, budget in budgets.items():
+        trial = [dict(r) for r in rows]
+        bench.planned_schedule(trial, budget)
+        schedules[when] = [r["schedule"] for r in trial]
+    for i, row in enumerate(rows):
+        row["schedule"] = {when: s[i] for when, s in schedules.items()}
     return rows
 
 
@@ -371,20 +445,25 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
     )
     print(f"order: {' -> '.join(s.name for s in stages)}")
     worst = worst_case_timeouts(args.budget_s, [s.name for s in stages if s.skip])
+    shares = ", ".join(f"{n} {worst[n]} s" for n in STAGES if n in MIN_S and n in worst)
     print(
         f"budget: {args.budget_s:g} s overall, {RESERVE_S} s kept back; a stage's timeout is its "
-        f"own or what is left; bench_gpu is guaranteed {worst.get('bench_gpu', 0)} s "
-        f"(>= {BENCH_MIN_S})"
+        "own, capped by what is left less the shares of the stages after it; guaranteed even "
+        f"if every earlier stage runs to its timeout: {shares or 'none'} "
+        f"(at least {', '.join(f'{k} {v} s' for k, v in MIN_S.items())})"
     )
     _print_carried(carry)
     for i, s in enumerate(stages, 1):
         if s.skip:
             print(f"stage {i} {s.name}: would be skipped: {s.skip}")
             continue
-        when = " (only if the environment stage finds a CUDA device)" if s.needs_cuda else ""
+        when = " (unless the environment stage finds no CUDA device)" if s.needs_cuda else ""
         timeout = f"timeout {worst[s.name]:g} s at worst"
-        if s.name == "gpu_suite":  # last: what the others leave, up to its own timeout
-            timeout = f"what is left, up to {s.timeout_s} s ({worst[s.name]:g} s at worst)"
+        if s.name in MIN_S:  # what the others leave, up to its own timeout
+            timeout = (
+                f"what is left, up to {s.timeout_s} s ({worst[s.name]:g} s at worst, "
+                f"guaranteed {MIN_S[s.name]} s)"
+            )
         print(f"stage {i} {s.name}: would run{when}, {timeout}:")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.env.items())
         command = s.command
@@ -402,11 +481,25 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
         ]
     )
     print(f"fallback if bnb_cuda fails: bf16 base without 4-bit, torch AdamW: {fallback}")
-    rows = {q: bench_plan_rows(args, q) for q in ("nf4", "none")}
+    print(
+        "bench_gpu's status is its headline row's (the first of its --configs): the stage fails "
+        "when that row fails, is skipped or stops, whatever the other rows did"
+    )
+    budgets = {
+        "at worst": bench_budget(worst.get("bench_gpu", 0)),
+        "at its full timeout": bench_budget(TIMEOUTS["bench_gpu"]),
+    }
+    print(
+        "bench time plan (assumed rates until a device measures them: "
+        f"bench_gpu.plan_seconds): --budget-s {budgets['at worst']} at worst, "
+        f"{budgets['at its full timeout']} at its full timeout; a row starts only if its "
+        "required phases fit, an optional phase only if it still fits"
+    )
+    rows = {q: bench_plan_rows(args, q, budgets) for q in ("nf4", "none")}
     for q, label in (("nf4", "bench rows (plan)"), ("none", "fallback bench rows (plan)")):
         for r in rows[q]:
             _print_row(label, r, args.cap_gb)
-    return {"timeouts_worst_case": worst, "bench_plan": rows}
+    return {"timeouts_worst_case": worst, "bench_budget_s": budgets, "bench_plan": rows}
 
 
 def _print_row(label: str, r: dict, cap_gb: float) -> None:
@@ -415,11 +508,13 @@ def _print_row(label: str, r: dict, cap_gb: float) -> None:
         return
     phases = ", ".join(f"{k} {v:.2f}" for k, v in r["plan_phases_gb"].items())
     extra = f" ({r['fallback']})" if r.get("fallback") else ""
+    seconds = ", ".join(f"{k} {v:.0f}" for k, v in r["plan_seconds"].items())
+    schedule = "; ".join(f"{k}: {v}" for k, v in r["schedule"].items())
     print(
         f"{label}: {r['config']}: {r['model']}{extra}, {r['completions']} completions x "
         f"{r['prompt_tokens']}+{r['new_tokens']} tokens, LoRA r{r['lora_r']}: GiB {phases}; "
         f"peak {r['plan_peak_phase']} {r['plan_peak_gb']:.2f} of {cap_gb:g}: "
-        f"{'fits' if r['plan_fits'] else 'does NOT fit'}"
+        f"{'fits' if r['plan_fits'] else 'does NOT fit'}; seconds {seconds}; {schedule}"
     )
 
 
@@ -659,15 +754,26 @@ def run_all(
     )
     base_env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
     failed = False
-    for s in stages:
+    for i, s in enumerate(stages):
         record = stage_record(s)
         report["stages"].append(record)
         left = deadline - time.monotonic()
         cuda = (report.get("environment") or {}).get("cuda_available")
-        if not s.skip and s.needs_cuda and not cuda:
+        # only a probe that says there is no CUDA device skips the CUDA stages: one that failed
+        # before saying (cuda None) gates nothing; those stages find out for themselves
+        if not s.skip and s.needs_cuda and cuda is False:
             s.skip = f"no CUDA device (environment stage: cuda_available={cuda!r})"
+        if not s.skip and s.needs_cuda and cuda is None:
+            record["note"] = "the environment stage did not say whether CUDA is there: run anyway"
+        later = [t.name for t in stages[i + 1 :] if not t.skip]
+        timeout = stage_timeout(s.timeout_s, left, later)
         if not s.skip and left < MIN_STAGE_S:
             s.skip = f"overall budget spent ({max(left, 0):.0f} s left of --budget-s {budget_s:g})"
+        elif not s.skip and timeout < MIN_STAGE_S:
+            s.skip = (
+                f"{max(left, 0):.0f} s left of --budget-s {budget_s:g}, kept for "
+                f"{', '.join(n for n in later if n in MIN_S)}"
+            )
         if s.skip:
             record.update(status="skipped", reason=s.skip)
             print(f"\n== {s.name}: skipped: {s.skip}", flush=True)
@@ -675,7 +781,6 @@ def run_all(
             continue
         if report.get("fallback"):
             s = with_fallback(s)
-        timeout = min(s.timeout_s, left)
         command = s.command
         if s.name == "bench_gpu":
             command = [*command, "--budget-s", str(bench_budget(timeout))]
@@ -701,7 +806,9 @@ def decide_fallback(report: dict) -> None:
     done = {r["name"]: r for r in report["stages"]}
     bnb = done.get("bnb_cuda")
     cuda = (report.get("environment") or {}).get("cuda_available")
-    if not cuda or bnb is None or bnb["status"] == "ok" or report.get("fallback"):
+    # no fallback where there is surely no CUDA device; where the environment stage could not
+    # say, a failed probe still switches the later stages to what runs without bitsandbytes
+    if cuda is False or bnb is None or bnb["status"] == "ok" or report.get("fallback"):
         return
     why = bnb.get("reason") or f"bnb_cuda {bnb['status']} (rc {bnb.get('rc')})"
     report["fallback"] = {
@@ -716,7 +823,14 @@ def decide_fallback(report: dict) -> None:
 def collect(name: str, record: dict, report: dict, raw: Path, log: str) -> None:
     """What a stage produced (its output `log`, its files in `raw`), into the report."""
     if name == "environment":
-        report["environment"] = marked_json(log, ENV_MARK)
+        env = marked_json(log, ENV_MARK)
+        if env is not None:
+            env.update(marked_json(log, ENV_BNB_MARK) or {"bitsandbytes_imports": "not probed"})
+        versions = marked_json(log, VERSIONS_MARK)
+        if versions is not None:
+            env = {**(env or {}), "versions": versions}
+            report["versions_differ"] = versions_differ(versions)
+        report["environment"] = env
     elif name == "bnb_cuda":
         report["bnb_cuda"] = marked_json(log, BNB_MARK)
     elif name == "gpu_suite":
@@ -732,8 +846,44 @@ def collect(name: str, record: dict, report: dict, raw: Path, log: str) -> None:
         flag_skips(report, record, tests or {}, cuda)
     elif name == "bench_gpu":
         report["bench_gpu"] = read_json(raw / "bench_gpu.json")
+        judge_bench(record, report["bench_gpu"])
     elif name == "learning":
         report["learning"] = read_json(raw / "learning.json")
+
+
+def judge_bench(record: dict, bench) -> None:
+    """Each row's status into the stage's record; the stage failed when the headline row (the
+    8B recipe by default) did, whatever the exit status said, or when there are no rows."""
+    if not isinstance(bench, dict) or "rows" not in bench:
+        if record["status"] == "ok":
+            record.update(status="failed", reason="bench_gpu wrote no results with row status")
+        return
+    record["rows"] = bench["rows"]
+    head = bench.get("headline")
+    if bench.get("status") != "ok" and record["status"] == "ok":
+        record.update(
+            status="failed", reason=f"headline row {head}: {bench['rows'].get(head, 'not run')}"
+        )
+
+
+def versions_differ(found: dict) -> dict:
+    """{distribution: {found, expected}} where the image's version is not DEVICE_VERSIONS'."""
+    out = {}
+    for dist, want in DEVICE_VERSIONS.items():
+        have = found.get(dist)
+        if want is not None and not (have or "").startswith(want):
+            out[dist] = {"found": have, "expected": want}
+    return out
+
+
+def summary_line(stages: list[dict]) -> str:
+    """One line: each stage's status, with the bench's rows."""
+    parts = []
+    for s in stages:
+        rows = s.get("rows")
+        extra = f" [{'; '.join(f'{k} {v}' for k, v in rows.items())}]" if rows else ""
+        parts.append(f"{s['name']} {s['status']}{extra}")
+    return ", ".join(parts)
 
 
 def flag_skips(report: dict, record: dict, tests: dict, cuda) -> None:
@@ -768,7 +918,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=540.0,
+        default=560.0,
         help="overall limit (s), capping every stage's timeout (the device allows 600 s a "
         "command: give its timeout_s 600)",
     )
@@ -810,11 +960,12 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--out is required when $OUT is not set (the folder for the report)")
     if args.budget_s <= 0:
         ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s:g}")
-    need = RESERVE_S + BENCH_MIN_S + sum(TIMEOUTS[s] for s in STAGES[: STAGES.index("bench_gpu")])
-    if "bench_gpu" not in args.skip and args.budget_s < need:
+    need = budget_needed(args.skip)
+    if args.budget_s < need:
+        shares = ", ".join(f"{n} {MIN_S[n]} s" for n in STAGES if n in MIN_S and n not in args.skip)
         ap.error(
-            f"--budget-s {args.budget_s:g} cannot guarantee bench_gpu its {BENCH_MIN_S} s after "
-            f"the stages before it: give at least {need} s, or --skip bench_gpu"
+            f"--budget-s {args.budget_s:g} cannot guarantee {shares} after the stages before "
+            f"them: give at least {need} s, or --skip some of them"
         )
     name, _, gib = args.fake_device.rpartition(":")
     try:
@@ -837,6 +988,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    versions = image_versions()  # first of all: peft's version on the image is not known
+    print(
+        "versions: " + ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items()), flush=True
+    )
     carry = carried(Path(args.wheels).resolve())
     if args.dry_run:
         site = Path(tempfile.gettempdir()) / "gpu-check-site-XXXX"
@@ -852,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "budget_s": args.budget_s,
         "carried": carry,
+        "image_versions": versions,
+        "image_versions_differ": versions_differ(versions),
         "site_packages": str(site),
         "out_files": {"written": list(OUT_FILES), "max": OUT_FILES_MAX},
         "environment": None,
@@ -878,8 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
         report["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         report["elapsed_s"] = round(time.monotonic() - start, 1)
         write_report(out, report)
-    summary = ", ".join(f"{s['name']} {s['status']}" for s in report["stages"])
-    print(f"\ngpu_check: {summary}; report {out / 'gpu_check.json'}", flush=True)
+    line = summary_line(report["stages"])
+    print(f"\ngpu_check: {line}; report {out / 'gpu_check.json'}", flush=True)
     for flag in report.get("flags", []):
         print(f"FLAG: {flag}", flush=True)
     return rc

@@ -6,6 +6,7 @@ they report are checked.
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -166,7 +167,48 @@ def test_bench_gpu_smoke_measures_the_recipe_phase_by_phase(tmp_path, one_thread
     assert row["phases"]["rollout"]["tokens"] == 32 * 8  # forced to full length
     assert row["phases"]["repairs"]["repairs"] > 0
     assert 0 <= row["mismatch"]["mismatch_kl"] < 1e-2 and row["mismatch"]["mismatch_abs_max"] > 0
+    # the repair prompts fed are the plan's (one token per character, attempts at full length)
+    fed = row["repair_prompts"]
+    assert (
+        abs(fed["prompt_tokens_max"] - fed["prompt_tokens_planned"])
+        <= 0.1 * fed["prompt_tokens_planned"]
+    )
+    assert fed["prompt_tokens_planned"] == 32 + 2 * 8 + 256  # prompt, attempt, reference, template
+    assert all(p["plan_s"] == row["plan_seconds"][k] for k, p in row["phases"].items())
+    assert summary["status"] == "ok" and summary["rows"] == {"recipe": "ok"}
+    assert summary["summary"] == "bench_gpu ok: recipe ok"
     assert json.loads(out.read_text()) == summary
+
+
+def test_bench_tokenizer_round_trips_decode_then_encode():
+    """1,024 random ids of Qwen3's vocabulary decode to text that encodes back to the same ids
+    (repair prompts hold completions at the length they were sampled), whitespace included."""
+    import random
+
+    bench = _script("bench_gpu")
+    tok = bench.make_tokenizer(151936)
+    assert len(tok) == 151936
+    rng = random.Random(0)
+    ids = [rng.randrange(len(bench.SPECIALS), 151936) for _ in range(1024)]
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    # newlines and spaces next to each other stay one token each
+    spaces = [len(bench.SPECIALS) + bench.CHARS.index(c) for c in "\n\n . \n"]
+    assert tok(tok.decode(spaces), add_special_tokens=False)["input_ids"] == spaces
+    fillers = bench.filler_tokens(151936 - len(bench.SPECIALS) - len(bench.CHARS))
+    assert all(len(f) == 1 and not f.isspace() and f not in bench.CHARS for f in fillers)
+    assert len(set(fillers)) == len(fillers) and tok.padding_side == "left"
+
+
+def test_bench_refuses_repair_prompts_off_the_plan():
+    bench = _script("bench_gpu")
+    assert bench.check_repair_prompts([2700, 2816], 2816) == {
+        "prompt_tokens_max": 2816,
+        "prompt_tokens_planned": 2816,
+    }
+    bench.check_repair_prompts([2560], 2816)  # 9% short: within
+    with pytest.raises(bench.PlanMismatch, match="up to 17600 tokens against the plan's 2816"):
+        bench.check_repair_prompts([17600], 2816)
 
 
 def test_bench_gpu_keeps_what_it_measured_when_a_phase_fails(tmp_path, one_thread, monkeypatch):
@@ -190,13 +232,103 @@ def test_bench_gpu_keeps_what_it_measured_when_a_phase_fails(tmp_path, one_threa
     bench.bench_config("recipe", args, device, row, lambda: saved.append(list(row["phases"])))
     assert row["status"] == "failed" and row["error"]["type"] == "ValueError"
     assert row["error"]["phase"] == "update" and "no kernel image" in row["error"]["message"]
+    assert bench.row_status(row) == "failed (ValueError during update)"
     assert list(row["phases"]) == ["build", "load", "rollout", "repairs"]
+    saved = [s for i, s in enumerate(saved) if i == 0 or s != saved[i - 1]]  # distinct
     assert saved[:4] == [["build"], ["build", "load"], ["build", "load", "rollout"],
                          ["build", "load", "rollout", "repairs"]]  # fmt: skip
     nxt = {"config": "tiny:8", "status": "running", "phases": {}}
     bench.bench_config("tiny:8", args, device, nxt, lambda: None)
     assert nxt["status"] == "ok" and "update" in nxt["phases"]
     assert bench.step.update_policy is failing_once  # the hooks put back what they wrapped
+    # the headline (first) row failed: the run failed, whatever the rows after it did
+    summary = {"headline": "recipe", "results": [row, nxt]}
+    bench.summarise(summary)
+    assert summary["status"] == "failed"
+    assert summary["rows"] == {"recipe": "failed (ValueError during update)", "tiny:8": "ok"}
+    assert summary["summary"] == (
+        "bench_gpu failed: recipe failed (ValueError during update); tiny:8 ok"
+    )
+    summary = {"headline": "tiny:8", "results": [nxt, row]}
+    bench.summarise(summary)
+    assert summary["status"] == "ok"
+
+
+def test_bench_starts_no_row_that_does_not_fit_its_budget(tmp_path):
+    """The script itself: a headline row whose planned seconds do not fit --budget-s is skipped
+    and says why (nothing is built), and the run exits 1 with one line naming it."""
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_gpu.py", "--smoke", "--configs", "tiny:8",
+         "--budget-s", "5", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    row = summary["results"][0]
+    assert row["status"].startswith("skipped: time: row tiny:8 planned 10 s") and not row["phases"]
+    assert "5 s left of --budget-s 5" in row["status"]
+    assert summary["status"] == "failed"
+    assert proc.stdout.strip().splitlines()[-1] == f"bench_gpu failed: tiny:8 {row['status']}"
+
+
+def test_a_phase_that_no_longer_fits_stops_its_row_before_it(one_thread, monkeypatch):
+    """The deadline is checked again before each phase with the plan scaled by what the run
+    measured: a row whose build ran long stops before its rollout (not cut in the middle), and
+    an optional phase that does not fit is left out, saying so."""
+    bench = _script("bench_gpu")
+    now = [0.0]
+    real = bench.build_base
+
+    def slow_build(*a, **k):
+        now[0] += 1000.0  # the build "took" 1000 s
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "build_base", slow_build)
+    args = bench.parse_args(["--smoke", "--configs", "tiny:8"])
+    args.group_size, args.prompt_chars = 4, 24
+    deadline = bench.Deadline(60, clock=lambda: now[0])
+    row = {"config": "tiny:8", "status": "running", "phases": {}}
+    bench.bench_config("tiny:8", args, bench.torch.device("cpu"), row, lambda: None, deadline)
+    assert row["status"].startswith("stopped: time: before rollout planned"), row["status"]
+    assert list(row["phases"]) == ["build", "load"] and bench.row_status(row) == row["status"]
+    # an optional phase: left out and recorded, the row goes on
+    row = {"phases": {}, "plan_seconds": {"evaluation": 30.0}}
+    meter = bench.Meter(row, bench.torch.device("cpu"), lambda: None)
+    meter.deadline = bench.Deadline(20, clock=lambda: 0.0)
+    assert not bench._optional(meter, "evaluation")
+    assert meter.row["left_out"]["evaluation"].startswith("evaluation planned 30 s")
+    meter.deadline = bench.Deadline(40, clock=lambda: 0.0)
+    assert bench._optional(meter, "evaluation")
+
+
+def test_the_planned_schedule_follows_the_runs_rules():
+    """A dry run's schedule: rows in order while their required phases fit, optional phases
+    while they still fit; a row the planner could not fit says so."""
+    bench = _script("bench_gpu")
+    plan = {"build": 30, "load": 10, "rollout": 60, "repairs": 60, "update": 20,
+            "evaluation": 60, "update_offload": 25}  # fmt: skip
+    rows = [
+        {"config": "recipe", "plan_seconds": plan},
+        {"config": "skipped", "status": "skipped: the plan does not fit"},
+        {"config": "4b:2048", "plan_seconds": {"build": 15, "load": 10, "rollout": 100}},
+    ]
+    bench.planned_schedule(rows, 210)
+    # required 180 s of 210: evaluation's 60 do not fit, update_offload's 25 still do
+    assert rows[0]["schedule"] == "runs, without evaluation"
+    assert rows[1]["schedule"] == "skipped: the plan does not fit"
+    assert rows[2]["schedule"].startswith("skipped: row 4b:2048 planned 125 s")
+    bench.planned_schedule(rows, 400)
+    assert rows[0]["schedule"] == "runs" and rows[2]["schedule"] == "runs"
+    d = bench.Deadline(100, clock=lambda: 0.0)
+    d.record(planned=10, measured=30)  # the device is 3x slower than planned
+    assert d.scale == 3 and d.check("x", 30) is None and "planned 120 s" in d.check("x", 40)
+    d = bench.Deadline(100, clock=lambda: 0.0)
+    d.record(planned=10, measured=1)  # much faster: the plan is halved at most
+    assert d.scale == 0.5
 
 
 def test_bench_gpu_without_4bit_measures_what_fits(one_thread):
@@ -210,9 +342,8 @@ def test_bench_gpu_without_4bit_measures_what_fits(one_thread):
     assert cfg.model.quantization == "none" and cfg.train.optimizer == "adamw"
     row = {"phases": {}}
     assert bench._setup("8b:1024", args, row)[0] is None and row["status"].startswith("skipped")
-    summary = bench.main(["--smoke", "--quantization", "none", "--configs", "tiny:8"])
-    r = summary["results"][0]
-    assert r["status"] == "ok" and r["phases"]["load"]["optimizer"] == "AdamW"
+    # run without 4-bit (and without bitsandbytes): tests/test_gpu_check.py's hidden-bitsandbytes
+    # test runs the recipe row that way
 
 
 def test_random_weights_quantised_in_memory_match_a_loaded_nf4_base(tiny_model_dir):
@@ -245,14 +376,21 @@ def test_random_weights_quantised_in_memory_match_a_loaded_nf4_base(tiny_model_d
 
 
 def test_the_learning_run_learns_and_a_frozen_one_is_told_apart(one_thread, capsys):
-    """20 steps of the tiny Qwen3 on the share of character tokens: the reward rises by more
-    than the margin; with a learning rate of 1e-9 it does not, and the script says so."""
+    """20 steps of ibpo with repairs on the tiny Qwen3, rewarded for writing mostly character
+    tokens: the reward rises by more than the margin; with a learning rate of 1e-9 it does not
+    (10 steps), and the script says so."""
     bench = _script("bench_gpu")
     result = bench.main(["--learn"])
     assert result["learned"] and result["last"] > result["first"] + 0.2, result["rewards"]
     assert len(result["rewards"]) == 20
+    # the default objective with its repairs, on the 4-bit base
+    assert (result["objective"], result["quantization"]) == ("ibpo", "nf4")
+    assert result["repaired"] and sum(result["repairs"]) > 0
+    assert max(result["repair_success_rate"]) > 0  # repairs that succeeded shaped the rewards
+    # the threshold is what about one in seven untrained completions reaches: a low start
+    assert 0.2 <= result["threshold"] <= 0.9 and result["rewards"][0] < 0.3
     with pytest.raises(SystemExit, match="the training reward did not rise"):
-        bench.main(["--learn", "--learn-lr", "1e-9"])
+        bench.main(["--learn", "--learn-lr", "1e-9", "--learn-steps", "10"])
 
 
 def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
@@ -264,8 +402,10 @@ def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
     bench = _script("bench_gpu")
     cuda = bench.torch.cuda
     free = iter([20, 12, 9, 15] + [15] * 10_000)  # GiB free, as the poller reads it
+    calls = []
     monkeypatch.setattr(cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
     monkeypatch.setattr(cuda, "mem_get_info", lambda: (next(free) * 2**30, 24 * 2**30))
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 7 * 2**30)
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda: 8 * 2**30)
@@ -278,6 +418,8 @@ def test_bench_gpu_meter_records_the_devices_peak_beside_torchs(monkeypatch):
     assert (rec["alloc_gb"], rec["reserved_gb"], rec["plan_gb"]) == (7.0, 8.0, 6.5)
     assert rec["device_used_gb"] == 24 - 9  # the dip, not the end
     assert rec["tokens"] == 100 and row["phases"]["rollout"] is rec and saves == [1]
+    # the previous phase's cached blocks go back before the peaks restart: the phase's own
+    assert calls == ["empty_cache", "reset"]
 
 
 def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):

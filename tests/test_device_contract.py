@@ -218,7 +218,7 @@ def test_update_stages_read_no_device_value(case):
 def test_objectives_under_fake_cuda_tensors():
     """The objectives with FakeTensorMode's fake `cuda` tensors: every output stays on cuda,
     and a CPU advantage tensor among cuda inputs is caught as a device mismatch."""
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     n, T = 2 * G, 5
     with FakeTensorMode():
@@ -233,7 +233,9 @@ def test_objectives_under_fake_cuda_tensors():
             loss = aggregate(per_token, mask, obj.aggregation, 10.0)
             assert loss.device.type == "cuda" and coef.device.type == "cuda", name
             assert all(v.device.type == "cuda" for v in info.values()), name
-        with pytest.raises(FakeTensorDeviceMismatchError):
+        # a RuntimeError either way: FakeTensorDeviceMismatchError in torch 2.13 ("found at least
+        # two devices"), a plain one in torch 2.11, the GPU image's ("two different devices")
+        with pytest.raises(RuntimeError, match=r"two (different )?devices"):
             OBJECTIVES["ibpo"].surrogate(
                 logp,
                 logp.detach(),

@@ -27,7 +27,7 @@ STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_su
 BNB_WHEEL = "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
 
 
-def _run(*args, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(*args, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     env.pop("OUT", None)
     return subprocess.run(
@@ -64,20 +64,25 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
     said = proc.stdout
     assert "dry run: nothing is installed or run" in said
     lines = said.splitlines()
+    # first of all, the versions found (peft's is not known in advance), importing nothing
+    assert lines[0].startswith("versions: peft ") and "transformers " in lines[0]
     for i, name in enumerate(STAGES, 1):
         assert any(x.startswith(f"stage {i} {name}: would run") for x in lines), name
     assert f"carried bitsandbytes wheel: yes, {BNB_WHEEL}, CUDA libraries: cuda128" in said
     assert "--no-index --no-deps --target" in said and str(wheels / BNB_WHEEL) in said
     assert "IBPO_GPU_REPORT=" in said and "-m pytest -m gpu tests/test_gpu_e2e.py" in said
     assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in said  # the image's plugins stay out
-    # bench_gpu under the 23.5 GiB cap, starting no configuration in the second half of its 330 s
-    assert "bench/bench_gpu.py --cap-gb 23.5 --out" in said and "--budget-s 165" in said
+    # bench_gpu under the 23.5 GiB cap; at worst (install, environment and bnb_cuda at their
+    # 40, 45 and 40 s timeouts) 530 - 125 - 45 - 120 = 240 s, less 30 s for its start-up
+    assert "bench/bench_gpu.py --cap-gb 23.5 --out" in said and "--budget-s 210" in said
+    assert "guaranteed even if every earlier stage runs to its timeout: bench_gpu 240 s, " in said
+    assert "learning 45 s, gpu_suite 120 s" in said
     assert "order: install -> environment -> bnb_cuda -> bench_gpu -> learning -> gpu_suite" in said
     assert "files back in $OUT: 2 (gpu_check.json, gpu_check.log), at most 8 come back" in said
     assert str(out / "gpu_check") not in said  # no raw files under $OUT
     for name in ("bnb_cuda", "bench_gpu", "learning"):
         line = next(x for x in lines if x.startswith(f"stage {STAGES.index(name) + 1} {name}"))
-        assert "only if the environment stage finds a CUDA device" in line
+        assert "unless the environment stage finds no CUDA device" in line
     report = _report(out)
     assert report["dry_run"] and report["carried"]["bitsandbytes_wheel"] == BNB_WHEEL
     assert report["carried"]["cuda_libraries"] == ["libbitsandbytes_cuda128.so"]
@@ -89,20 +94,19 @@ def test_dry_run_prints_every_stage_and_what_is_carried(tmp_path):
 def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
     out, empty = tmp_path / "out", tmp_path / "no-wheels"
     empty.mkdir()
-    proc = _run(
-        "--dry-run", "--out", out, "--wheels", empty, "--skip", "bench_gpu", "--budget-s", "100"
-    )
+    skip = ["--skip", "bench_gpu", "learning", "gpu_suite"]  # no guaranteed share to keep
+    proc = _run("--dry-run", "--out", out, "--wheels", empty, *skip, "--budget-s", "90")
     assert proc.returncode == 0, proc.stderr
     said = proc.stdout
     assert f"stage 1 install: would be skipped: no wheels in {empty}" in said
     assert "carried bitsandbytes wheel: NO" in said
     assert "stage 4 bench_gpu: would be skipped: --skip bench_gpu" in said
-    # 100 s less 30 kept back: environment 45, bnb_cuda the other 25, nothing left at worst
+    # 90 s less 30 kept back: environment 45, bnb_cuda the other 15
     assert "stage 2 environment: would run, timeout 45 s at worst" in said
-    assert "stage 3 bnb_cuda: would run (only if" in said and "timeout 25 s at worst" in said
+    assert "stage 3 bnb_cuda: would run (unless" in said and "timeout 15 s at worst" in said
     stages = {s["name"]: s for s in _report(out)["stages"]}
     assert stages["install"]["status"] == "skipped" and stages["bench_gpu"]["status"] == "skipped"
-    assert stages["bnb_cuda"]["timeout_s"] == 25 and stages["gpu_suite"]["timeout_s"] == 0
+    assert stages["bnb_cuda"]["timeout_s"] == 15 and stages["gpu_suite"]["status"] == "skipped"
     # a bitsandbytes wheel without CUDA libraries is named as such
     _fake_bnb_wheel(empty, cuda=False)
     said = _run("--dry-run", "--out", out, "--wheels", empty).stdout
@@ -116,7 +120,8 @@ def test_dry_run_says_why_a_stage_would_not_run(tmp_path):
         (["--cap-gb", "-1"], "--cap-gb must be > 0"),
         (["--skip", "nosuchstage"], "invalid choice: 'nosuchstage'"),
         (["--bench-configs", "8b"], "--bench-configs must look like 8b:1024"),
-        (["--budget-s", "300"], "cannot guarantee bench_gpu its 240 s"),
+        (["--budget-s", "300"], "cannot guarantee bench_gpu 240 s, learning 45 s, gpu_suite 120"),
+        (["--budget-s", "200", "--skip", "bench_gpu"], "give at least 320 s"),
         (["--fake-device", "H200"], "--fake-device must look like"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
@@ -153,6 +158,14 @@ def test_a_failing_stage_does_not_stop_the_next(tmp_path):
     assert stages["environment"]["status"] == "ok" and stages["environment"]["rc"] == 0
     assert report["environment"]["torch"] == torch.__version__
     assert report["environment"]["cuda_available"] is cuda
+    # the versions first (peft's among them), bitsandbytes' import tried last, in a child
+    assert report["environment"]["versions"]["torch"] == torch.__version__
+    assert list(report["environment"]["versions"])[0] == "peft"
+    # the dev venv has bitsandbytes; a busy CPU may take longer than the probe waits for it
+    said = report["environment"]["bitsandbytes_imports"]
+    assert said is True or said == "import bitsandbytes did not finish in 30 s", said
+    assert list(report["image_versions"])[0] == "peft"
+    assert proc.stdout.startswith("versions: peft ")
     log = out / "gpu_check.log"
     assert Path(stages["environment"]["log"]) == log
     assert "[environment] GPU_CHECK_ENV {" in log.read_text()  # one combined log
@@ -252,20 +265,66 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     rows = {r["config"]: r for r in report["bench_plan"]["nf4"]}
     assert rows["recipe"]["plan_phases_gb"]["generation"] > 0 and rows["recipe"]["plan_fits"]
     assert report["timeouts_worst_case"]["bench_gpu"] >= 240
+    # row status: the headline row runs even at worst (its required phases fit the bench's
+    # guaranteed share); the time plan per phase; the headline rule
+    recipe = rows["recipe"]
+    assert set(recipe["plan_seconds"]) == {
+        "build", "load", "rollout", "repairs", "update", "evaluation", "update_offload"
+    }  # fmt: skip
+    assert recipe["schedule"]["at worst"].startswith("runs")
+    assert recipe["schedule"]["at its full timeout"] == "runs"
+    assert "; at worst: runs" in row and "seconds build " in row
+    assert "bench_gpu's status is its headline row's" in said
+    assert "bench time plan (assumed rates" in said
+    for r in report["bench_plan"]["none"]:  # the fallback's rows have theirs too
+        assert r["planned"] and r["schedule"]["at worst"]
 
 
-def test_the_budget_guarantees_the_bench_its_share():
+@pytest.mark.parametrize("skip", [(), ("bench_gpu",), ("learning",), ("install", "gpu_suite")])
+def test_the_budget_guarantees_each_share(skip):
+    """Whatever runs to its timeout before them, bench_gpu, learning and the suite each keep
+    their share, at the least budget parse_args accepts and above it."""
     gc = _module()
-    floor = (
-        gc.RESERVE_S
-        + gc.BENCH_MIN_S
-        + sum(gc.TIMEOUTS[s] for s in gc.STAGES[: gc.STAGES.index("bench_gpu")])
-    )
-    for budget in (floor, floor + 1, 540, 1000):
-        worst = gc.worst_case_timeouts(budget)
-        assert worst["bench_gpu"] >= gc.BENCH_MIN_S, (budget, worst)
+    floor = gc.budget_needed(skip)
+    shared = [n for n in gc.MIN_S if n not in skip]
+    assert floor == gc.RESERVE_S + sum(
+        gc.TIMEOUTS[n] for n in ("install", "environment", "bnb_cuda") if n not in skip
+    ) + sum(gc.MIN_S[n] for n in shared)
+    for budget in (floor, floor + 1, 560, 1000):
+        worst = gc.worst_case_timeouts(budget, skip)
+        for name in shared:
+            assert worst[name] >= gc.MIN_S[name], (budget, worst)
         assert sum(worst.values()) <= budget - gc.RESERVE_S
+    given = ["--skip", *skip] if skip else []
+    assert gc.parse_args(["--dry-run", "--out", "/tmp", *given]).budget_s >= floor  # default
     assert gc.STAGES.index("bench_gpu") < gc.STAGES.index("gpu_suite")  # measured first
+
+
+def test_a_real_run_keeps_the_later_shares(tmp_path):
+    """run_all's own timeouts: a stage that would take the whole budget is capped so that the
+    stages after it keep their shares (stand-in stages that only print)."""
+    gc = _module()
+    assert gc.stage_timeout(330, 400, ["learning", "gpu_suite"]) == 400 - 45 - 120
+    assert gc.stage_timeout(330, 800, ["learning", "gpu_suite"]) == 330  # its own
+    assert gc.stage_timeout(90, 200, ["gpu_suite"]) == 80
+    assert gc.stage_timeout(240, 500, []) == 240
+    # a stage whose timeout would fall under MIN_STAGE_S is skipped, saying for whom
+    out, raw = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    raw.mkdir()
+    py = sys.executable
+    stages = [
+        gc.Stage("environment", [py, "-c", "print('env')"], 45),
+        gc.Stage("learning", [py, "-c", "print('learn')"], 90),
+        gc.Stage("gpu_suite", [py, "-c", "print('suite')"], 240),
+    ]
+    report = {"stages": [], "environment": None}
+    gc.run_all(stages, report, out, tmp_path / "site", 30 + 45 + 120 + 10, raw)
+    done = {r["name"]: r for r in report["stages"]}
+    assert done["environment"]["status"] == "skipped"
+    assert done["environment"]["reason"].endswith("kept for learning, gpu_suite")
+    assert done["learning"]["status"] == "ok" and done["learning"]["timeout_s"] <= 55
+    assert done["gpu_suite"]["status"] == "ok" and done["gpu_suite"]["timeout_s"] >= 120
 
 
 def test_a_failed_bnb_probe_on_a_cuda_device_switches_the_later_stages_to_bf16():
@@ -278,6 +337,10 @@ def test_a_failed_bnb_probe_on_a_cuda_device_switches_the_later_stages_to_bf16()
     suite = gc.with_fallback(gc.Stage("gpu_suite", ["python", "-m", "pytest"], 10, {"A": "1"}))
     assert bench.command[-2:] == ["--quantization", "none"]
     assert suite.env == {"A": "1", "IBPO_GPU_QUANTIZATION": "none"}
+    # an environment stage that could not say whether CUDA is there does not stop the fallback
+    report = {"environment": None, "stages": [{"name": "bnb_cuda", "status": "timeout"}]}
+    gc.decide_fallback(report)
+    assert report["fallback"]["reason"] == "bnb_cuda timeout (rc None)"
     # a probe that passed, or no CUDA device at all: no fallback
     for env, status in (({"cuda_available": True}, "ok"), ({"cuda_available": False}, "failed")):
         report = {"environment": env, "stages": [{"name": "bnb_cuda", "status": status}]}
@@ -323,7 +386,7 @@ def test_run_all_against_a_fake_device_falls_back_and_keeps_two_files(tmp_path):
     out.mkdir()
     raw.mkdir()
     report = {"stages": [], "environment": None}
-    rc = gc.run_all(stages, report, out, tmp_path / "site", 300, raw)
+    rc = gc.run_all(stages, report, out, tmp_path / "site", 600, raw)
     assert rc == 1  # bnb_cuda failed
     done = {r["name"]: r for r in report["stages"]}
     assert report["environment"]["cuda_available"] is True
@@ -337,3 +400,156 @@ def test_run_all_against_a_fake_device_falls_back_and_keeps_two_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]
     log = (out / "gpu_check.log").read_text()
     assert all(f"== {s.name}:" in log for s in stages) and "[bnb_cuda] no kernel image" in log
+
+
+HIDDEN_BNB_RUN = r"""
+import json, os, sys
+from pathlib import Path
+sys.modules["bitsandbytes"] = None  # hidden: `import bitsandbytes` fails, find_spec finds none
+os.environ["IBPO_GPU_QUANTIZATION"] = "none"  # what gpu_check sets when bnb_cuda fails
+import pytest, torch
+torch.set_num_threads(1)
+import tests.test_gpu_e2e as e2e
+model_dir, tmp = sys.argv[1], Path(sys.argv[2])
+mp = pytest.MonkeyPatch()
+try:
+    entry = e2e.check_wrong_then_right(model_dir, tmp / "train", mp)
+finally:
+    mp.undo()
+mp = pytest.MonkeyPatch()
+try:
+    evaluated = e2e.check_eval_script(model_dir, tmp / "eval", mp)
+finally:
+    mp.undo()
+bench = e2e.runpy.run_path("bench/bench_gpu.py", run_name="bench_gpu")
+summary = bench["main"](["--smoke", "--quantization", "none", "--configs", "recipe"])
+print("HIDDEN " + json.dumps({
+    "no_4bit": e2e.NO_4BIT, "facts": entry["facts"], "eval": evaluated["loaded"],
+    "bench": {k: summary[k] for k in ("status", "rows", "quantization")},
+    "bench_phases": list(summary["results"][0]["phases"]),
+    "bench_optimizer": summary["results"][0]["phases"]["load"]["optimizer"],
+    "bnb_module": repr(sys.modules.get("bitsandbytes")),
+}))
+"""
+
+
+def test_the_fallback_runs_with_bitsandbytes_hidden(tiny_model_dir, tmp_path):
+    """What gpu_check runs when bitsandbytes' CUDA probe fails, in a process where bitsandbytes
+    cannot be imported: the suite's harness (a train() run and the eval script, with
+    expectations that follow IBPO_GPU_QUANTIZATION=none) and bench_gpu's recipe row without
+    4-bit. Nothing imports bitsandbytes, and every phase still runs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("IBPO_GPU_REPORT", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", HIDDEN_BNB_RUN, tiny_model_dir, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("HIDDEN "))[7:])
+    assert got["no_4bit"] and got["bnb_module"] == "None"  # still hidden: never imported
+    model, opt = got["facts"]["model"], got["facts"]["optimizer"]
+    assert model["linear4bit"] == 0 and model["base_dtypes"] == ["torch.bfloat16"]
+    assert opt["type"] == "AdamW" and opt["states"] == model["lora_tensors"] > 0
+    assert got["eval"]["linear4bit"] == 0 and got["eval"]["lora"]
+    assert got["bench"] == {"status": "ok", "rows": {"recipe": "ok"}, "quantization": "none"}
+    assert got["bench_phases"] == ["build", "load", "rollout", "repairs", "update",
+                                   "evaluation", "update_offload"]  # fmt: skip
+    assert got["bench_optimizer"] == "AdamW"
+
+
+def test_without_bitsandbytes_a_4bit_run_names_the_fix():
+    """The other side of the fallback: asking for 4-bit where bitsandbytes cannot be imported
+    ends in one message naming both fixes, before any model is built."""
+    code = (
+        "import sys; sys.modules['bitsandbytes'] = None\n"
+        "import torch\n"
+        "from ibpo.config import ConfigError\n"
+        "from ibpo.modeling import quantize_nf4\n"
+        "try:\n"
+        "    quantize_nf4(torch.nn.Linear(4, 4), torch.bfloat16)\n"
+        "except ConfigError as e:\n"
+        "    print('MESSAGE', e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "MESSAGE model.quantization=nf4 needs bitsandbytes" in proc.stdout, proc.stderr
+    assert "model.quantization=none" in proc.stdout
+
+
+def test_an_environment_probe_that_says_nothing_gates_nothing(tmp_path):
+    """The environment stage fails before printing what it found: the CUDA stages still run
+    (each finds out for itself) and say why; a bench that exits 0 while its headline row failed
+    fails its stage, and the summary line names each row."""
+    gc = _module()
+    py = sys.executable
+    bench_json = json.dumps(
+        {
+            "headline": "recipe",
+            "status": "failed",
+            "rows": {"recipe": "failed (OutOfMemoryError during repairs)", "4b:2048": "ok"},
+        }
+    )
+    out, raw = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    raw.mkdir()
+    write = f"open({str(raw / 'bench_gpu.json')!r}, 'w').write({bench_json!r})"
+    stages = [
+        gc.Stage("environment", [py, "-c", "raise SystemExit('driver hung')"], 30),
+        gc.Stage("bnb_cuda", [py, "-c", "print('probe ran')"], 30, needs_cuda=True),
+        gc.Stage("bench_gpu", [py, "-c", write], 30, needs_cuda=True),
+    ]
+    report = {"stages": [], "environment": None}
+    assert gc.run_all(stages, report, out, tmp_path / "site", 600, raw) == 1
+    done = {r["name"]: r for r in report["stages"]}
+    assert done["environment"]["status"] == "failed" and report["environment"] is None
+    assert done["bnb_cuda"]["status"] == "ok" and "probe ran" in done["bnb_cuda"]["output_tail"]
+    assert done["bnb_cuda"]["note"].startswith("the environment stage did not say")
+    bench = done["bench_gpu"]
+    assert bench["rc"] == 0 and bench["status"] == "failed"
+    assert bench["reason"] == "headline row recipe: failed (OutOfMemoryError during repairs)"
+    assert gc.summary_line(report["stages"]) == (
+        "environment failed, bnb_cuda ok, bench_gpu failed "
+        "[recipe failed (OutOfMemoryError during repairs); 4b:2048 ok]"
+    )
+    # a bench that wrote no rows at all is no pass either
+    record = {"status": "ok"}
+    gc.judge_bench(record, None)
+    assert record["status"] == "failed" and "no results" in record["reason"]
+
+
+def test_the_environment_probe_reports_before_a_crashing_bitsandbytes(tmp_path):
+    """A bitsandbytes that kills the process as it imports (a CUDA library it cannot load): the
+    versions and torch's facts are printed before, and the probe says what happened."""
+    fake = tmp_path / "site" / "bitsandbytes"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os\nos._exit(139)\n")
+    gc = _module()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run(
+        [sys.executable, "-c", gc.ENV_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [x.split(" ")[0] for x in lines] == [
+        "GPU_CHECK_VERSIONS", "GPU_CHECK_ENV", "GPU_CHECK_ENV_BNB"
+    ]  # fmt: skip
+    versions = gc.marked_json(proc.stdout, gc.VERSIONS_MARK)
+    assert list(versions)[0] == "peft" and versions["torch"] == torch.__version__
+    assert gc.marked_json(proc.stdout, gc.ENV_MARK)["torch"] == torch.__version__
+    said = gc.marked_json(proc.stdout, gc.ENV_BNB_MARK)["bitsandbytes_imports"]
+    assert said == "exit status 139"
+
+
+def test_versions_that_differ_from_the_device_image_are_named():
+    gc = _module()
+    found = {"peft": "0.99", "torch": "2.11.0+cu130", "transformers": "5.24.0",
+             "accelerate": "1.15.0", "tokenizers": "0.23.2", "huggingface_hub": None}  # fmt: skip
+    assert gc.versions_differ(found) == {
+        "transformers": {"found": "5.24.0", "expected": "5.17"},
+        "huggingface_hub": {"found": None, "expected": "1.33"},
+    }

@@ -34,13 +34,14 @@ import json
 import math
 import os
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import ibpo.modeling as modeling
+import ibpo.evaluation.cli as eval_cli  # where the eval scripts look their loader up
 import ibpo.step as step_mod
 import ibpo.trainer as trainer_mod
 from ibpo.logprobs import unwrap
@@ -249,12 +250,19 @@ class Harness:
         return summary, [json.loads(x) for x in lines], entry
 
 
+def linear4bit_layers(model) -> list:
+    """The model's bitsandbytes 4-bit layers, found without importing bitsandbytes: a process
+    that never imported it (the fallback without 4-bit, or bitsandbytes absent) has none."""
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
 def model_facts(model) -> dict:
     """What the loop trains: 4-bit layers, LoRA parameters, checkpointing, KV cache."""
-    import bitsandbytes as bnb
-
     base = unwrap(model)
-    four = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    four = linear4bit_layers(base)
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     others = [p for n, p in model.named_parameters() if "lora_" not in n]
     checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers' new name
@@ -269,6 +277,8 @@ def model_facts(model) -> dict:
         "lora_dtypes": sorted({str(p.dtype) for p in lora}),
         "lora_devices": sorted({str(p.device) for p in lora}),
         "lora_trainable": all(p.requires_grad for p in lora),
+        # the frozen base's floating-point tensors (NF4's packed weights are stored as bf16 too)
+        "base_dtypes": sorted({str(p.dtype) for p in others if p.is_floating_point()}),
         "base_frozen": not any(p.requires_grad for p in others),
         "gradient_checkpointing": bool(checkpointing),
         "kv_cache": base.generation_config.cache_implementation,
@@ -379,17 +389,22 @@ def assert_memory_within_plan(entry: dict, phases=PHASES) -> None:
 
 
 def assert_qlora_on_device(facts: dict) -> None:
-    """The base is 4-bit NF4 computing in bf16, LoRA (fp32) is all that trains, and on CUDA
-    everything sits on the GPU with bitsandbytes' paged 8-bit AdamW (8-bit moments included)."""
+    """LoRA (fp32) is all that trains, under gradient checkpointing, and every LoRA tensor has
+    optimizer state. With 4-bit: the base is NF4 computing in bf16 and on CUDA everything sits on
+    the GPU with bitsandbytes' paged 8-bit AdamW (8-bit moments included). In the fallback
+    (IBPO_GPU_QUANTIZATION=none): a bf16 base without one 4-bit layer, and torch AdamW."""
     m, opt = facts["model"], facts["optimizer"]
-    if NO_4BIT:  # the fallback: a bf16 base, torch AdamW; LoRA is still all that trains
-        assert m["linear4bit"] == 0 and opt["type"] == "AdamW", (m, opt)
-        assert m["lora_trainable"] and m["base_frozen"] and opt["states"] == m["lora_tensors"]
+    assert m["lora_trainable"] and m["base_frozen"] and m["gradient_checkpointing"], m
+    assert m["lora_dtypes"] == ["torch.float32"] and opt["states"] == m["lora_tensors"], (m, opt)
+    if NO_4BIT:
+        assert m["linear4bit"] == 0 and m["base_dtypes"] == ["torch.bfloat16"], m
+        assert opt["type"] == "AdamW" and opt["state_dtypes"] == ["torch.float32"], opt
+        if CUDA:
+            devices = m["lora_devices"] + opt["state_devices"]
+            assert all(d.startswith("cuda") for d in devices), devices
         return
     assert m["linear4bit"] == 2 * 7 and m["quant_types"] == ["nf4"]  # 2 layers x 7 linears
-    assert m["compute_dtypes"] == ["torch.bfloat16"] and m["lora_dtypes"] == ["torch.float32"]
-    assert m["lora_trainable"] and m["base_frozen"] and m["gradient_checkpointing"]
-    assert opt["states"] == m["lora_tensors"]  # every LoRA tensor has optimizer state
+    assert m["compute_dtypes"] == ["torch.bfloat16"]
     if CUDA:
         devices = m["linear4bit_devices"] + m["lora_devices"] + opt["state_devices"]
         assert all(d.startswith("cuda") or d == "paged" for d in devices), devices
@@ -545,35 +560,39 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_gsm8k_script_evaluates_the_saved_adapter(tiny_model_dir, tmp_path, monkeypatch):
+def check_eval_script(model_dir, tmp_path: Path, monkeypatch) -> dict:
+    """One training step, then scripts/eval_gsm8k.py on the saved adapter with the run's base
+    (4-bit, or bf16 in the fallback). Returns what the script loaded and its summary."""
     h = Harness(monkeypatch)
-    summary = h.run("before_eval_script", base_args(tiny_model_dir, tmp_path / "run", 1))[0]
+    summary = h.run("before_eval_script", base_args(model_dir, tmp_path / "run", 1))[0]
     assert summary["status"] == "completed"
     adapter = summary["adapter"]
     loaded: dict = {}
-    real = modeling.load_for_inference
+    real = eval_cli.load_for_inference
 
     def load(*args, **kwargs):  # what the script evaluates
-        import bitsandbytes as bnb
         from peft import PeftModel
 
         model, tok = real(*args, **kwargs)
-        four = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        four = linear4bit_layers(model)
         loaded.update(
             peft=isinstance(model, PeftModel),
             linear4bit=len(four),
             devices=sorted({str(m.weight.device) for m in four}),
+            base_dtypes=sorted(
+                {str(p.dtype) for n, p in model.named_parameters() if "lora_" not in n}
+            ),
             lora=any("lora_B" in n for n, _ in model.named_parameters()),
         )
         return model, tok
 
-    monkeypatch.setattr(modeling, "load_for_inference", load)
+    monkeypatch.setattr(eval_cli, "load_for_inference", load)
     out = tmp_path / "eval"
     script = runpy.run_path(str(ROOT / "scripts" / "eval_gsm8k.py"), run_name="eval_script")
     rc = script["run"](
         [
             "--model",
-            tiny_model_dir,
+            model_dir,
             "--adapter",
             adapter,
             "--quantization",
@@ -605,6 +624,15 @@ def test_gsm8k_script_evaluates_the_saved_adapter(tiny_model_dir, tmp_path, monk
     assert result["adapter"] == adapter and 0.0 <= result["avg@2"] <= 1.0
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and all(1 <= s["length"] <= 8 for s in samples)
-    assert loaded["peft"] and loaded["lora"] and loaded["linear4bit"] == 2 * 7
+    assert loaded["peft"] and loaded["lora"]
+    if NO_4BIT:  # the fallback evaluates a bf16 base
+        assert loaded["linear4bit"] == 0 and "torch.bfloat16" in loaded["base_dtypes"], loaded
+    else:
+        assert loaded["linear4bit"] == 2 * 7, loaded
     if CUDA:
         assert all(d.startswith("cuda") for d in loaded["devices"]), loaded
+    return {"loaded": loaded, "summary": result}
+
+
+def test_gsm8k_script_evaluates_the_saved_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    check_eval_script(tiny_model_dir, tmp_path, monkeypatch)

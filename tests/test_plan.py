@@ -233,6 +233,46 @@ def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
     assert 0.9 <= predicted / mem.peak <= 1.3
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        None,  # the default: 256 characters besides its placeholders
+        "{question}|{attempt}|{reference}",
+        "Fix it: {attempt}\nGiven: {reference}\nProblem: {question}\n" + "Be brief. " * 40,
+    ],
+    ids=["default", "terse", "long"],
+)
+def test_the_planned_repair_prompt_is_the_one_the_code_sends(template):
+    """With a character tokenizer (one token per character: bench/bench_gpu.py's) the planner's
+    repair prompt length is exactly that of repair_prompt's rendering, for a problem at
+    data.max_prompt_tokens and an attempt and a reference at full length."""
+    from bench.bench_gpu import make_tokenizer
+    from ibpo.data import Example, render_prompt
+    from ibpo.repair import repair_prompt
+
+    tok, T = make_tokenizer(256), 40
+    question = "what is 12 + 34 * 5 - 6 ?"
+    extra = [f"repair.template={json.dumps(template)}"] if template else []
+    cfg = _cfg(f"rollout.max_new_tokens={T}", "objective.name=ibpo", *extra)
+    cfg.data.max_prompt_tokens = len(tok(render_prompt(tok, question, cfg.data))["input_ids"])
+    attempt, reference = "1" + "2 + 3 = 5" * 4 + "9" * 3, "7" * T
+    assert len(attempt) == len(reference) == T
+    sent = repair_prompt(tok, Example(question, "164"), attempt, reference, cfg.repair, cfg.data)
+    _, planned, new = sizes.repair_generation(cfg)
+    assert planned == len(tok(sent)["input_ids"]) and new == T
+    # not the 96 tokens once assumed for every template: the template's own text is counted
+    body = cfg.repair.template
+    for p in ("{question}", "{attempt}", "{reference}"):
+        body = body.replace(p, "")
+    assert planned - cfg.data.max_prompt_tokens - 2 * T == len(body)
+
+
+def test_a_non_ascii_repair_template_is_counted_in_bytes():
+    """Byte-level BPE tokenizers make at most one token per UTF-8 byte: the planner's bound."""
+    assert sizes.repair_template_tokens("{question}é{attempt}{reference}") == 2
+    assert sizes.repair_template_tokens("{question}{attempt}{reference}") == 0
+
+
 def test_more_tokens_and_bigger_batches_need_more_memory():
     base = ["train.prompts_per_step=8", "rollout.max_new_tokens=1024", "data.eval_size=0"]
     for key, small, big, phase in [
