@@ -256,12 +256,15 @@ def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
 ):
     """Not only the reward named `code`: socket-patch is refused wherever tested code runs
     during training, and summary.json names the modes tests actually ran in."""
+    from ibpo.sandbox import memory
     from ibpo.sandbox import run as sandbox
 
     if os.geteuid() == 0:  # as root socket-patch runs as a slot uid (else it is refused anyway)
         monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
     settings = {**_settings(tiny_model_dir, tmp_path / "b", steps=1, eval_size=0)}
     settings["objective.name"] = "grpo"
+    if memory.memory_mode() == "per-process":  # refused for that first (tested in test_trainer)
+        settings["objective.code_sandbox"] = "allow_per_process_memory"
     refused = _runs_code([None, "socket-patch"])
     s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
     assert s["status"] == "reward_failed" and s["steps"] == 0
@@ -275,7 +278,7 @@ def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
     settings["objective.code_sandbox"] = "allow_socket_patch"
     s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
     assert s["status"] == "completed"
-    assert s["isolation"] == f"{sandbox.isolation_mode()}, socket-patch"
+    assert s["isolation"] == ", ".join(dict.fromkeys([sandbox.isolation_mode(), "socket-patch"]))
 
 
 def test_a_lora_config_and_held_out_rows_from_python(tiny_model_dir, tmp_path):

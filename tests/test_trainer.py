@@ -288,6 +288,7 @@ def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
     before anything is touched, unless the run opts in by name."""
     from ibpo.config import ConfigError
     from ibpo.rewards import code as code_grader
+    from ibpo.sandbox import memory
 
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "socket-patch")
     monkeypatch.setattr(code_grader, "uncontained", lambda mode: None)
@@ -299,6 +300,7 @@ def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
     allow = code_grader.training_policy("allow_socket_patch")
     assert code_grader.check_training_sandbox(allow) == "socket-patch"
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "namespaces")
+    monkeypatch.setattr(memory, "_probe", lambda: ("cgroup-v2", "/sys/fs/cgroup"))
     assert code_grader.check_training_sandbox(code_grader.training_policy("isolated")) == (
         "namespaces"
     )
