@@ -423,3 +423,19 @@ def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
     assert by_path.score(texts, {}, prompts)[1]["rm"] == pytest.approx(expected, abs=1e-5)
     cfg = load_config(None, ["objective.reward=[math, org/reward-model]"])
     assert cfg.objective.reward == ["math", "org/reward-model"]
+
+
+def test_a_lora_config_is_recorded_and_dora_turns_the_cpu_fold_off():
+    from peft import LoraConfig
+
+    from ibpo.api import _take_lora_settings
+
+    cfg = load_config()  # nf4 by default
+    _take_lora_settings(cfg, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, use_dora=True,
+                                        target_modules={"v_proj", "q_proj"}))  # fmt: skip
+    m = cfg.model
+    assert (m.lora_r, m.lora_alpha, m.lora_dropout) == (8, 16, 0.05)
+    assert m.lora_target_modules == ["q_proj", "v_proj"] and m.cpu_dequantize is False
+    cfg = load_config(None, ["model.cpu_dequantize=true"])
+    with pytest.raises(ConfigError, match="not DoRA's. Fix: set model.cpu_dequantize=false"):
+        _take_lora_settings(cfg, LoraConfig(use_dora=True))
