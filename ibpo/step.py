@@ -5,7 +5,8 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
   2. rollout: G sampled completions per prompt (eval mode, KV cache, no grad), by the policy's
      generate() or a vLLM engine;
   3. rewards [B, G]: each completion graded by the run's reward functions, which evaluation
-     and repairs use too (rewards/functions.py), each one's mean logged as rewards/<name>;
+     and repairs use too (rewards/functions.py), each one's mean logged as rewards/<name>; NaN
+     where none applies (no advantage), correct and failed by the set's thresholds;
   4. (IBPO) repairs: each failed completion repaired locally given a sibling, the repairs
      graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py). With
      dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
