@@ -22,9 +22,10 @@ in TRL's convention, or a list of them, where a string is a built-in name, an im
 reward model's Hub id, and a pair (model, tokenizer) a reward model
 (ibpo/rewards/functions.py); `reward_weights`: one weight each. `callbacks`: objects with
 TRL-like hooks (ibpo/run/callbacks.py). `eval_dataset`: held-out rows in place of
-data.eval_dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The run's config.yaml
-records a Python function by its import path `module:qualname`, which resumes from YAML only
-for a function defined at a module's top level; passing the functions again always does.
+data.eval_dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The
+run's config.yaml records a Python function by its import path `module:qualname`, which
+resumes from YAML only for a function defined at a module's top level; passing the functions
+again always does.
 
 The CLI (`ibpo train`, recipes/train.py) calls this function; under `accelerate launch` every
 process calls it, as every process runs the CLI. Configuration errors raise ConfigError (the

@@ -6,8 +6,9 @@ a fresh start moves an earlier run in the output folder aside to previous-<time>
 from a checkpoint: run/outdir.py, run/checkpoint.py); the held-out accuracy before training;
 then the loop, one `step.rl_step` per step, with its metrics and completions table logged
 (run/log.py) and the callbacks' hooks called (run/callbacks.py: a callback may stop the run, ask
-for a checkpoint or an evaluation), periodic held-out evaluations and checkpoints; at the end the adapter in PEFT format with the
-tokenizer, `summary.json`, the held-out accuracy after, plots and an optional Hub upload.
+for a checkpoint or an evaluation), periodic held-out evaluations and checkpoints; at the end
+the adapter in PEFT format with the tokenizer, `summary.json`, the held-out accuracy after,
+plots and an optional Hub upload.
 Checkpoints (every run.save_every steps, at the end, on SIGINT/SIGTERM, and when non-finite
 steps stop the run) resume a run exactly; a step whose loss or gradient is not finite is
 skipped, and too many in a row stop the run; running out of memory ends it with advice on what
