@@ -60,7 +60,7 @@ from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, render_example
 from ibpo.diagnostics import cancellation_residual
-from ibpo.distributed import agreed_count, gather_metrics, gathered
+from ibpo.distributed import agreed_count, gather_metrics, gathered, summed
 from ibpo.logprobs import completion_logprobs
 from ibpo.mismatch import mismatch_stats
 from ibpo.modeling import (
@@ -78,6 +78,15 @@ from ibpo.objectives import (
     token_weights,
 )
 from ibpo.repair import run_repairs
+from ibpo.repair_spending import (
+    PROBE,
+    SpendingState,
+    allowance,
+    cost_share,
+    decide,
+    observe,
+    running_success,
+)
 from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.functions import RewardSet, grade, reward_means, run_reward_set
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
@@ -88,14 +97,16 @@ from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, h
 @dataclass
 class StepParts:
     """What a step changes besides the run's counters: the policy, optimizer and scheduler
-    (prepared by Accelerate), this process's prompt stream and the repair planner's rng.
-    Checkpoints save and restore exactly these (run/checkpoint.py)."""
+    (prepared by Accelerate), this process's prompt stream, the repair planner's rng and the
+    repair spending rule's state (the same on every process). Checkpoints save and restore
+    exactly these (run/checkpoint.py)."""
 
     model: Any
     optimizer: Any
     scheduler: Any
     stream: PromptStream
     rng: random.Random
+    spending: SpendingState = field(default_factory=SpendingState)
 
 
 @dataclass
@@ -162,6 +173,12 @@ def rl_step(
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
+    # (IBPO) this step's repair spending, from what earlier steps' repairs returned: the same
+    # state, hence the same decision, on every process
+    rep = cfg.repair
+    spending = None
+    if repairs_enabled(cfg, objective):
+        spending = (decide(parts.spending, rep.min_success, rep.probe_every), parts.spending)
     # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
     # normalises the groups it generated
     with generating(model, cfg, device, engine) as generator:
@@ -174,7 +191,10 @@ def rl_step(
             rewards,
             parts.rng,
             streams,
+            spending,
         )
+    if spending is not None:
+        parts.spending = observe_repairs(accelerator, parts.spending, spending[0], batch.stats)
     t_gen = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
     # 6-8. frozen log-probs, micro-batched backward, optimizer step(s)
@@ -215,6 +235,29 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
             yield hf_generator(model, cfg.rollout.share_prefixes)
 
 
+# what the spending rule learns from a step's repairs (repair_spending.observe), in its order
+SPENDING_TOTALS = (
+    "repairs",
+    "repair_successes",
+    "repair_prompt_tokens",
+    "repair_prefill_tokens",
+    "repair_decode_tokens",
+)
+
+
+def observe_repairs(accelerator, state: SpendingState, mode: str, stats: dict) -> SpendingState:
+    """The spending rule's state after a step: fed the step's repair totals over all processes
+    (one all-reduce), so that every process holds the same state. Logs the step's decision and
+    the running success rate after it into `stats`."""
+    totals = summed(accelerator, [stats.get(key, 0.0) for key in SPENDING_TOTALS])
+    state = observe(state, mode, *totals)
+    stats["repair_probe"] = float(mode == PROBE)
+    rate = running_success(state)
+    if rate is not None:
+        stats["repair_running_success"] = rate
+    return state
+
+
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
     """repair.enabled as config.resolve filled it from the objective's declaration: read, not
     re-derived, so an unresolved config is refused rather than guessed."""
@@ -235,13 +278,16 @@ def collect_batch(
     rewards: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
+    spending: tuple[str, SpendingState] | None = None,
 ) -> ScoredBatch:
     """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
     batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
     dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
     rounds; if every group was dropped the last round is kept as is (zero advantages), so a step
     never fails for lack of signal. `streams`: the step's sampling streams (None: the process's
-    own, for callers that drive this stage alone)."""
+    own, for callers that drive this stage alone). `spending`: the step's repair decision and
+    the spending rule's state it came from (repair_spending.py; None: every planned repair
+    runs)."""
     G, B = cfg.rollout.group_size, cfg.train.prompts_per_step
     repairing = repairs_enabled(cfg, objective)
     kept: list[Round] = []
@@ -251,7 +297,16 @@ def collect_batch(
     need, dropped, rounds = B, 0, 0
     while True:
         r = score_round(
-            generator, tokenizer, stream.take(need), cfg, repairing, rewards, rng, streams, rounds
+            generator,
+            tokenizer,
+            stream.take(need),
+            cfg,
+            repairing,
+            rewards,
+            rng,
+            streams,
+            rounds,
+            spending,
         )
         _add(stats, r.stats)
         for name, values in r.per_reward.items():
@@ -289,6 +344,10 @@ def collect_batch(
         dropped_groups=float(dropped),
         resample_rounds=float(rounds),
     )
+    if repairing:  # the repairs' share of the tokens the step ran (prompt + decode)
+        repair = stats["repair_prefill_tokens"] + stats["repair_decode_tokens"]
+        decoded = stats["generated_tokens"] - stats["repair_decode_tokens"]  # by the rollouts
+        stats["repair_cost_share"] = cost_share(repair, stats["rollout_prefill_tokens"] + decoded)
     stats.update(reward_means(per_reward))  # rewards/<name>, over every sampled completion
     batch.stats.update(stats)
     return batch
@@ -304,11 +363,13 @@ def score_round(
     rng: random.Random,
     streams: SamplingStreams | None = None,
     round_: int = 0,
+    spending: tuple[str, SpendingState] | None = None,
 ) -> Round:
     """One round: generate G completions per example, grade them, and (IBPO) repair the failed
     ones, which shapes the rewards and gives the edit masks. The completions and the repairs
     draw from their own streams of the round (`streams`), so repairs never shift what a later
-    round or step samples."""
+    round or step samples. `spending` (collect_batch) bounds what the repairs may cost: by the
+    step's decision, a share of the tokens this round's rollout ran."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
     prompts = [render_example(tokenizer, ex, cfg.data) for ex in examples]
@@ -329,7 +390,15 @@ def score_round(
         rewards, each, [p for p in prompts for _ in range(G)], rollout.texts, rollout.host_tokens()
     )
     scores = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
-    stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
+    # prompt tokens the rollout ran: the G copies of a prompt share one prefill
+    prefill = rollout.prefill_tokens
+    if prefill is None:
+        prefill = sum(rollout.host_prompt_lengths()[::G])
+    stats = {
+        "time_generate": t1 - t0,
+        "generated_tokens": float(sum(rollout.lengths)),
+        "rollout_prefill_tokens": float(prefill),
+    }
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, per)
@@ -341,9 +410,25 @@ def score_round(
         "top_p": ro.top_p,
         "top_k": ro.top_k,
     }
+    budget, state = math.inf, None
+    if spending is not None:
+        mode, state = spending
+        rollout_tokens = stats["rollout_prefill_tokens"] + stats["generated_tokens"]
+        budget = allowance(mode, rollout_tokens, rep.cost_share)
     with _stream(streams, "repair", round_):
         out = run_repairs(
-            generator, tokenizer, examples, rollout, scores, rewards, rep, cfg.data, gen, rng
+            generator,
+            tokenizer,
+            examples,
+            rollout,
+            scores,
+            rewards,
+            rep,
+            cfg.data,
+            gen,
+            rng,
+            budget,
+            state,
         )
     shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= 1.0)
     stats.update(out.stats)

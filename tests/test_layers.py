@@ -2,7 +2,8 @@
 
 Layers, bottom to top (a module imports only from its own layer or below):
   config                      imports nothing of the package
-  math                        advantages, diagnostics, mismatch, objectives: torch and config only
+  math                        advantages, diagnostics, mismatch, objectives, repair_spending:
+                              torch and config only
   core                        data, embedded, modeling, rollout, vllm_rollout, logprobs, batching,
                               distributed, repair, sizes (shapes and byte counts, which the
                               planner and the vLLM engine share), quiet (third-party noise
@@ -31,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ibpo"
 
 LAYERS = {
     "config": 0,
-    "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1,
+    "advantages": 1, "diagnostics": 1, "mismatch": 1, "objectives": 1, "repair_spending": 1,
     "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
     "quiet": 2, "catalog": 2,
@@ -139,7 +140,7 @@ def test_imports_go_down_the_layers():
 def test_config_imports_nothing_of_the_package_and_math_only_config():
     edges, _ = graph()
     assert edges["ibpo.config"] == set()
-    for m in ("ibpo.advantages", "ibpo.diagnostics", "ibpo.objectives"):
+    for m in ("ibpo.advantages", "ibpo.diagnostics", "ibpo.objectives", "ibpo.repair_spending"):
         assert edges[m] <= {"ibpo.config"}, (m, edges[m])
 
 
