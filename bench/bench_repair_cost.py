@@ -122,8 +122,9 @@ def install(chosen: dict[str, tuple[str, bool]], train_on: str, totals: dict):
             plan.setstate(rng.getstate())
             with torch.random.fork_rng():  # every variant from the round's repair stream
                 t0 = time.perf_counter()
-                out = real(timed, tokenizer, examples, rollout, rewards, reward_set,
-                           replace(rep, template=template), data_cfg, gen, plan, *args[3:])  # fmt: skip
+                variant = replace(rep, template=template)
+                out = real(timed, tokenizer, examples, rollout, rewards, reward_set, variant,
+                           data_cfg, gen, plan, *args[3:])  # fmt: skip
                 wall = time.perf_counter() - t0 - seconds["s_prefill"]
             st, t = out.stats, totals[name]
             t["prompt"] += st["repair_prompt_tokens"]
