@@ -345,9 +345,10 @@ def collect_batch(
         resample_rounds=float(rounds),
     )
     if repairing:  # the repairs' share of the tokens the step ran (prompt + decode)
-        repair = stats["repair_prefill_tokens"] + stats["repair_decode_tokens"]
-        decoded = stats["generated_tokens"] - stats["repair_decode_tokens"]  # by the rollouts
-        stats["repair_cost_share"] = cost_share(repair, stats["rollout_prefill_tokens"] + decoded)
+        repair_decode = stats.get("repair_decode_tokens", 0.0)
+        repair = stats.get("repair_prefill_tokens", 0.0) + repair_decode
+        rollout = stats.get("rollout_prefill_tokens", 0.0) + stats["generated_tokens"]
+        stats["repair_cost_share"] = cost_share(repair, rollout - repair_decode)
     stats.update(reward_means(per_reward))  # rewards/<name>, over every sampled completion
     batch.stats.update(stats)
     return batch
