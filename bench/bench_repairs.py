@@ -9,12 +9,20 @@ interval, the locality (share of the attempt's tokens its most local successful 
 that succeeds by rewriting from scratch shows a low locality beside its success.
 
 Templates (all user turns, as repair.template):
-  default  today's repair.template (keep what is right, change only what is wrong)
-  terse    a short instruction with the same three fields
-  rewrite  asks for a fresh solution: the from-scratch baseline that locality must expose
-  head     today's instruction and fields, the instruction before the attempts: the question and
-           instruction are then a prefix every repair of a group shares (rollout.share_prefixes
-           runs it once), so only the two attempts are each prompt's own
+  default          today's repair.template (keep what is right, change only what is wrong)
+  reference_first  today's sentences with the reference first and the attempt last: repairs of
+                   a group that show the same reference share everything before the attempt
+  terse            a short instruction with the same three fields
+  rewrite          asks for a fresh solution: the from-scratch baseline that locality must expose
+  head             today's instruction and fields, the instruction before the attempts: the
+                   question and instruction are then a prefix every repair of a group shares
+                   (rollout.share_prefixes runs it once), so only the two attempts are each
+                   prompt's own
+
+Beside each variant's own figures: its success against the default's on the same failed
+completions (paired: those both repaired; `better` / `worse` count the completions only one of
+the two repaired successfully, with an exact two-sided sign test on them), and the success of
+repairs that showed a correct reference apart from those that showed another failed one.
 
 Not here: training, or choosing a default (docs/repairs.md records what a measurement chose).
 
@@ -47,6 +55,14 @@ TEMPLATES = {
         "{question}\n\nAttempt:\n{attempt}\n\nReference:\n{reference}\n\n"
         "Fix the attempt's mistake with the smallest change and write it out in full."
     ),
+    "reference_first": (
+        "{question}\n\n"
+        "Here is an attempt at this problem:\n{reference}\n\n"
+        "Here is another attempt at the same problem. It may contain a mistake. Repair it "
+        "locally: keep every part of it that is right, change only what is wrong, and write the "
+        "repaired attempt in full.\n\n"
+        "The attempt to repair:\n{attempt}"
+    ),
     "head": (
         "{question}\n\nBelow are two attempts at this problem. The first may contain a mistake. "
         "Repair it locally: keep every part of it that is right, change only what is wrong, and "
@@ -72,7 +88,7 @@ def variants(budget: int, quick: bool) -> list[tuple[str, RepairConfig, int, boo
     out.append((f"budget={budget // 2}", base, budget // 2, True))
     out.append(("reference=random", replace(base, reference_selection="random"), budget, True))
     out.append(("K=3", replace(base, references=2), budget, True))
-    for name in ("terse", "head", "rewrite"):
+    for name in ("reference_first", "terse", "head", "rewrite"):
         out.append((f"template={name}", replace(base, template=TEMPLATES[name]), budget, True))
     return out
 
@@ -118,7 +134,8 @@ def bench(ns: argparse.Namespace) -> dict:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; variants: {[v[0] for v in chosen]}")
         chosen = [v for v in chosen if v[0] in wanted]
-    totals = {name: dict(repairs=0, hits=0.0, kept=[], prompt=0.0, prefill=0.0, decode=0.0, s=0.0)
+    totals = {name: dict(repairs=0, hits=0.0, kept=[], prompt=0.0, prefill=0.0, decode=0.0, s=0.0,
+                         members={}, by_ref=[0, 0, 0, 0])
               for name, *_ in chosen}  # fmt: skip
     for seed in ns.seeds:
         pick = random.Random(seed).sample(problems, min(ns.problems, len(problems)))
@@ -146,7 +163,38 @@ def bench(ns: argparse.Namespace) -> dict:
             t["prefill"] += st["repair_prefill_tokens"]
             t["decode"] += st["repair_decode_tokens"]
             t["s"] += time.perf_counter() - t0
-    return {name: summarise(t, len(ns.seeds)) for name, t in totals.items()}
+            for job, ok in zip(out.jobs, out.success):
+                key = (seed, job.group, job.member)  # a failed completion: did any repair work
+                t["members"][key] = t["members"].get(key, False) or ok
+                k = 0 if rewards[job.group, job.reference] >= 1.0 else 2
+                t["by_ref"][k] += 1
+                t["by_ref"][k + 1] += int(ok)
+    first = totals[chosen[0][0]]["members"]
+    return {
+        name: {**summarise(t, len(ns.seeds)), **paired(first, t["members"]), **by_ref(t)}
+        for name, t in totals.items()
+    }
+
+
+def paired(base: dict, other: dict) -> dict:
+    """The variant against the first on the failed completions both repaired: how many only
+    the variant repaired (better), only the first (worse), and the exact two-sided sign test."""
+    both = base.keys() & other.keys()
+    better = sum(1 for k in both if other[k] and not base[k])
+    worse = sum(1 for k in both if base[k] and not other[k])
+    n = better + worse
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2**n if n else 1.0
+    return {"paired": len(both), "better": better, "worse": worse, "sign_p": min(1.0, 2 * tail)}
+
+
+def by_ref(t: dict) -> dict:
+    """Success of the repairs that showed a correct reference, and of those that showed another
+    failed completion (no correct sibling: correct_first falls back to a failed one)."""
+    n_ok, hit_ok, n_other, hit_other = t["by_ref"]
+    return {
+        "correct_reference": [n_ok, hit_ok / n_ok if n_ok else None],
+        "other_reference": [n_other, hit_other / n_other if n_other else None],
+    }
 
 
 def summarise(t: dict, seeds: int) -> dict:
@@ -168,18 +216,24 @@ def summarise(t: dict, seeds: int) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| variant | repairs | success [95% CI] | kept | edited | prompt | prefill | decode | s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | repairs | success [95% CI] | vs first: better / worse (p) | kept | edited "
+        "| prompt | prefill | decode | s | success: correct ref / other ref |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         loc = r["locality"]
         kept = "-" if loc is None else f"{loc:.2f}"
         edited = "-" if loc is None else f"{1 - loc:.2f}"
+        refs = " / ".join(
+            "-" if rate is None else f"{rate:.3f} of {n}"
+            for n, rate in (r["correct_reference"], r["other_reference"])
+        )
         lines.append(
             f"| {name} | {r['repairs']} | {r['success']:.3f} [{r['ci95'][0]:.3f}, "
-            f"{r['ci95'][1]:.3f}] | {kept} | {edited} | {r['prompt_tokens_per_seed']:.0f} | "
+            f"{r['ci95'][1]:.3f}] | {r['better']} / {r['worse']} ({r['sign_p']:.2f}) "
+            f"| {kept} | {edited} | {r['prompt_tokens_per_seed']:.0f} | "
             f"{r['prefill_tokens_per_seed']:.0f} | "
-            f"{r['decode_tokens_per_seed']:.0f} | {r['seconds_per_seed']:.1f} |"
+            f"{r['decode_tokens_per_seed']:.0f} | {r['seconds_per_seed']:.1f} | {refs} |"
         )
     return "\n".join(lines)
 

@@ -178,6 +178,9 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
             "objective.reward=parity",
             "repair.min_success=0.9",
             "repair.probe_every=2",
+            # short repair prompts: the default template alone is over the token budget of
+            # these 2-token-per-member rollouts
+            "repair.template='{question}|{attempt}|{reference}'",
             f"run.output_dir={out}",
             "run.progress=false",
             "run.plots=false",
