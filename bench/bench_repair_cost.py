@@ -26,7 +26,7 @@ inputs, so they hold on a machine busy with other work where the absolute second
 
 Variants (name: template, shared prefixes):
     today            the default template before reference-first, shared prefixes on
-    reference-first  the reference, then the instruction, then the attempt (config.py)
+    reference-first  the instruction, then the reference, then the attempt
     unshared         today's template, every prompt run whole (the cost before shared prefixes)
 """
 
@@ -50,15 +50,15 @@ from bench_step import build  # noqa: E402
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE  # noqa: E402
 
 ATTEMPT_FIRST = DEFAULT_REPAIR_TEMPLATE
-# today's sentences with the reference first and the attempt last: every repair of a group that
-# shows the same reference shares the prefix up to the attempt
+# the instruction, then the reference, then the attempt: every repair of a group shares the
+# question and the instruction, and those that show the same reference share it too
 REFERENCE_FIRST = (
     "{question}\n\n"
-    "Here is an attempt at this problem:\n{reference}\n\n"
-    "Here is another attempt at the same problem. It may contain a mistake. Repair it locally: "
-    "keep every part of it that is right, change only what is wrong, and write the repaired "
-    "attempt in full.\n\n"
-    "The attempt to repair:\n{attempt}"
+    "Below are two attempts at this problem. The second may contain a mistake. Repair it "
+    "locally: keep every part of it that is right, change only what is wrong, and write the "
+    "repaired second attempt in full.\n\n"
+    "First attempt:\n{reference}\n\n"
+    "Second attempt:\n{attempt}"
 )
 SMOKE = [
     "rollout.group_size=4",

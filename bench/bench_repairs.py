@@ -10,8 +10,10 @@ that succeeds by rewriting from scratch shows a low locality beside its success.
 
 Templates (all user turns, as repair.template):
   default          today's repair.template (keep what is right, change only what is wrong)
-  reference_first  today's sentences with the reference first and the attempt last: repairs of
-                   a group that show the same reference share everything before the attempt
+  reference_first  the instruction, then the reference, then the attempt (as `head`, with the
+                   two swapped): a group's repairs share the question and the instruction,
+                   those that show the same reference share it too; only the attempt is each
+                   prompt's own
   terse            a short instruction with the same three fields
   rewrite          asks for a fresh solution: the from-scratch baseline that locality must expose
   head             today's instruction and fields, the instruction before the attempts: the
@@ -57,11 +59,11 @@ TEMPLATES = {
     ),
     "reference_first": (
         "{question}\n\n"
-        "Here is an attempt at this problem:\n{reference}\n\n"
-        "Here is another attempt at the same problem. It may contain a mistake. Repair it "
+        "Below are two attempts at this problem. The second may contain a mistake. Repair it "
         "locally: keep every part of it that is right, change only what is wrong, and write the "
-        "repaired attempt in full.\n\n"
-        "The attempt to repair:\n{attempt}"
+        "repaired second attempt in full.\n\n"
+        "First attempt:\n{reference}\n\n"
+        "Second attempt:\n{attempt}"
     ),
     "head": (
         "{question}\n\nBelow are two attempts at this problem. The first may contain a mistake. "
