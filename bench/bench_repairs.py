@@ -26,11 +26,19 @@ completions (paired: those both repaired; `better` / `worse` count the completio
 the two repaired successfully, with an exact two-sided sign test on them), and the success of
 repairs that showed a correct reference apart from those that showed another failed one.
 
+`--replay DIR` instead replays the repair spending rule (ibpo/repair_spending.py) over the
+per-step repair logs (metrics.jsonl: repairs, repair_success_rate) of every IBPO run under DIR,
+for each floor and probe interval of `--floors` and `--probes`: a step the rule would spend on
+takes the recorded step's repairs and successes, a skipped one takes none. It prints the share of
+steps that repaired, of the repairs run and of the successful repairs kept. A replay, not a
+rerun: a run that skipped repairs would have trained, and sampled, otherwise after the first skip.
+
 Not here: training, or choosing a default (docs/repairs.md records what a measurement chose).
 
     python bench/bench_repairs.py                 # embedded model, default grid
     python bench/bench_repairs.py --model DIR --seeds 0 1 2
     python bench/bench_repairs.py --quick --model TINY_DIR   # smoke run
+    python bench/bench_repairs.py --replay docs/study/crn11/runs   # the spending rule, replayed
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ import random
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
 from ibpo.data import builtin_examples, render_prompt
 from ibpo.repair import run_repairs
+from ibpo.repair_spending import SKIP, SpendingState, decide, observe
 from ibpo.rewards.functions import grade, reward_set
 from ibpo.rollout import hf_generator
 
@@ -250,14 +260,87 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--variants", help="comma-separated variant names to run (default: all)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 2 problems, 2 variants")
+    p.add_argument("--replay", help="replay the spending rule over the runs under this folder")
+    p.add_argument("--floors", default="0,0.05,0.1,0.15,0.2", help="replay: repair.min_success")
+    p.add_argument("--probes", default="3,5,10", help="replay: repair.probe_every")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.seeds, ns.problems, ns.group_size, ns.budget = [0], 2, 2, 4
     return ns
 
 
+def recorded_repairs(root: Path) -> dict[str, list[tuple[float, float]]]:
+    """Per IBPO run under `root` (a folder holding metrics.jsonl, at any depth): each step's
+    (repairs run, successful repairs); runs that never repaired are left out."""
+    runs = {}
+    for metrics in sorted(root.rglob("metrics.jsonl")):
+        steps = {}
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "repairs" in row:
+                n = row["repairs"]
+                steps[row["step"]] = (n, round(n * row.get("repair_success_rate", 0.0)))
+        if any(n for n, _ in steps.values()):
+            runs[str(metrics.parent.relative_to(root))] = [steps[k] for k in sorted(steps)]
+    return runs
+
+
+def replay(runs: dict, floor: float, probe_every: int) -> dict:
+    """The rule over recorded steps: shares of steps, repairs and successes it would keep."""
+    kept = {"steps": 0, "repairs": 0.0, "successes": 0.0}
+    total = {"steps": 0, "repairs": 0.0, "successes": 0.0}
+    for steps in runs.values():
+        state = SpendingState()
+        for n, hits in steps:
+            mode = decide(state, floor, probe_every)
+            ran, ok = (0.0, 0.0) if mode == SKIP else (n, hits)
+            state = observe(state, mode, ran, ok, 0.0, 0.0, 0.0)
+            for d, (a, b) in ((kept, (ran, ok)), (total, (n, hits))):
+                d["steps"] += int(a > 0) if d is kept else int(n > 0)
+                d["repairs"] += a
+                d["successes"] += b
+    share = {k: kept[k] / total[k] if total[k] else 0.0 for k in kept}
+
+    def rate(d: dict) -> float:
+        return d["successes"] / d["repairs"] if d["repairs"] else 0.0
+
+    return {"floor": floor, "probe_every": probe_every, **share, "success_kept": rate(kept),
+            "success_all": rate(total)}  # fmt: skip
+
+
+def replay_table(rows: list[dict], runs: int) -> str:
+    lines = [
+        f"Replayed over {runs} runs: shares kept of the steps that repaired, of the repairs and of "
+        "the successful repairs; success of the repairs kept (of all)",
+        "| floor | probe every | steps | repairs | successes | success kept (all) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['floor']:g} | {r['probe_every']} | {r['steps']:.2f} | {r['repairs']:.2f} "
+            f"| {r['successes']:.2f} | {r['success_kept']:.3f} ({r['success_all']:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse(sys.argv[1:] if argv is None else argv)
+    if ns.replay:
+        runs = recorded_repairs(Path(ns.replay))
+        if not runs:
+            raise SystemExit(f"no run under {ns.replay} logged repairs")
+        rows = [replay(runs, f, p) for f in _floats(ns.floors) for p in _ints(ns.probes)]
+        print(replay_table(rows, len(runs)))
+        print(json.dumps({"replay": ns.replay, "runs": len(runs), "rows": rows}))
+        return 0
     results = bench(ns)
     print(table(results))
     print(json.dumps({"seeds": ns.seeds, "problems": ns.problems, "variants": results}))
