@@ -337,6 +337,28 @@ def test_bench_repair_cost_smoke_runs_each_variant_on_the_same_repairs(tiny_mode
         assert r["s_generate"] > 0 and r["s_phase"] >= r["s_generate"]
 
 
+def test_bench_repairs_replays_the_spending_rule_over_recorded_runs(tmp_path, capsys):
+    bench = _script("bench_repairs")
+    run = tmp_path / "runs" / "on-ibpo-s0" / "train"
+    run.mkdir(parents=True)
+    # 10 steps of 4 repairs: none succeeds, except all 4 at step 8
+    rows = [{"step": t, "repairs": 4.0, "repair_success_rate": float(t == 8)} for t in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "runs" / "dfpo" / "train").mkdir(parents=True)  # no repairs: left out
+    (tmp_path / "runs" / "dfpo" / "train" / "metrics.jsonl").write_text('{"step": 1}\n')
+    argv = ["--replay", str(tmp_path / "runs"), "--floors", "0,0.5", "--probes", "3"]
+    assert bench.main(argv) == 0
+    res = _json_line(capsys.readouterr().out)
+    assert res["runs"] == 1
+    every, rule = res["rows"]
+    assert every["repairs"] == every["successes"] == every["steps"] == 1.0
+    # floor 0.5: step 1 measures, skip 2-3, probe 4, skip 5-6, probe 7, skip 8 (the success
+    # lost), 9, probe 10
+    assert rule["steps"] == 0.4 and rule["repairs"] == 0.4 and rule["successes"] == 0.0
+    with pytest.raises(SystemExit, match="no run"):
+        bench.main(["--replay", str(tmp_path / "runs" / "dfpo")])
+
+
 def test_wilson_interval():
     bench = _script("bench_repairs")
     assert bench.wilson(0, 0) == (0.0, 1.0)
