@@ -255,6 +255,9 @@ def recipe_config(args, arch_name: str):
             f"train.prompts_per_step={groups}",  # data.eval_size stays: the plan's evaluation
             f"objective.reward={BENCH_REWARD}",
             "repair.enabled=true",
+            # the plan's repair phase is its worst case: every planned repair, no spending rule
+            "repair.cost_share=1",
+            "repair.min_success=0",
             *args.set,
         ],
     )
@@ -722,6 +725,7 @@ def learning_run(args, device: torch.device) -> dict:
         "train.prompts_per_step=4", f"train.learning_rate={args.learn_lr:g}", "objective.kl_coef=0",
         "objective.name=ibpo", "model.lora_dropout=0",
         f"objective.reward={LEARN_REWARD}", "data.eval_size=0",
+        "repair.cost_share=1", "repair.min_success=0",  # every planned repair, every step
     ])  # fmt: skip
     assert cfg.repair.enabled, "ibpo repairs by default"
     dtype = compute_dtype(cfg.model.dtype, device)

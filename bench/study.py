@@ -487,6 +487,9 @@ STEP_KEYS = (
     "loss",
     "lifted_blame_fraction",  # logged by later versions of the step; None where absent
     "edited_token_fraction",
+    "repairs_skipped",  # the repair spending rule's (later versions); None where absent
+    "repair_cost_share",
+    "repair_probe",
 )
 
 
@@ -961,9 +964,9 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
     and the mask's action (steps where it lowered some blame; the share of completion tokens
     whose blame it lowered, mean over steps)."""
     lines = [
-        "| arm | seed | repairs | success | steps with a success | locality (kept) "
-        "| steps the mask acted | lifted blame (mean share) | final acc. |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | seed | repairs | skipped | success | steps with a success | locality (kept) "
+        "| steps the mask acted | lifted blame (mean share) | cost share | final acc. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         for r in runs:
@@ -975,12 +978,16 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
             kept = [1.0 - e for ok, e in zip(rates, edited) if ok and e is not None]
             lifted = [x for x in r.get("lifted_blame_fraction") or [] if x is not None]
             acted = sum(1 for x in lifted if x > 0)
+            skipped = [x for x in r.get("repairs_skipped") or [] if x is not None]
+            share = [x for x in r.get("repair_cost_share") or [] if x is not None]
             lines.append(
-                f"| {name} | {r['seed']} | {attempted:.0f} | {_f(r['repair_success'])} "
+                f"| {name} | {r['seed']} | {attempted:.0f} "
+                f"| {f'{sum(skipped):.0f}' if skipped else 'n/a'} | {_f(r['repair_success'])} "
                 f"| {sum(1 for x in rates if x)} of {len(rates)} "
                 f"| {_f(statistics.fmean(kept)) if kept else '-'} "
                 f"| {acted if lifted else 'n/a'} of {len(lifted) if lifted else len(rates)} "
                 f"| {_f(statistics.fmean(lifted), '.4f') if lifted else 'n/a'} "
+                f"| {_f(statistics.fmean(share), '.2f') if share else 'n/a'} "
                 f"| {_f(r['after'])} |"
             )
     if len(lines) == 2:
@@ -1306,6 +1313,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             if getattr(ns, key) == p.get_default(key):
                 setattr(ns, key, value)
+        # 4-token completions leave no budget for a repair prompt: the smoke checks the
+        # repairs' accounting, so every planned repair runs
+        if not any(o.startswith("repair.cost_share=") for o in ns.overrides):
+            ns.overrides = [*ns.overrides, "repair.cost_share=1"]
     return ns
 
 

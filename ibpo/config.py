@@ -405,6 +405,13 @@ class RepairConfig:
     # blame kept on tokens a successful repair did not change
     unchanged_weight: float = within(0.0, 1.0, 0.0)
     template: str = containing(DEFAULT_REPAIR_TEMPLATE, "{question}", "{attempt}", "{reference}")
+    # Spending by yield (algo/spending.py, docs/repairs.md): a round's repairs run at most
+    # `cost_share` of the tokens it runs through the model (prompt + decode; 1 = no budget);
+    # while the running success rate is under `min_success`, steps skip repairs (Part 1 alone),
+    # except one step in `probe_every`, which repairs to measure the rate again.
+    cost_share: float = within(0.0, 1.0, 0.5, "1 = no budget", open_low=True)
+    min_success: float = within(0.0, 1.0, 0.1, "0 = never skip")
+    probe_every: int = at_least(0, 5, "0 = never probe")
 
 
 @dataclass

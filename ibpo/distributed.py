@@ -99,6 +99,15 @@ def agreed_count(accelerator, n: int) -> int:
     return int(accelerator.reduce(found, "max").item())
 
 
+def summed(accelerator, values: list[float]) -> list[float]:
+    """Each value summed over the processes, the same result on every process (every process
+    calls it, with as many values). float64, so counts of tokens stay exact."""
+    if accelerator.num_processes == 1:
+        return [float(v) for v in values]
+    found = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(found, "sum").tolist()
+
+
 def _full(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -273,8 +282,8 @@ MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb", "mismatch_abs_
           "mismatch_worst_sequence")  # fmt: skip
 SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
         "trained_sequences", "dropped_groups", "rollout_prefill_tokens", "repair_prefill_tokens",
-        "repair_prompt_tokens", "repair_decode_tokens", "reward_timeouts",
-        "grader_errors")  # fmt: skip
+        "repair_prompt_tokens", "repair_decode_tokens", "reward_timeouts", "grader_errors",
+        "repairs_skipped", "repair_successes")  # fmt: skip
 
 
 def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:

@@ -14,18 +14,28 @@ rewards they come from (the grader's verdicts, token alignments of host token li
 module reads no value from the device, and step.py moves the masks to the rollout's device in
 one place. Repairs are scored, never trained on.
 
-Not here: the repair arithmetic (algo/counterfactual.py), the reward shaping (algo/advantages.py)
-or the loss.
+Not here: the repair arithmetic (algo/counterfactual.py), the reward shaping (algo/advantages.py),
+the spending rule (algo/spending.py) or the loss. How many of the planned repairs run is the
+spending rule's: under a finite token budget a random subset that fits, the rest skipped
+(logged as repairs_skipped).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ibpo.algo.counterfactual import edit_masks, fill_template, phi_from_repairs, plan_repairs
+from ibpo.algo.counterfactual import (
+    RepairJob,
+    edit_masks,
+    fill_template,
+    phi_from_repairs,
+    plan_repairs,
+)
+from ibpo.algo.spending import SpendingState, affordable, repair_cost
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
 from ibpo.rewards.functions import RewardSet, grade
@@ -37,6 +47,8 @@ class RepairOutcome:
     phi: Tensor  # [B, G] host
     edited: Tensor  # [N, T] bool, host
     stats: dict[str, float]
+    jobs: list[RepairJob] = field(default_factory=list)  # the repairs that ran
+    success: list[bool] = field(default_factory=list)  # ... and which of them succeeded
 
 
 def repair_prompt(
@@ -66,12 +78,16 @@ def run_repairs(
     data_cfg: DataConfig,
     gen: dict,
     rng: random.Random,
+    budget: float = math.inf,
+    spending: SpendingState | None = None,
 ) -> RepairOutcome:
     """Generate and grade the repairs of one step. rewards [B, G] on the host (the weighted
     rewards of `examples`' completions), graded again by `reward_set` for the repairs; `gen`:
     max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
-    resolved). A step that plans no repair (every member correct, or no eligible reference)
-    gets phi = 0 and all-blame masks from the same code as one that does."""
+    resolved). `budget`: the tokens the repairs may run (algo/spending.py; `spending` holds
+    the cost estimates): when it is finite, a random subset of the planned repairs that fits
+    runs, the others are skipped. A step that runs no repair (every member correct, no eligible
+    reference, no budget) gets phi = 0 and all-blame masks from the same code as one that does."""
     B, G = rewards.shape
     jobs = plan_repairs(
         rewards,
@@ -84,8 +100,26 @@ def run_repairs(
     )
     width = rollout.completion_mask.shape[1]
     n_wrong = int((rewards <= reward_set.failed).sum().item())
+    texts = rollout.texts
+    prompts = [
+        repair_prompt(
+            tokenizer,
+            examples[j.group],
+            texts[j.group * G + j.member],
+            texts[j.group * G + j.reference],
+            rep,
+            data_cfg,
+        )
+        for j in jobs
+    ]
+    planned = len(jobs)
+    if math.isfinite(budget) and jobs:
+        keep = within_budget(tokenizer, prompts, budget, spending, gen["max_new_tokens"], rng)
+        jobs, prompts = [jobs[i] for i in keep], [prompts[i] for i in keep]
     stats = {
         "repairs": float(len(jobs)),
+        "repairs_skipped": float(planned - len(jobs)),
+        "repair_successes": 0.0,
         "repair_tokens": 0.0,
         # the repair phase's work: prompt tokens the model ran (a prefix repair prompts share,
         # counted once), the prompts' tokens (what prefill would cost without the sharing) and
@@ -101,18 +135,6 @@ def run_repairs(
     if not jobs:
         edited, _ = edit_masks(attempts, width, [], [], [], G)
         return RepairOutcome(phi_from_repairs([], [], (B, G), rep.rho), edited, stats)
-    texts = rollout.texts
-    prompts = [
-        repair_prompt(
-            tokenizer,
-            examples[j.group],
-            texts[j.group * G + j.member],
-            texts[j.group * G + j.reference],
-            rep,
-            data_cfg,
-        )
-        for j in jobs
-    ]
     out = generator(
         tokenizer,
         prompts,
@@ -137,8 +159,28 @@ def run_repairs(
         ),
         repair_prompt_tokens=float(prompt_tokens),
         repair_decode_tokens=float(sum(out.lengths)),
+        repair_successes=float(sum(success)),
         repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
         repair_success_rate=sum(success) / len(jobs),
         edited_token_fraction=frac,
     )
-    return RepairOutcome(phi, edited, stats)
+    return RepairOutcome(phi, edited, stats, jobs, success)
+
+
+def within_budget(
+    tokenizer,
+    prompts: list[str],
+    budget: float,
+    spending: SpendingState | None,
+    max_new_tokens: int,
+    rng: random.Random,
+) -> list[int]:
+    """The planned repairs that run under a budget of `budget` tokens: in a random order, as
+    many as fit by the spending rule.s cost estimates (algo/spending.py), returned in plan order."""
+    order = rng.sample(range(len(prompts)), len(prompts))
+    if budget <= 0:
+        return []
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    state = spending or SpendingState()
+    costs = [repair_cost(state, len(ids[i]), max_new_tokens) for i in order]
+    return sorted(order[: affordable(costs, budget)])

@@ -68,10 +68,19 @@ from ibpo.algo.objectives import (
     step_normaliser,
     token_weights,
 )
+from ibpo.algo.spending import (
+    PROBE,
+    SpendingState,
+    allowance,
+    cost_share,
+    decide,
+    observe,
+    running_success,
+)
 from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, render_example
-from ibpo.distributed import agreed_count, gather_metrics, gathered
+from ibpo.distributed import agreed_count, gather_metrics, gathered, summed
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import (
     dequantized_base,
@@ -90,14 +99,16 @@ from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, h
 @dataclass
 class StepParts:
     """What a step changes besides the run's counters: the policy, optimizer and scheduler
-    (prepared by Accelerate), this process's prompt stream and the repair planner's rng.
-    Checkpoints save and restore exactly these (run/checkpoint.py)."""
+    (prepared by Accelerate), this process's prompt stream, the repair planner's rng and the
+    repair spending rule's state (the same on every process). Checkpoints save and restore
+    exactly these (run/checkpoint.py)."""
 
     model: Any
     optimizer: Any
     scheduler: Any
     stream: PromptStream
     rng: random.Random
+    spending: SpendingState = field(default_factory=SpendingState)
 
 
 @dataclass
@@ -179,6 +190,12 @@ def rl_step(
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
+    # (IBPO) this step's repair spending, from what earlier steps' repairs returned: the same
+    # state, hence the same decision, on every process
+    rep = cfg.repair
+    spending = None
+    if repairs_enabled(cfg, objective):
+        spending = (decide(parts.spending, rep.min_success, rep.probe_every), parts.spending)
     # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
     # normalises the groups it generated
     with generating(model, cfg, device, engine) as generator:
@@ -191,7 +208,10 @@ def rl_step(
             rewards,
             parts.rng,
             streams,
+            spending,
         )
+    if spending is not None:
+        parts.spending = observe_repairs(accelerator, parts.spending, spending[0], batch.stats)
     t_gen = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
     # 6-8. frozen log-probs, micro-batched backward, optimizer step(s)
@@ -237,6 +257,29 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
             yield hf_generator(model, cfg.rollout.share_prefixes)
 
 
+# what the spending rule learns from a step's repairs (algo/spending.observe), in its order
+SPENDING_TOTALS = (
+    "repairs",
+    "repair_successes",
+    "repair_prompt_tokens",
+    "repair_prefill_tokens",
+    "repair_decode_tokens",
+)
+
+
+def observe_repairs(accelerator, state: SpendingState, mode: str, stats: dict) -> SpendingState:
+    """The spending rule's state after a step: fed the step's repair totals over all processes
+    (one all-reduce), so that every process holds the same state. Logs the step's decision and
+    the running success rate after it into `stats`."""
+    totals = summed(accelerator, [stats.get(key, 0.0) for key in SPENDING_TOTALS])
+    state = observe(state, mode, *totals)
+    stats["repair_probe"] = float(mode == PROBE)
+    rate = running_success(state)
+    if rate is not None:
+        stats["repair_running_success"] = rate
+    return state
+
+
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
     """repair.enabled as recipe.resolve filled it from the objective's registration: read, not
     re-derived, so an unresolved config is refused rather than guessed."""
@@ -257,13 +300,16 @@ def collect_batch(
     rewards: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
+    spending: tuple[str, SpendingState] | None = None,
 ) -> ScoredBatch:
     """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
     batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
     dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
     rounds; if every group was dropped the last round is kept as is (zero advantages), so a step
     never fails for lack of signal. `streams`: the step's sampling streams (None: the process's
-    own, for callers that drive this stage alone)."""
+    own, for callers that drive this stage alone). `spending`: the step's repair decision and
+    the spending rule's state it came from (algo/spending.py; None: every planned repair
+    runs)."""
     G, B = cfg.rollout.group_size, cfg.train.prompts_per_step
     repairing = repairs_enabled(cfg, objective)
     kept: list[Round] = []
@@ -274,7 +320,16 @@ def collect_batch(
     need, dropped, rounds = B, 0, 0
     while True:
         r = score_round(
-            generator, tokenizer, stream.take(need), cfg, repairing, rewards, rng, streams, rounds
+            generator,
+            tokenizer,
+            stream.take(need),
+            cfg,
+            repairing,
+            rewards,
+            rng,
+            streams,
+            rounds,
+            spending,
         )
         _add(stats, r.stats)
         for name, values in r.per_reward.items():
@@ -315,6 +370,11 @@ def collect_batch(
         dropped_groups=float(dropped),
         resample_rounds=float(rounds),
     )
+    if repairing:  # the repairs' share of the tokens the step ran (prompt + decode)
+        repair_decode = stats.get("repair_decode_tokens", 0.0)
+        repair = stats.get("repair_prefill_tokens", 0.0) + repair_decode
+        rollout = stats.get("rollout_prefill_tokens", 0.0) + stats["generated_tokens"]
+        stats["repair_cost_share"] = cost_share(repair, rollout - repair_decode)
     # TRL's names, over every sampled completion: rewards/<name>/mean and /std (and ours,
     # rewards/<name>), the weighted rewards' std and the share of completions whose group's
     # rewards are all equal (groups are of one size: the share of such groups)
@@ -352,11 +412,13 @@ def score_round(
     rng: random.Random,
     streams: SamplingStreams | None = None,
     round_: int = 0,
+    spending: tuple[str, SpendingState] | None = None,
 ) -> Round:
     """One round: generate G completions per example, grade them, and (IBPO) repair the failed
     ones, which shapes the rewards and gives the edit masks. The completions and the repairs
     draw from their own streams of the round (`streams`), so repairs never shift what a later
-    round or step samples."""
+    round or step samples. `spending` (collect_batch) bounds what the repairs may cost: by the
+    step's decision, a share of the tokens this round's rollout ran."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
     prompts = [render_example(tokenizer, ex, cfg.data) for ex in examples]
@@ -397,9 +459,25 @@ def score_round(
         "top_p": ro.top_p,
         "top_k": ro.top_k,
     }
+    budget, state = math.inf, None
+    if spending is not None:
+        mode, state = spending
+        rollout_tokens = stats["rollout_prefill_tokens"] + stats["generated_tokens"]
+        budget = allowance(mode, rollout_tokens, rep.cost_share)
     with _stream(streams, "repair", round_):
         out = run_repairs(
-            generator, tokenizer, examples, rollout, scores, rewards, rep, cfg.data, gen, rng
+            generator,
+            tokenizer,
+            examples,
+            rollout,
+            scores,
+            rewards,
+            rep,
+            cfg.data,
+            gen,
+            rng,
+            budget,
+            state,
         )
     shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= rewards.correct)
     stats.update(out.stats)

@@ -230,6 +230,7 @@ def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
 
 def run_train(model_dir: str, overrides: list[str]) -> dict:
     """A whole `train()`; its summary and the live policy's full LoRA tensors after it."""
+    import ibpo.step as step
     import ibpo.trainer as trainer
     from ibpo.distributed import is_fsdp
     from ibpo.recipe import load_config
@@ -247,11 +248,20 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         assert is_fsdp(parts.model) == FSDP, type(parts.model)  # the wrapping the test asked for
         return real_step(parts, *args, **kwargs)
 
-    trainer.rl_step = spy
+    real_observe = step.observe_repairs
+    spending = []  # per step: this process's own repair totals, then the rule's state after it
+
+    def observe(accelerator, state, mode, stats):
+        after = real_observe(accelerator, state, mode, stats)
+        local = [stats.get(k, 0.0) for k in step.SPENDING_TOTALS]
+        spending.append({"mode": mode, "local": local, "state": after.state_dict()})
+        return after
+
+    trainer.rl_step, step.observe_repairs = spy, observe
     try:
         summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))
     finally:
-        trainer.rl_step = real_step
+        trainer.rl_step, step.observe_repairs = real_step, real_observe
     base = getattr(seen["model"], "module", seen["model"]).get_base_model()
     w = base.model.layers[0].self_attn.q_proj.base_layer.weight  # 4-bit codes under nf4
     local = w.to_local() if hasattr(w, "to_local") else w
@@ -262,6 +272,7 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         "q_proj_weight": shard,
         "torch_rng": seen["rng"][0],
         "repair_rng": seen["rng"][1],
+        "spending": spending,
     }
 
 

@@ -434,6 +434,11 @@ def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):
         assert r["repairs"] <= r["decode_tokens_per_seed"] <= 4 * r["repairs"]
         assert r["prefill_tokens_per_seed"] > r["decode_tokens_per_seed"]
         assert r["prefill_tokens_per_seed"] <= r["prompt_tokens_per_seed"]
+        n_ok, n_other = r["correct_reference"][0], r["other_reference"][0]
+        assert n_ok + n_other == r["repairs"]  # every repair showed one reference or the other
+    first = res["variants"]["default budget=4"]
+    assert first["better"] == first["worse"] == 0 and first["sign_p"] == 1.0  # itself
+    assert first["paired"] == first["repairs"]  # K = 2: one repair per failed completion
     # the terse template's prompts are shorter than today's
     v = res["variants"]
     assert (
@@ -444,6 +449,56 @@ def test_bench_repairs_quick_reports_every_variant(tiny_model_dir, capsys):
     assert list(_json_line(capsys.readouterr().out)["variants"]) == ["template=terse"]
     with pytest.raises(SystemExit, match="unknown variants"):
         bench.main(["--quick", "--model", tiny_model_dir, "--variants", "nope"])
+
+
+def test_paired_comparison_counts_only_the_completions_both_repaired():
+    bench = _script("bench_repairs")
+    base = {1: True, 2: False, 3: False, 4: True, 5: False}
+    other = {1: True, 2: True, 3: True, 4: False, 6: True}  # 6: repaired by one only
+    got = bench.paired(base, other)
+    assert got == {"paired": 4, "better": 2, "worse": 1, "sign_p": 1.0}
+    assert bench.paired({k: False for k in range(8)}, {k: True for k in range(8)})["sign_p"] == (
+        pytest.approx(2 / 2**8)
+    )
+
+
+def test_bench_repair_cost_smoke_runs_each_variant_on_the_same_repairs(tiny_model_dir, capsys):
+    bench = _script("bench_repair_cost")
+    assert bench.main(["--smoke", "--model", tiny_model_dir]) == 0
+    res = _json_line(capsys.readouterr().out)
+    v = res["variants"]
+    assert list(v) == ["today", "reference-first", "unshared"] and res["steps"] == 2
+    today, first, unshared = v["today"], v["reference-first"], v["unshared"]
+    assert today["repairs"] > 0
+    # the same repairs (one plan) under each variant; only the prompts' order and sharing differ
+    assert today["repairs"] == first["repairs"] == unshared["repairs"]
+    assert unshared["prefill"] == unshared["prompt"] == today["prompt"]
+    assert today["prefill"] < today["prompt"]
+    assert first["prefill"] < today["prefill"]  # reference and instruction shared as well
+    for r in v.values():
+        assert r["s_generate"] > 0 and r["s_phase"] >= r["s_generate"]
+
+
+def test_bench_repairs_replays_the_spending_rule_over_recorded_runs(tmp_path, capsys):
+    bench = _script("bench_repairs")
+    run = tmp_path / "runs" / "on-ibpo-s0" / "train"
+    run.mkdir(parents=True)
+    # 10 steps of 4 repairs: none succeeds, except all 4 at step 8
+    rows = [{"step": t, "repairs": 4.0, "repair_success_rate": float(t == 8)} for t in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "runs" / "dfpo" / "train").mkdir(parents=True)  # no repairs: left out
+    (tmp_path / "runs" / "dfpo" / "train" / "metrics.jsonl").write_text('{"step": 1}\n')
+    argv = ["--replay", str(tmp_path / "runs"), "--floors", "0,0.5", "--probes", "3"]
+    assert bench.main(argv) == 0
+    res = _json_line(capsys.readouterr().out)
+    assert res["runs"] == 1
+    every, rule = res["rows"]
+    assert every["repairs"] == every["successes"] == every["steps"] == 1.0
+    # floor 0.5: step 1 measures, skip 2-3, probe 4, skip 5-6, probe 7, skip 8 (the success
+    # lost), 9, probe 10
+    assert rule["steps"] == 0.4 and rule["repairs"] == 0.4 and rule["successes"] == 0.0
+    with pytest.raises(SystemExit, match="no run"):
+        bench.main(["--replay", str(tmp_path / "runs" / "dfpo")])
 
 
 def test_wilson_interval():

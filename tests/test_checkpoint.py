@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import ibpo.trainer as trainer_mod
+from ibpo.algo.spending import SpendingState
 from ibpo.config import ConfigError
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
@@ -137,13 +138,25 @@ def _rewards(run: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["reward"]) for m in map(json.loads, lines)]
 
 
+# The repair spending rule at work: about half the repairs succeed on the tiny model, under this
+# floor, so steps skip and probe; its state crosses the resume (a fresh state would spend at once
+# and log another running success rate).
+SPENDING = ("repair.min_success=0.9", "repair.probe_every=2")
+
+
+def _spending(run: Path) -> list[tuple]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    keys = ("repairs", "repairs_skipped", "repair_probe", "repair_running_success")
+    return [(m["step"], *(m.get(k) for k in keys)) for m in map(json.loads, lines)]
+
+
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     tiny_model_dir, tmp_path, reward, spawn
 ):
     steps, run = 7, tmp_path / "run"
     root = run / "checkpoints"
-    resume = _args(tiny_model_dir, run, steps, "run.resume_from=latest")
-    a = spawn("a", _args(tiny_model_dir, run, steps))
+    resume = _args(tiny_model_dir, run, steps, "run.resume_from=latest", *SPENDING)
+    a = spawn("a", _args(tiny_model_dir, run, steps, *SPENDING))
     b = spawn("b", resume)  # imports while `a` runs, trains after it
     (tmp_path / "a.go").touch()
     # 1. SIGKILL once step-2 is saved (perhaps in the middle of saving step 3)
@@ -171,7 +184,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     # 3. resume to the end (in this process), and an uninterrupted run with the same seed
     resumed = train(load_config(None, resume))
     assert resumed["status"] == "completed" and resumed["steps"] == steps
-    ref = train(load_config(None, _args(tiny_model_dir, tmp_path / "ref", steps)))
+    ref = train(load_config(None, _args(tiny_model_dir, tmp_path / "ref", steps, *SPENDING)))
     assert ref["status"] == "completed"
     got, want = _lora(run / "adapter"), _lora(tmp_path / "ref" / "adapter")
     assert got.keys() == want.keys() and any("lora_B" in k for k in got)
@@ -179,6 +192,11 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert _rewards(run) == _rewards(tmp_path / "ref")
     assert len({r for _, r in _rewards(run)}) > 1
+    # the same spending decisions, step by step, and the rule did skip and probe
+    spent = _spending(tmp_path / "ref")
+    assert _spending(run) == spent
+    assert any(s[1] == 0 and s[2] > 0 for s in spent)  # a step that skipped its repairs
+    assert any(s[3] == 1.0 for s in spent)  # a probe
     assert len(ckpt.list_checkpoints(root)) == 2  # keep_checkpoints
 
 
@@ -199,7 +217,8 @@ def _parts(model_dir: str):
     sched.step()
     stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
     stream.take(13)  # into the second epoch
-    return acc, StepParts(model, opt, sched, stream, random.Random(7))
+    spending = SpendingState(attempts=12.5, successes=1.5, prompt_tokens=900, idle=3)
+    return acc, StepParts(model, opt, sched, stream, random.Random(7), spending)
 
 
 def _draws(parts) -> tuple:
@@ -220,6 +239,8 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     saved = {n: p.detach().clone() for n, p in lora.items()}
     adam = {k: v.clone() for k, v in parts.optimizer.state[next(iter(lora.values()))].items()}
     expected = _draws(parts)  # what the run would draw next
+    spending = parts.spending
+    parts.spending = SpendingState()
     with torch.no_grad():
         for p in lora.values():
             p.add_(1.0)
@@ -246,6 +267,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     assert all(torch.equal(restored[k], v) for k, v in adam.items())
     again = _draws(parts)
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+    assert parts.spending == spending  # the repair spending rule's state
 
     # the next save removes the leftover and moves `latest`; keep=1 drops step-1
     second = ckpt.save_checkpoint(acc, root, parts, ckpt.TrainerState(step=2), None, keep=1)

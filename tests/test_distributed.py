@@ -159,7 +159,8 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
 
 def test_two_process_training_run(tiny_model_dir, tmp_path):
     """A whole `train()` on 2 processes: same adapter on both ranks, one metrics line per step
-    gathered over them, a checkpoint with each process's state, and an adapter on disk."""
+    gathered over them, a checkpoint with each process's state, and an adapter on disk; the
+    repair spending rule holds one state on both ranks, learnt from both ranks' repairs."""
     out = tmp_path / "run"
     _torchrun(
         [
@@ -167,13 +168,19 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
             tiny_model_dir,
             str(tmp_path),
             "model.quantization=none",
-            "train.steps=2",
+            "train.steps=3",
             "train.prompts_per_step=2",
             "rollout.group_size=2",
             "rollout.max_new_tokens=6",
             "rollout.eval_max_new_tokens=4",
             "data.eval_size=4",
             "train.learning_rate=0.01",
+            "objective.reward=parity",
+            "repair.min_success=0.9",
+            "repair.probe_every=2",
+            # short repair prompts: the default template alone is over the token budget of
+            # these 2-token-per-member rollouts
+            "repair.template='{question}|{attempt}|{reference}'",
             f"run.output_dir={out}",
             "run.progress=false",
             "run.plots=false",
@@ -190,7 +197,15 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     assert r0["summary"]["status"] == r1["summary"]["status"] == "completed"
     assert r0["summary"]["eval_after"]["n"] == 4  # evaluation is split over processes, then joined
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2]  # the main process writes, once per step
+    assert [x["step"] for x in lines] == [1, 2, 3]  # the main process writes, once per step
+    # each rank repaired its own groups; the rule's state and decisions are the same on both
+    s0, s1 = r0["spending"], r1["spending"]
+    assert len(s0) == len(s1) == 3
+    assert [s["mode"] for s in s0] == [s["mode"] for s in s1]
+    assert [s["state"] for s in s0] == [s["state"] for s in s1]
+    assert any(a["local"] != b["local"] for a, b in zip(s0, s1))
+    attempts = sum(s["local"][0] for s in s0 + s1)  # both ranks' repairs, once each
+    assert attempts > 0 and s0[0]["state"]["attempts"] == s0[0]["local"][0] + s1[0]["local"][0]
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert (latest / "process-0.pt").is_file() and (latest / "process-1.pt").is_file()
     assert (out / "adapter" / "adapter_config.json").is_file()

@@ -89,6 +89,10 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         # worst case (every prompt at this length) stays close to what runs
         "data.max_prompt_tokens=64",
         "repair.template='{question}|{attempt}|{reference}'",
+        # every planned repair runs: the scripted rewards say which repairs succeed, and the
+        # checks count them (the spending rule has its own tests)
+        "repair.cost_share=1",
+        "repair.min_success=0",
         f"objective.reward={REWARD}",
         "data.eval_size=0",
         "run.save_every=0",

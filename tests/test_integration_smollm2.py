@@ -32,6 +32,9 @@ def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):
             "rollout.max_new_tokens=12",
             "train.prompts_per_step=2",
             "train.learning_rate=1e-3",
+            # every planned repair runs (no spending rule): this is the repairs' path
+            "repair.cost_share=1",
+            "repair.min_success=0",
         ],
     )
     acc = Accelerator(cpu=True)

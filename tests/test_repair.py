@@ -1,5 +1,6 @@
 """IBPO Part 2: repair planning, phi, reward shaping, token edit masks (IBPO.md properties)."""
 
+import math
 import random
 import re
 
@@ -275,3 +276,67 @@ def test_repairs_default_on_for_ibpo_only():
         assert repairs_enabled(cfg, resolve_params(cfg.objective)) is expected
     cfg = load_config(None, ["objective.name=ibpo", "repair.enabled=false"])
     assert repairs_enabled(cfg, resolve_params(cfg.objective)) is False
+
+
+class _CharTok(_Tok):
+    """Tokens = characters: prompts' token counts for the spending rule's cost estimates."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [list(t) for t in texts]}
+
+
+def _budgeted(budget: float, seed: int):
+    # two groups of 4, one correct member each: 6 planned repairs (3 per group)
+    rollout = _rollout([[7], [3], [5], [6], [1], [2], [8], [9]], list("73561289"))
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    calls = []
+
+    def fake_generate(tok, prompts, n, max_new, bs, **kw):
+        calls.append(list(prompts))
+        return _rollout([[7]] * len(prompts), ["7"] * len(prompts))
+
+    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
+    out = run_repairs(
+        fake_generate,
+        _CharTok(),
+        [Example("3 + 4", "7"), Example("1 + 7", "8")],
+        rollout,
+        rewards,
+        grader_rewards(_reward),
+        RepairConfig(template="{question}|{attempt}|{reference}"),
+        DataConfig(prompt_template="{question}"),
+        gen,
+        random.Random(seed),
+        budget,
+    )
+    return out, calls
+
+
+def test_a_token_budget_runs_a_random_subset_that_fits_and_skips_the_rest():
+    everything, calls = _budgeted(math.inf, 0)
+    assert everything.stats["repairs"] == 6 and everything.stats["repairs_skipped"] == 0
+    planned = calls[0]
+    cost = {p: len(p) + 4 for p in planned}  # no repair ran yet: prompt + max_new_tokens
+    kept = set()
+    for seed in range(8):
+        out, calls = _budgeted(2.5 * max(cost.values()), seed)
+        ran = calls[0]
+        assert len(ran) == 2 and set(ran) <= set(cost)  # two fit, a third does not
+        assert out.stats["repairs"] == 2 and out.stats["repairs_skipped"] == 4
+        assert ran == [p for p in planned if p in ran]  # in plan order (sharing neighbours)
+        assert len(out.jobs) == len(out.success) == 2
+        hit = {(j.group, j.member) for j, ok in zip(out.jobs, out.success) if ok}
+        assert {(b, i) for b in range(2) for i in range(4) if out.phi[b, i] > 0} == hit
+        kept.add(tuple(ran))
+    assert len(kept) > 1  # which repairs run is random, not the first ones planned
+    none, calls = _budgeted(0.0, 0)  # a skipped step: no generation, Part 1 alone
+    assert calls == [] and none.stats["repairs"] == 0 and none.stats["repairs_skipped"] == 6
+    assert (none.phi == 0).all() and none.edited.all()
+
+
+def test_repairs_that_show_the_same_reference_are_neighbours():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    for seed in range(5):
+        jobs = plan_repairs(rewards, 1, 4, "correct_first", random.Random(seed))
+        refs = [j.reference for j in jobs]
+        assert refs == sorted(refs) and len(jobs) == 4

@@ -253,6 +253,24 @@ def test_summary_table_reports_the_repair_cost(tmp_path):
     )
 
 
+def test_summary_table_reports_the_repair_spending(tmp_path):
+    out = tmp_path / "run"
+    make_run(out, summary=False)
+    assert "repair spending" not in report.summary_table(out)
+    keys = ("repairs", "repairs_skipped", "repair_successes", "repair_cost_share",
+            "repair_probe", "repair_success_rate")  # fmt: skip
+    steps = [(8, 0, 1, 0.6, 0, 0.125), (0, 8, 0, 0.0, 0, 0.0), (4, 4, 1, 0.4, 1, 0.25)]
+    rows = [{"step": s + 1, **dict(zip(keys, v))} for s, v in enumerate(steps)]
+    (out / report.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = report.summary_table(out)
+    assert table_value(table, "repair spending") == (
+        "12 run, 12 skipped (pooled success 0.167; 1 steps without repairs, 1 probes), "
+        "0.33 of the tokens  (mean share per step)"
+    )
+    # the mean success rate is over the steps that ran repairs
+    assert table_value(table, "repair success") == f"{(0.125 + 0.25) / 2:.3f}"
+
+
 def test_summary_table_of_a_run_without_summary(tmp_path):
     out = tmp_path / "run"
     final, _, _ = make_run(out, steps=12, evals=(2, 4, 6, 8, 10), summary=False)

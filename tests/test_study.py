@@ -180,13 +180,16 @@ def test_the_report_gives_each_repairing_run_its_success_locality_and_mask_actio
     # step 1: a success that kept 30% of the attempt, the mask lowered 2% of the tokens' blame;
     # step 2: a success that kept 10%, the mask did not act (the repaired member was lifted)
     ibpo.update(edited_token_fraction=[0.7, 0.9], lifted_blame_fraction=[0.02, 0.0])
+    # the spending rule skipped 6 planned repairs at step 2; repairs were 40% and 20% of tokens
+    ibpo.update(repairs_skipped=[0.0, 6.0], repair_cost_share=[0.4, 0.2])
     old = {**_record("on-ibpo", study.ON, 1, 0.5), "edited_token_fraction": [None, None]}
     dfpo = {**_record("on-dfpo", study.ON, 0, 0.5), "repairs": [0.0, 0.0], "repair_success": None}
     _, md = study.build_report([ibpo, old, dfpo], pending=[])
     table = md.split("## Repairs per run")[1].split("## Did")[0]
-    assert "| on-ibpo | 0 | 10 | 0.300 | 2 of 2 | 0.200 | 1 of 2 | 0.0100 | 0.600 |" in table
+    row = "| on-ibpo | 0 | 10 | 6 | 0.300 | 2 of 2 | 0.200 | 1 of 2 | 0.0100 | 0.30 | 0.600 |"
+    assert row in table
     # a run from before these metrics were logged says so instead of inventing them
-    assert "| on-ibpo | 1 | 10 | 0.300 | 2 of 2 | - | n/a of 2 | n/a | 0.500 |" in table
+    assert "| on-ibpo | 1 | 10 | n/a | 0.300 | 2 of 2 | - | n/a of 2 | n/a | n/a | 0.500 |" in table
     assert "on-dfpo" not in table  # no repairs, no row
 
 

@@ -228,6 +228,8 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             "train.steps=2",
             "train.learning_rate=0.05",
             "objective.reward=odd_length",
+            "repair.cost_share=1",  # every planned repair runs, in one request
+            "repair.min_success=0",
         ],
     )
     summary = train(cfg)

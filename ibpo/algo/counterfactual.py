@@ -65,7 +65,9 @@ def plan_repairs(
     """rewards [B, G] (host) -> the repair generations of a step (at most max_per_group x K-1 per
     group): failed members (R <= failed_at) get references, correct ones (R >= correct_at)
     first. Which failed members are repaired when the cap binds is random, not positional. A
-    NaN reward (no reward applies) is neither."""
+    NaN reward (no reward applies) is neither. Ordered by group, then reference: repairs that
+    show the same reference are neighbours, so a template that puts the reference before the
+    attempt gives them one shared prefix (rollout.share_prefixes)."""
     jobs = []
     for b, row in enumerate(rewards.tolist()):
         correct = [r >= correct_at for r in row]
@@ -74,7 +76,7 @@ def plan_repairs(
         for i in failed[:max_per_group]:
             for j in choose_references(correct, i, references, selection, rng):
                 jobs.append(RepairJob(b, i, j))
-    return jobs
+    return sorted(jobs, key=lambda job: (job.group, job.reference, job.member))
 
 
 def phi_from_repairs(

@@ -7,7 +7,8 @@ A checkpoint `<output_dir>/checkpoints/step-<N>/` holds everything a training st
     scheduler.pt         learning-rate scheduler state
     process-<rank>.pt    per process: RNG states (python `random`, numpy, torch CPU, the CUDA
                          generator of the process's own GPU, the trainer's repair
-                         `random.Random`) and the position in its data stream
+                         `random.Random`), the position in its data stream and the repair
+                         spending rule's state (algo/spending.py; the same in every process)
     trainer_state.json   step, held-out accuracy before training, non-finite counters, wall time
     metrics.jsonl        the per-step metrics of steps 1..N
 
@@ -52,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ibpo.algo.spending import SpendingState
 from ibpo.config import ConfigError
 from ibpo.distributed import (
     is_fsdp,
@@ -186,6 +188,7 @@ def _process_state(parts: StepParts, device: torch.device | None = None) -> dict
         "torch": torch.get_rng_state(),
         "repair_rng": parts.rng.getstate(),
         "stream": parts.stream.state_dict(),
+        "repair_spending": parts.spending.state_dict(),
     }
     gpu = _own_cuda_device(device)
     if gpu is not None:  # keyed by role, not index: the process's GPU is one GPU whatever its index
@@ -321,6 +324,8 @@ def _restore_process(state: dict, parts: StepParts, device: torch.device | None 
     _restore_cuda(state, device)
     parts.rng.setstate(state["repair_rng"])
     parts.stream.load_state_dict(state["stream"])
+    if "repair_spending" in state:  # checkpoints from before the spending rule start it afresh
+        parts.spending = SpendingState.from_state_dict(state["repair_spending"])
 
 
 def load_checkpoint(accelerator, path: Path, parts: StepParts) -> TrainerState:

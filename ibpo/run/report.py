@@ -313,6 +313,27 @@ def _repair_cost(rows: list[dict]) -> str | None:
     )
 
 
+def _repair_spending(rows: list[dict]) -> str | None:
+    """What the repair spending rule did (algo/spending.py): repairs run and skipped, the
+    pooled success of those run, steps that skipped and probes, the repairs' mean share of the
+    tokens a step ran; None for a run that did not log it."""
+    _, skipped = series(rows, "repairs_skipped")
+    _, ran = series(rows, "repairs")
+    _, hits = series(rows, "repair_successes")
+    _, share = series(rows, "repair_cost_share")
+    if not (skipped and share):
+        return None
+    _, probes = series(rows, "repair_probe")
+    idle = sum(1 for r in rows if _number(r.get("repairs_skipped")) and r["repairs_skipped"] > 0
+               and not r.get("repairs"))  # fmt: skip
+    success = f"pooled success {sum(hits) / sum(ran):.3f}; " if sum(ran) and hits else ""
+    return (
+        f"{sum(ran):.0f} run, {sum(skipped):.0f} skipped ({success}"
+        f"{idle} steps without repairs, {sum(probes):.0f} probes), "
+        f"{_mean(share):.2f} of the tokens  (mean share per step)"
+    )
+
+
 def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
     items = []
     _, reward = series(rows, "reward")
@@ -331,12 +352,17 @@ def _metric_items(rows: list[dict]) -> list[tuple[str, str]]:
         ("kl", "mean KL", ".4f", _mean),
         ("repair_success_rate", "repair success", ".3f", _mean),
     ]:
-        _, values = series(rows, key)
+        # a step that ran no repair (skipped, or nothing failed) has no success rate
+        ran = [r for r in rows if key != "repair_success_rate" or r.get("repairs", 1) != 0]
+        _, values = series(ran, key)
         if values:
             items.append((label, f"{reduce(values):{fmt}}"))
     repair = _repair_cost(rows)
     if repair:
         items.append(("repair cost", repair))
+    spending = _repair_spending(rows)
+    if spending:
+        items.append(("repair spending", spending))
     # overall rate = all completion tokens / all step time (a plain mean would weigh a fast
     # step like a slow one)
     timed = [
