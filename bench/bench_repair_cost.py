@@ -24,8 +24,11 @@ the steps:
 and each figure's ratio to the first variant's. The ratios are measured in one process on the same
 inputs, so they hold on a machine busy with other work where the absolute seconds do not.
 
-Variants (name: template, shared prefixes):
-    today            the default template before reference-first, shared prefixes on
+Variants (name: template, shared prefixes, reference selection):
+    today            the attempt-first template, shared prefixes on, correct references first
+                     (a failed sibling is the reference where no sibling is correct)
+    correct-only     today's, but a failed completion is repaired only against a correct sibling
+                     (repair.reference_selection=correct_only)
     reference-first  the instruction, then the reference, then the attempt
     unshared         today's template, every prompt run whole (the cost before shared prefixes)
 """
@@ -74,11 +77,12 @@ FIGURES = ("prompt", "prefill", "decode", "s_prefill", "s_generate", "s_decode",
            "repairs_other_ref", "successes_other_ref")  # fmt: skip
 
 
-def variants() -> dict[str, tuple[str, bool]]:
+def variants() -> dict[str, tuple[str, bool, str]]:
     return {
-        "today": (ATTEMPT_FIRST, True),
-        "reference-first": (REFERENCE_FIRST, True),
-        "unshared": (ATTEMPT_FIRST, False),
+        "today": (ATTEMPT_FIRST, True, "correct_first"),
+        "correct-only": (ATTEMPT_FIRST, True, "correct_only"),
+        "reference-first": (REFERENCE_FIRST, True, "correct_first"),
+        "unshared": (ATTEMPT_FIRST, False, "correct_first"),
     }
 
 
@@ -99,7 +103,7 @@ class TimedGenerator:
         return out
 
 
-def install(chosen: dict[str, tuple[str, bool]], train_on: str, totals: dict):
+def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dict):
     """Wrap ibpo.step.run_repairs: each call runs every variant on the same inputs and returns the
     outcome of `train_on`, leaving the planner's rng as that variant left it."""
     import ibpo.step as step
@@ -115,14 +119,14 @@ def install(chosen: dict[str, tuple[str, bool]], train_on: str, totals: dict):
         k = next(turn) % len(names)
         result, after = None, None
         for name in names[k:] + names[:k]:
-            template, share = chosen[name]
+            template, share, selection = chosen[name]
             seconds = {"s_prefill": 0.0, "s_generate": 0.0}
             timed = TimedGenerator(hf_generator(model, share), seconds)
             plan = random.Random()
             plan.setstate(rng.getstate())
             with torch.random.fork_rng():  # every variant from the round's repair stream
                 t0 = time.perf_counter()
-                variant = replace(rep, template=template)
+                variant = replace(rep, template=template, reference_selection=selection)
                 out = real(timed, tokenizer, examples, rollout, rewards, reward_set, variant,
                            data_cfg, gen, plan, *args[3:])  # fmt: skip
                 wall = time.perf_counter() - t0 - seconds["s_prefill"]
@@ -193,7 +197,7 @@ def parse(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="section.key=value, as for ibpo train")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--variants", default="today,reference-first,unshared")
+    p.add_argument("--variants", default="today,correct-only,reference-first,unshared")
     p.add_argument("--train-on", default=None, help="the variant the steps train on (first)")
     p.add_argument("--model", default=None, help="model.name (default: the embedded model)")
     p.add_argument("--smoke", action="store_true", help="2 tiny steps (needs --model)")

@@ -176,7 +176,7 @@ def within_budget(
     rng: random.Random,
 ) -> list[int]:
     """The planned repairs that run under a budget of `budget` tokens: in a random order, as
-    many as fit by the spending rule.s cost estimates (algo/spending.py), returned in plan order."""
+    many as fit by the spending rule's cost estimates (algo/spending.py), returned in plan order."""
     order = rng.sample(range(len(prompts)), len(prompts))
     if budget <= 0:
         return []

@@ -467,9 +467,14 @@ def test_bench_repair_cost_smoke_runs_each_variant_on_the_same_repairs(tiny_mode
     assert bench.main(["--smoke", "--model", tiny_model_dir]) == 0
     res = _json_line(capsys.readouterr().out)
     v = res["variants"]
-    assert list(v) == ["today", "reference-first", "unshared"] and res["steps"] == 2
+    assert list(v) == ["today", "correct-only", "reference-first", "unshared"]
+    assert res["steps"] == 2
     today, first, unshared = v["today"], v["reference-first"], v["unshared"]
     assert today["repairs"] > 0
+    # correct-only runs exactly the planned repairs that show a correct sibling
+    only = v["correct-only"]
+    assert only["repairs"] == only["repairs_correct_ref"] == today["repairs_correct_ref"]
+    assert only["repairs_other_ref"] == 0 and today["repairs_other_ref"] > 0
     # the same repairs (one plan) under each variant; only the prompts' order and sharing differ
     assert today["repairs"] == first["repairs"] == unshared["repairs"]
     assert unshared["prefill"] == unshared["prompt"] == today["prompt"]
