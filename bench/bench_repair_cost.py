@@ -25,12 +25,13 @@ and each figure's ratio to the first variant's. The ratios are measured in one p
 inputs, so they hold on a machine busy with other work where the absolute seconds do not.
 
 Variants (name: template, shared prefixes, reference selection):
-    today            the attempt-first template, shared prefixes on, correct references first
-                     (a failed sibling is the reference where no sibling is correct)
-    correct-only     today's, but a failed completion is repaired only against a correct sibling
-                     (repair.reference_selection=correct_only)
-    reference-first  the instruction, then the reference, then the attempt
-    unshared         today's template, every prompt run whole (the cost before shared prefixes)
+    correct-first    the default template, shared prefixes on, correct references first (a
+                     failed sibling is the reference where no sibling is correct): the default
+                     before repair.reference_selection=correct_only
+    correct-only     the default: a failed completion is repaired only against a correct sibling
+    reference-first  as correct-first, the template the instruction, then the reference, then the
+                     attempt
+    unshared         correct-first, every prompt run whole (the cost before shared prefixes)
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ FIGURES = ("prompt", "prefill", "decode", "s_prefill", "s_generate", "s_decode",
 
 def variants() -> dict[str, tuple[str, bool, str]]:
     return {
-        "today": (ATTEMPT_FIRST, True, "correct_first"),
+        "correct-first": (ATTEMPT_FIRST, True, "correct_first"),
         "correct-only": (ATTEMPT_FIRST, True, "correct_only"),
         "reference-first": (REFERENCE_FIRST, True, "correct_first"),
         "unshared": (ATTEMPT_FIRST, False, "correct_first"),
@@ -197,7 +198,7 @@ def parse(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="section.key=value, as for ibpo train")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--variants", default="today,correct-only,reference-first,unshared")
+    p.add_argument("--variants", default="correct-first,correct-only,reference-first,unshared")
     p.add_argument("--train-on", default=None, help="the variant the steps train on (first)")
     p.add_argument("--model", default=None, help="model.name (default: the embedded model)")
     p.add_argument("--smoke", action="store_true", help="2 tiny steps (needs --model)")

@@ -55,6 +55,7 @@ SMOKE = [
     "repair.max_new_tokens=4",
     "repair.cost_share=1",  # 4-token completions leave no budget for a repair prompt
     "repair.min_success=0",  # and the timed step repairs whatever the warm-up one returned
+    "repair.reference_selection=correct_first",  # the tiny model is never correct
     "model.quantization=none",
     "train.log_reference_kl=false",
     "objective.kl_coef=0.0",  # no reference forward

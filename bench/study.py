@@ -1313,10 +1313,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMOKE.items():
             if getattr(ns, key) == p.get_default(key):
                 setattr(ns, key, value)
-        # 4-token completions leave no budget for a repair prompt: the smoke checks the
-        # repairs' accounting, so every planned repair runs
-        if not any(o.startswith("repair.cost_share=") for o in ns.overrides):
-            ns.overrides = [*ns.overrides, "repair.cost_share=1"]
+        # the smoke checks the repairs' accounting, so every planned repair runs: 4-token
+        # completions leave no budget for a repair prompt, and the tiny model is never
+        # correct, so no sibling is a correct reference
+        for key, value in (("cost_share", "1"), ("reference_selection", "correct_first")):
+            if not any(o.startswith(f"repair.{key}=") for o in ns.overrides):
+                ns.overrides = [*ns.overrides, f"repair.{key}={value}"]
     return ns
 
 

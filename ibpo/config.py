@@ -391,9 +391,10 @@ class RepairConfig:
     # baselines; filled in when the recipe resolves
     enabled: bool | None = None
     references: int = positive(1)  # K - 1 sibling references per incorrect completion (K = 2)
-    # correct_first: correct siblings first, then others | correct_only: skip a member whose
-    # group has no correct sibling | random: any sibling
-    reference_selection: str = choice("correct_first", "correct_only", "random")
+    # correct_only: a correct sibling, else no repair (a failed sibling shown as the reference
+    # almost never gives a correct repair: docs/repairs.md) | correct_first: correct siblings
+    # first, then failed ones | random: any sibling
+    reference_selection: str = choice("correct_only", "correct_first", "random")
     max_repairs_per_group: int = positive(4)  # incorrect members repaired per group (the cost)
     max_new_tokens: int | None = positive(None, inherit="rollout.max_new_tokens")
     temperature: float | None = positive(None, inherit="rollout.temperature")

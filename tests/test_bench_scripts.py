@@ -467,9 +467,9 @@ def test_bench_repair_cost_smoke_runs_each_variant_on_the_same_repairs(tiny_mode
     assert bench.main(["--smoke", "--model", tiny_model_dir]) == 0
     res = _json_line(capsys.readouterr().out)
     v = res["variants"]
-    assert list(v) == ["today", "correct-only", "reference-first", "unshared"]
+    assert list(v) == ["correct-first", "correct-only", "reference-first", "unshared"]
     assert res["steps"] == 2
-    today, first, unshared = v["today"], v["reference-first"], v["unshared"]
+    today, first, unshared = v["correct-first"], v["reference-first"], v["unshared"]
     assert today["repairs"] > 0
     # correct-only runs exactly the planned repairs that show a correct sibling
     only = v["correct-only"]
