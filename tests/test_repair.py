@@ -105,6 +105,19 @@ def test_plan_prefers_correct_siblings_respects_cap_and_never_self():
     assert len(plan_repairs(none_correct, 1, 4, "correct_first", random.Random(0))) == 4
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_correct_only_runs_exactly_the_repairs_of_correct_first_that_show_a_correct_sibling(seed):
+    """The default selection leaves out only the repairs that would show a failed sibling: the
+    same failed members, references and order otherwise, from the same rng."""
+    gen = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(6, 8, generator=gen) < 0.3).float()
+    rewards[seed] = 0.0  # a group with no correct member
+    first = plan_repairs(rewards, 1, 4, "correct_first", random.Random(seed))
+    only = plan_repairs(rewards, 1, 4, "correct_only", random.Random(seed))
+    assert only == [j for j in first if rewards[j.group, j.reference] >= 1]
+    assert not any(j.group == seed for j in only) and any(j.group == seed for j in first)
+
+
 # --- token edit masks -----------------------------------------------------------------------
 
 
