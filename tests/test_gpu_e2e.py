@@ -93,6 +93,7 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         # checks count them (the spending rule has its own tests)
         "repair.cost_share=1",
         "repair.min_success=0",
+        "repair.reference_selection=correct_first",  # the checks count repairs of all-failed groups
         f"objective.reward={REWARD}",
         "data.eval_size=0",
         "run.save_every=0",
