@@ -230,6 +230,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             "objective.reward=odd_length",
             "repair.cost_share=1",  # every planned repair runs, in one request
             "repair.min_success=0",
+            "repair.reference_selection=correct_first",  # the repair counts below need every plan
         ],
     )
     summary = train(cfg)
