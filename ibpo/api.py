@@ -81,21 +81,17 @@ def train(
     adapter `peft_config` (module docstring). -> TrainResult."""
     if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
         recipe = resolve_recipe(str(recipe))
-    if dataset is not None:
-        if isinstance(dataset, (str, Path)):
+    for arg, key, rows in (("dataset", "data.dataset", dataset),
+                           ("eval_dataset", "data.eval_dataset", eval_dataset)):  # fmt: skip
+        if rows is None:
+            continue
+        if isinstance(rows, (str, Path)):
             raise ConfigError(
-                "dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file "
-                f"or Hub id, pass overrides={{'data.dataset': {str(dataset)!r}}}"
+                f"{arg}= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file or "
+                f"Hub id, pass overrides={{'{key}': {str(rows)!r}}}"
             )
         # before resolving: what the data is decides the prompts' default (data.prompt_template)
-        overrides = _with_override(overrides, "data.dataset", IN_MEMORY)
-    if eval_dataset is not None:
-        if isinstance(eval_dataset, (str, Path)):
-            raise ConfigError(
-                "eval_dataset= takes rows (a datasets.Dataset or a list of dicts). Fix: for a "
-                f"file or Hub id, pass overrides={{'data.eval_dataset': {str(eval_dataset)!r}}}"
-            )
-        overrides = _with_override(overrides, "data.eval_dataset", IN_MEMORY)
+        overrides = _with_override(overrides, key, IN_MEMORY)
     cfg = load_config(recipe, overrides)
     if peft_config is not None:
         _take_lora_settings(cfg, peft_config)
