@@ -113,7 +113,7 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
     real = step.run_repairs
     turn = itertools.count()
 
-    def measured(generator, tokenizer, examples, rollout, rewards, reward_set, rep, *args):
+    def measured(generator, tokenizer, examples, rollout, rewards, reward_fns, rep, *args):
         data_cfg, gen, rng = args[:3]
         model = generator.args[0]  # hf_generator's partial: the policy
         names = list(chosen)
@@ -128,7 +128,7 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
             with torch.random.fork_rng():  # every variant from the round's repair stream
                 t0 = time.perf_counter()
                 variant = replace(rep, template=template, reference_selection=selection)
-                out = real(timed, tokenizer, examples, rollout, rewards, reward_set, variant,
+                out = real(timed, tokenizer, examples, rollout, rewards, reward_fns, variant,
                            data_cfg, gen, plan, *args[3:])  # fmt: skip
                 wall = time.perf_counter() - t0 - seconds["s_prefill"]
             st, t = out.stats, totals[name]

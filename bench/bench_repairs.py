@@ -58,7 +58,7 @@ from ibpo.algo.spending import SKIP, SpendingState, decide, observe
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
 from ibpo.data import builtin_examples, render_prompt
 from ibpo.repair import run_repairs
-from ibpo.rewards.functions import grade, reward_set
+from ibpo.rewards.functions import grade_completions, reward_set
 from ibpo.rollout import hf_generator
 
 TEMPLATES = {
@@ -133,7 +133,7 @@ def load(model_dir: str | None):
 def bench(ns: argparse.Namespace) -> dict:
     model, tok = load(ns.model)
     generators = {share: hf_generator(model, share) for share in (True, False)}
-    rewards_fn = reward_set("math")
+    reward_fns = reward_set("math")
     generator = generators[True]
     data = DataConfig(dataset="builtin:mixed")
     problems = builtin_examples("mixed", "test")
@@ -156,13 +156,13 @@ def bench(ns: argparse.Namespace) -> dict:
         rollout = generator(tok, prompts, ns.group_size, ns.budget, ns.batch_size, **sampling)
         per = [n // ns.group_size for n in range(len(rollout.texts))]  # completion -> problem
         examples, rendered = [pick[b] for b in per], [prompts[b] for b in per]
-        flat, _ = grade(rewards_fn, examples, rendered, rollout.texts)
-        rewards = torch.tensor(flat, device="cpu").view(len(pick), ns.group_size)
+        grades = grade_completions(reward_fns, examples, rendered, rollout.texts)
+        rewards = torch.tensor(grades.totals, device="cpu").view(len(pick), ns.group_size)
         for name, rep, budget, share in chosen:
             torch.manual_seed(seed + 1)
             t0 = time.perf_counter()
             out = run_repairs(
-                generators[share], tok, pick, rollout, rewards, rewards_fn, rep, data,
+                generators[share], tok, pick, rollout, rewards, reward_fns, rep, data,
                 dict(gen, max_new_tokens=budget), random.Random(seed),
             )  # fmt: skip
             t = totals[name]

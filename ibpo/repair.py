@@ -38,7 +38,7 @@ from ibpo.algo.counterfactual import (
 from ibpo.algo.spending import SpendingState, affordable, repair_cost
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
-from ibpo.rewards.functions import RewardSet, grade
+from ibpo.rewards.functions import Grades, RewardSet, grade_completions
 from ibpo.rollout import Generator, Rollout
 
 
@@ -49,6 +49,7 @@ class RepairOutcome:
     stats: dict[str, float]
     jobs: list[RepairJob] = field(default_factory=list)  # the repairs that ran
     success: list[bool] = field(default_factory=list)  # ... and which of them succeeded
+    grades: Grades | None = None  # the repairs' grading (None: none ran)
 
 
 def repair_prompt(
@@ -73,7 +74,7 @@ def run_repairs(
     examples: list[Example],
     rollout: Rollout,
     rewards: Tensor,
-    reward_set: RewardSet,
+    reward_fns: RewardSet,
     rep: RepairConfig,
     data_cfg: DataConfig,
     gen: dict,
@@ -82,7 +83,7 @@ def run_repairs(
     spending: SpendingState | None = None,
 ) -> RepairOutcome:
     """Generate and grade the repairs of one step. rewards [B, G] on the host (the weighted
-    rewards of `examples`' completions), graded again by `reward_set` for the repairs; `gen`:
+    rewards of `examples`' completions), graded again by `reward_fns` for the repairs; `gen`:
     max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
     resolved). `budget`: the tokens the repairs may run (algo/spending.py; `spending` holds
     the cost estimates): when it is finite, a random subset of the planned repairs that fits
@@ -95,11 +96,11 @@ def run_repairs(
         rep.max_repairs_per_group,
         rep.reference_selection,
         rng,
-        reward_set.correct,
-        reward_set.failed,
+        reward_fns.correct,
+        reward_fns.failed,
     )
     width = rollout.completion_mask.shape[1]
-    n_wrong = int((rewards <= reward_set.failed).sum().item())
+    n_wrong = int((rewards <= reward_fns.failed).sum().item())
     texts = rollout.texts
     prompts = [
         repair_prompt(
@@ -145,10 +146,10 @@ def run_repairs(
         top_p=gen["top_p"],
         top_k=gen["top_k"],
     )
-    totals, _ = grade(
-        reward_set, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
+    grades = grade_completions(
+        reward_fns, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
     )
-    success = [t >= reward_set.correct for t in totals]
+    success = [t >= reward_fns.correct for t in grades.totals]
     prompt_tokens = sum(out.host_prompt_lengths())
     phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
     edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
@@ -164,7 +165,7 @@ def run_repairs(
         repair_success_rate=sum(success) / len(jobs),
         edited_token_fraction=frac,
     )
-    return RepairOutcome(phi, edited, stats, jobs, success)
+    return RepairOutcome(phi, edited, stats, jobs, success, grades)
 
 
 def within_budget(

@@ -47,8 +47,11 @@ from torch import Tensor, nn
 from ibpo.logprobs import unwrap
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
+    """N sampled completions with their prompts, built by keyword (assemble, select,
+    concat_rollouts); `select` and `concat_rollouts` carry every field."""
+
     input_ids: Tensor  # [N, P + T] prompt (left-padded) + completion (right-padded)
     attention_mask: Tensor  # [N, P + T]
     completion_mask: Tensor  # [N, T] float: 1 on completion tokens incl. the first EOS
@@ -69,7 +72,8 @@ class Rollout:
     # does not report them
     logprobs: Tensor | None = None
     # prompt tokens the backend ran through the model (a prompt repeated G times, or a prefix that
-    # rows share, counts once); None: not reported (the sum of host_prompt_lengths is the bound)
+    # rows share, counts once); None: not reported (the sum of host_prompt_lengths is the bound).
+    # Work done, not a property of rows: a selection keeps its rollout's, a concatenation sums
     prefill_tokens: int | None = None
 
     @property
@@ -104,25 +108,28 @@ class Rollout:
         return self.input_ids[:, self.prompt_len :]
 
     def select(self, rows: list[int]) -> Rollout:
+        """The rollout's rows `rows`, in that order (prefill_tokens: the whole rollout's)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
-        tokens, prompts = self.host_tokens(), self.host_prompt_lengths()
+        tokens, prompts, cut = self.host_tokens(), self.host_prompt_lengths(), self.host_truncated()
         return Rollout(
-            self.input_ids[idx],
-            self.attention_mask[idx],
-            self.completion_mask[idx],
-            self.prompt_len,
-            [self.texts[i] for i in rows],
-            self.truncated[idx],
-            [tokens[i] for i in rows],
-            [prompts[i] for i in rows],
-            [self.host_truncated()[i] for i in rows],
-            None if self.logprobs is None else self.logprobs[idx],
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            completion_mask=self.completion_mask[idx],
+            prompt_len=self.prompt_len,
+            texts=[self.texts[i] for i in rows],
+            truncated=self.truncated[idx],
+            tokens=[tokens[i] for i in rows],
+            prompt_lengths=[prompts[i] for i in rows],
+            cut_off=[cut[i] for i in rows],
+            logprobs=None if self.logprobs is None else self.logprobs[idx],
+            prefill_tokens=self.prefill_tokens,
         )
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     """Join rollouts of different prompt/completion widths: prompts re-padded on the left,
-    completions on the right (position ids come from the attention mask, so nothing shifts)."""
+    completions on the right (position ids come from the attention mask, so nothing shifts).
+    Behaviour log-probs and prefill_tokens only where every rollout has them."""
     P = max(r.prompt_len for r in rollouts)
     T = max(r.completion_mask.shape[1] for r in rollouts)
     pad = nn.functional.pad
@@ -134,17 +141,19 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         cmask.append(pad(r.completion_mask, (0, right), value=0.0))
         if r.logprobs is not None:
             logprobs.append(pad(r.logprobs, (0, right), value=0.0))
+    prefill = [r.prefill_tokens for r in rollouts]
     return Rollout(
-        torch.cat(ids),
-        torch.cat(att),
-        torch.cat(cmask),
-        P,
-        [t for r in rollouts for t in r.texts],
-        torch.cat([r.truncated for r in rollouts]),
-        [t for r in rollouts for t in r.host_tokens()],
-        [n for r in rollouts for n in r.host_prompt_lengths()],
-        [c for r in rollouts for c in r.host_truncated()],
-        torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
+        input_ids=torch.cat(ids),
+        attention_mask=torch.cat(att),
+        completion_mask=torch.cat(cmask),
+        prompt_len=P,
+        texts=[t for r in rollouts for t in r.texts],
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        tokens=[t for r in rollouts for t in r.host_tokens()],
+        prompt_lengths=[n for r in rollouts for n in r.host_prompt_lengths()],
+        cut_off=[c for r in rollouts for c in r.host_truncated()],
+        logprobs=torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
+        prefill_tokens=None if None in prefill else sum(prefill),
     )
 
 
@@ -571,9 +580,7 @@ def generate(
                 logprobs.append(recorder.finish(pieces[-1]))
     finally:
         model.train(was_training)
-    ro = assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None)
-    ro.prefill_tokens = computed
-    return ro
+    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed)
 
 
 def assemble(
@@ -583,9 +590,11 @@ def assemble(
     tokenizer,
     eos: list[int],
     logprobs: list[Tensor] | None = None,
+    prefill_tokens: int | None = None,
 ) -> Rollout:
     """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept) and,
-    when the backend reports them, the slices' behaviour log-probs (each [n, t])."""
+    when the backend reports them, the slices' behaviour log-probs (each [n, t]) and the prompt
+    tokens it ran (Rollout.prefill_tokens)."""
     width = max(p.shape[1] for p in pieces)
     pad = nn.functional.pad
     completions = torch.cat(
@@ -604,16 +613,17 @@ def assemble(
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
     prompt_lengths = prompt_mask.sum(-1).tolist()
     return Rollout(
-        input_ids,
-        attention_mask,
-        mask,
-        prompt_ids.shape[1],
-        texts,
-        truncated,
-        tokens,
-        prompt_lengths,
-        truncated.tolist(),
-        behaviour,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=mask,
+        prompt_len=prompt_ids.shape[1],
+        texts=texts,
+        truncated=truncated,
+        tokens=tokens,
+        prompt_lengths=prompt_lengths,
+        cut_off=truncated.tolist(),
+        logprobs=behaviour,
+        prefill_tokens=prefill_tokens,
     )
 
 

@@ -12,12 +12,15 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
      dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
   5. advantages: group-centred (std-scaled when the objective says so), DAPO's length penalty
      where on, broadcast to tokens [N, T] with the edit masks applied (algo/advantages.py);
-  6. frozen log-probs: old (only when a rollout is reused, updates_per_rollout > 1) and
-     reference (only when kl_coef > 0 or the KL is logged: the same model, adapter disabled);
+  6. old and reference log-probs, detached: old only when a rollout is reused
+     (updates_per_rollout > 1), reference only when kl_coef > 0 or the KL is logged (the same
+     model, adapter disabled);
   7. micro-batches of whole groups: log-probs with grad -> objective -> backward, each loss
      divided by a normaliser from the whole step and all processes (algo/objectives.py);
   8. clip, then the optimizer and scheduler step, unless a loss or the gradient is not finite;
-  9. metrics, gathered over processes.
+  9. metrics, gathered over processes (with what the gradings reported: the graders' own
+     failures as grader_errors, calls out of time as reward_timeouts, what reward functions
+     logged).
 Stages hand each other small dataclasses: `Round` (one generation round), `ScoredBatch` (what
 the update trains on), `UpdateResult` (what the update did).
 
@@ -89,8 +92,14 @@ from ibpo.modeling import (
     use_dequantized_base,
 )
 from ibpo.repair import run_repairs
-from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.functions import RewardSet, grade, reward_stats, run_reward_set
+from ibpo.rewards.functions import (
+    Grades,
+    RewardSet,
+    grade_completions,
+    logged_metrics,
+    reward_stats,
+    run_reward_set,
+)
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 
 # --- what the stages hand each other ------------------------------------------------------------
@@ -115,15 +124,17 @@ class StepParts:
 class Round:
     """One generation round: its rollout (on the device) and, on the host, rewards and shaped
     rewards [B, G] and the edit masks [N, T] (None when repairs are off); each reward
-    function's values (NaN: did not apply), for its logged mean."""
+    function's values (NaN: did not apply), for its logged mean; the round's gradings
+    (rollout, repairs), for what they reported."""
 
     rollout: Rollout
     rewards: Tensor
     shaped: Tensor
     edited: Tensor | None
     stats: dict[str, float] = field(default_factory=dict)
-    per_reward: dict[str, list[float]] = field(default_factory=dict)
+    per_function: dict[str, list[float]] = field(default_factory=dict)
     table: list[dict] = field(default_factory=list)  # one row per completion (completion_rows)
+    gradings: list[Grades] = field(default_factory=list)
 
     def select(self, groups: list[int], group_size: int) -> Round:
         rows = [b * group_size + i for b in groups for i in range(group_size)]
@@ -149,6 +160,7 @@ class ScoredBatch:
     # every sampled completion of the step (the trained ones with their advantage): the run
     # folder's completions table
     table: list[dict] = field(default_factory=list)
+    gradings: list[Grades] = field(default_factory=list)  # every grading of the step
 
 
 @dataclass
@@ -175,18 +187,18 @@ def rl_step(
     engine=None,
     *,
     step: int,
-    rewards: RewardSet | None = None,
+    reward_fns: RewardSet | None = None,
     table: list[dict] | None = None,
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
     before this one, which seeds this step's sampling streams (rollout.SamplingStreams).
-    `rewards`: the run's reward functions (rewards/functions.py; None: objective.reward's);
+    `reward_fns`: the run's reward functions (rewards/functions.py; None: objective.reward's);
     the metrics they logged (log_metric) join the step's. `table`: this process's completions
     of the step are appended to it (ScoredBatch.table)."""
     model, device = parts.model, accelerator.device
-    if rewards is None:
-        rewards = run_reward_set(cfg.objective)
+    if reward_fns is None:
+        reward_fns = run_reward_set(cfg.objective)
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
@@ -196,8 +208,8 @@ def rl_step(
     spending = None
     if repairs_enabled(cfg, objective):
         spending = (decide(parts.spending, rep.min_success, rep.probe_every), parts.spending)
-    # 1-5. rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process scores and
-    # normalises the groups it generated
+    # 1-5. prompts, rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process
+    # scores and normalises the groups it generated
     with generating(model, cfg, device, engine) as generator:
         batch = collect_batch(
             generator,
@@ -205,7 +217,7 @@ def rl_step(
             parts.stream,
             cfg,
             objective,
-            rewards,
+            reward_fns,
             parts.rng,
             streams,
             spending,
@@ -214,7 +226,7 @@ def rl_step(
         parts.spending = observe_repairs(accelerator, parts.spending, spending[0], batch.stats)
     t_gen = time.perf_counter()
     lr = parts.scheduler.get_last_lr()[0]  # the rate this step's (first) update uses
-    # 6-8. frozen log-probs, micro-batched backward, optimizer step(s)
+    # 6-8. old/reference log-probs, micro-batched backward, clip and optimizer step(s)
     fast = use_dequantized_base(cfg.model, device, model)  # CPU: dequantise the base once
     with dequantized_base(model) if fast else nullcontext():
         upd = update_policy(
@@ -222,10 +234,9 @@ def rl_step(
         )
     t_end = time.perf_counter()
     # 9. metrics
-    metrics = step_metrics(batch, upd, lr, rewards.correct)
-    for key, value in rewards.take_metrics().items():  # log_metric: ours keep their names
+    metrics = step_metrics(batch, upd, lr, reward_fns.correct)
+    for key, value in logged_metrics(batch.gradings).items():  # ours keep their names
         metrics.setdefault(key, value)
-    metrics["reward_timeouts"] = float(rewards.take_timeouts())
     metrics.update(
         time_rollout=t_gen - t0,
         time_frozen_logprobs=upd.time_frozen,
@@ -239,7 +250,7 @@ def rl_step(
     return gather_metrics(accelerator, metrics)
 
 
-# --- 1-5. rollout, rewards, repairs, advantages -------------------------------------------------
+# --- 1-5. prompts, rollout, rewards, repairs, advantages ----------------------------------------
 
 
 @contextmanager
@@ -297,7 +308,7 @@ def collect_batch(
     stream: PromptStream,
     cfg: Config,
     objective: ResolvedObjective,
-    rewards: RewardSet,
+    reward_fns: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
     spending: tuple[str, SpendingState] | None = None,
@@ -315,8 +326,9 @@ def collect_batch(
     kept: list[Round] = []
     sampled: list[Tensor] = []
     stats: dict[str, float] = {}
-    per_reward: dict[str, list[float]] = {}
+    per_function: dict[str, list[float]] = {}
     table: list[dict] = []
+    gradings: list[Grades] = []
     need, dropped, rounds = B, 0, 0
     while True:
         r = score_round(
@@ -325,16 +337,17 @@ def collect_batch(
             stream.take(need),
             cfg,
             repairing,
-            rewards,
+            reward_fns,
             rng,
             streams,
             rounds,
             spending,
         )
         _add(stats, r.stats)
-        for name, values in r.per_reward.items():
-            per_reward.setdefault(name, []).extend(values)
+        for name, values in r.per_function.items():
+            per_function.setdefault(name, []).extend(values)
         table.extend(r.table)
+        gradings.extend(r.gradings)
         sampled.append(r.rewards)
         live = (~flat_groups(r.shaped)).tolist()
         if cfg.rollout.dynamic_sampling:
@@ -361,7 +374,7 @@ def collect_batch(
         no_signal,
     )
     all_rewards = torch.cat(sampled)
-    correct = 1.0 if rewards is None else rewards.correct  # None: rounds scored elsewhere
+    correct = 1.0 if reward_fns is None else reward_fns.correct  # None: rounds scored elsewhere
     reward, accuracy, _ = reward_summary(all_rewards, correct)
     stats.update(
         sampled_reward=reward,
@@ -378,7 +391,7 @@ def collect_batch(
     # TRL's names, over every sampled completion: rewards/<name>/mean and /std (and ours,
     # rewards/<name>), the weighted rewards' std and the share of completions whose group's
     # rewards are all equal (groups are of one size: the share of such groups)
-    stats.update(reward_stats(per_reward))
+    stats.update(reward_stats(per_function))
     scored = all_rewards[~all_rewards.isnan()]
     stats["reward_std"] = scored.std().item() if scored.numel() > 1 else math.nan
     stats["frac_reward_zero_std"] = stats["sampled_zero_variance_groups"]
@@ -388,6 +401,7 @@ def collect_batch(
     for row, a in zip((row for k in kept for row in k.table), batch.host_adv):
         row["advantage"] = a
     batch.table = table
+    batch.gradings = gradings
     return batch
 
 
@@ -408,7 +422,7 @@ def score_round(
     examples,
     cfg: Config,
     repairing: bool,
-    rewards: RewardSet,
+    reward_fns: RewardSet,
     rng: random.Random,
     streams: SamplingStreams | None = None,
     round_: int = 0,
@@ -435,11 +449,15 @@ def score_round(
         )
     t1 = time.perf_counter()
     each = [ex for ex in examples for _ in range(G)]
-    flat, per = grade(
-        rewards, each, [p for p in prompts for _ in range(G)], rollout.texts, rollout.host_tokens()
+    grades = grade_completions(
+        reward_fns,
+        each,
+        [p for p in prompts for _ in range(G)],
+        rollout.texts,
+        rollout.host_tokens(),
     )
-    scores = torch.tensor(flat, dtype=torch.float32, device="cpu").view(len(examples), G)
-    table = completion_rows(each, rollout.texts, flat, per, rewards.last_extra)
+    scores = torch.tensor(grades.totals, dtype=torch.float32, device="cpu").view(len(examples), G)
+    table = completion_rows(each, rollout.texts, grades)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
     # the rollout's prompt tokens the model ran (a prompt the backend runs once for its G
     # samples counts once; the prompts' tokens where it does not say): compute, with the decode
@@ -450,7 +468,7 @@ def score_round(
     )
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
-        return Round(rollout, scores, scores, None, stats, per, table)
+        return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])
     rep = cfg.repair
     gen = {
         "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
@@ -471,7 +489,7 @@ def score_round(
             examples,
             rollout,
             scores,
-            rewards,
+            reward_fns,
             rep,
             cfg.data,
             gen,
@@ -479,21 +497,23 @@ def score_round(
             budget,
             state,
         )
-    shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= rewards.correct)
+    shaped = shape_rewards(scores, out.phi, rep.shaping_lambda, scores >= reward_fns.correct)
     stats.update(out.stats)
     stats["time_repair"] = time.perf_counter() - t1
     stats["generated_tokens"] += out.stats["repair_tokens"]
     for row, r in zip(table, shaped.flatten().tolist()):
         row["shaped_reward"] = r
-    return Round(rollout, scores, shaped, out.edited, stats, per, table)
+    gradings = [grades] if out.grades is None else [grades, out.grades]
+    return Round(rollout, scores, shaped, out.edited, stats, grades.per_function, table, gradings)
 
 
-def completion_rows(examples, texts, totals, per, extra) -> list[dict]:
+def completion_rows(examples, texts, grades: Grades) -> list[dict]:
     """The completions table's rows of one round (host values): the prompt as the dataset
     gives it, the completion, its weighted reward and each function's value (NaN: None), and
     the columns the functions logged with log_extra."""
+    per, extra = grades.per_function, grades.extra
     rows = []
-    for i, (ex, text, total) in enumerate(zip(examples, texts, totals)):
+    for i, (ex, text, total) in enumerate(zip(examples, texts, grades.totals)):
         if ex.messages is not None:
             prompt = [dict(m) for m in ex.messages]
         else:
@@ -561,13 +581,14 @@ def _join_edits(parts: list[Tensor | None], width: int) -> Tensor | None:
     return torch.cat([pad(p, (0, width - p.shape[1]), value=True) for p in parts])
 
 
-# --- 6-8. frozen log-probs, micro-batched backward, optimizer step -----------------------------
+# --- 6-8. old/reference log-probs, micro-batched backward, clip and optimizer step -------------
 
 
 def update_policy(
     model, optimizer, scheduler, accelerator, batch: ScoredBatch, cfg, objective
 ) -> UpdateResult:
-    """Steps 5-8 on a scored batch: frozen log-probs, micro-batched backward, optimizer steps."""
+    """Stages 6-8 on a scored batch: old/reference log-probs, micro-batched backward, clip and
+    optimizer steps."""
     t0 = time.perf_counter()
     ro, tr, G = cfg.rollout, cfg.train, cfg.rollout.group_size
     mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups, tr.micro_batch_tokens)
@@ -576,7 +597,7 @@ def update_policy(
     # repeats its last one, with zero weight.
     n = agreed_count(accelerator, len(mbs))
     chunk, temp = tr.logprob_chunk_tokens, ro.temperature
-    old = None  # 5. frozen log-probs, only when they matter
+    old = None  # 6. old/reference log-probs (detached), only when they matter
     if tr.updates_per_rollout > 1:
         old = frozen_logprobs(model, mbs, chunk, temp, reference=False, count=n)
     ref = None
@@ -588,15 +609,22 @@ def update_policy(
     cancel: dict[str, Tensor] = {}
     model.train()
     skipped, updates, grad_norm = False, 0, 0.0
-    for u in range(tr.updates_per_rollout):  # 6-7. micro-batches, then one optimizer step
+    for u in range(tr.updates_per_rollout):  # 7-8. micro-batches, then clip and one step
         losses, updates = [], updates + 1
         for k in range(n):
             i = min(k, len(mbs) - 1)
             mb = mbs[i]
-            frozen = [None if f is None else f[i] for f in (old, ref)]
             with nullcontext() if k == n - 1 else accelerator.no_sync(model):
                 loss, info, c, a = micro_batch_loss(
-                    model, mb, batch, *frozen, norm, cfg, objective, first=u == 0
+                    model,
+                    mb,
+                    batch,
+                    old=None if old is None else old[i],
+                    ref=None if ref is None else ref[i],
+                    norm=norm,
+                    cfg=cfg,
+                    objective=objective,
+                    first=u == 0,
                 )
                 accelerator.backward(loss if k == i else loss * 0.0)
             if k != i:  # a repeat: no stats
@@ -668,10 +696,11 @@ def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tok
 
 
 def micro_batch_loss(
-    model, mb: MicroBatch, batch: ScoredBatch, old, ref, norm, cfg, objective, first=True
+    model, mb: MicroBatch, batch: ScoredBatch, *, old, ref, norm, cfg, objective, first=True
 ):
     """Log-probs with grad, the objective and the loss of one micro-batch (backward is the
-    caller's); also its stats and the coefficients the cancellation diagnostic needs. On the
+    caller's); also its stats and the coefficients the cancellation diagnostic needs. `old`,
+    `ref`: the micro-batch's old and reference log-probs [n, t] (None: not computed). On the
     first update after the rollout (`first`) the trainer's log-probs are compared with the
     rollout's behaviour log-probs (algo/mismatch.py): the frozen old ones when they were computed,
     else this forward's, so the check costs no forward of its own."""
@@ -805,7 +834,9 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
         },
         grad_norm=upd.grad_norm,
         skipped_nonfinite=float(upd.skipped),
-        grader_errors=float(sum(grader_errors.take().values())),  # graded 0, counted since last
+        # what the step's gradings reported: graders' own failures (scored 0), calls out of time
+        grader_errors=float(sum(len(g.failures) for g in batch.gradings)),
+        reward_timeouts=float(sum(g.timeouts for g in batch.gradings)),
         lr=lr,
     )
     return metrics

@@ -111,14 +111,14 @@ def _build(
     cfg: Config,
     accelerator,
     rows=None,
-    rewards: RewardSet | None = None,
+    reward_fns: RewardSet | None = None,
     eval_rows=None,
     peft_config=None,
 ):
     """Data stream, policy, optimizer and scheduler (prepared by Accelerate), repair rng.
     `rows`, `eval_rows`: the training and held-out rows given in Python (data.load_splits);
     `peft_config`: a LoraConfig given in Python (modeling.load_policy)."""
-    need_answer = rewards is None or rewards.reads_answer
+    need_answer = reward_fns is None or reward_fns.reads_answer
     train_examples, eval_examples = load_splits(
         cfg.data, cfg.train.seed, rows, need_answer, eval_rows
     )
@@ -258,7 +258,7 @@ def train(
 
     start, tr = time.time(), cfg.train
     # a reward's import path that fails, fails here: before anything else
-    rewards = run_reward_set(cfg.objective, reward_funcs)
+    reward_fns = run_reward_set(cfg.objective, reward_funcs)
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
@@ -273,13 +273,13 @@ def train(
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
     policy = code_grader.training_policy(cfg.objective.code_sandbox)
-    if any(r.builtin and r.name == "code" for r in rewards.rewards):
+    if any(r.builtin and r.name == "code" for r in reward_fns.functions):
         code_grader.check_training_sandbox(policy)
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
     try:  # nothing of an earlier run is touched until the data and the model are ready
         parts, tokenizer, eval_examples = _build(
-            cfg, accelerator, rows, rewards, eval_rows, peft_config
+            cfg, accelerator, rows, reward_fns, eval_rows, peft_config
         )
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
@@ -310,23 +310,15 @@ def train(
                     tokenizer,
                     eval_examples,
                     objective,
-                    engine,
+                    engine=engine,
+                    reward_fns=reward_fns,
+                    callbacks=callbacks,
+                    sandbox=sandbox,
+                    code=code,
+                    start=start,
                 )
-                run.sandbox = sandbox
-                run.code = code
-                run.rewards = rewards  # given in Python, they may not import back from the config
-                run.callbacks = Callbacks(callbacks, cfg, run.run_state)
-                run.callbacks.objects = {
-                    "model": parts.model,
-                    "processing_class": tokenizer,
-                    "optimizer": parts.optimizer,
-                    "lr_scheduler": parts.scheduler,
-                }
-                rewards.trainer_state = run.run_state
                 try:
-                    run.state = _start_or_resume(
-                        accelerator, parts, resume, run.metrics_path, run.held_out, cfg
-                    )
+                    run.begin()
                 except RewardError as e:  # in the first held-out evaluation: its traceback kept
                     where = "the held-out evaluation before training"
                     kept = failures.keep_traceback(out, e, where, accelerator.process_index)
@@ -337,8 +329,6 @@ def train(
                 ):  # no run here: none to move aside
                     (out / "config.yaml").unlink(missing_ok=True)
                 raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
-            run.prior = run.state.wall_seconds
-            run.start = start
             return run.finish(run.loop())
         finally:  # however the run ends: the engine holds GPU memory and a process-wide state
             if engine is not None:
@@ -360,54 +350,81 @@ class Ending:
 
 
 class Run:
-    """What the loop, its checkpoints and the ending of one training run share."""
+    """What the loop, its checkpoints and the ending of one training run share. `begin` then
+    gives it its state: resumed from the checkpoint, or fresh."""
 
     def __init__(
-        self, cfg, accelerator, out, resume, parts, tokenizer, eval_examples, objective, engine
+        self,
+        cfg,
+        accelerator,
+        out,
+        resume,
+        parts,
+        tokenizer,
+        eval_examples,
+        objective,
+        *,
+        engine,
+        reward_fns: RewardSet,
+        callbacks,
+        sandbox: sandbox_policy.Record | None,
+        code: dict | None,
+        start: float,
     ):
         self.cfg, self.accelerator, self.out, self.resume = cfg, accelerator, out, resume
         self.parts, self.tokenizer, self.eval_examples = parts, tokenizer, eval_examples
         self.objective, self.engine = objective, engine
-        self.rewards: RewardSet | None = None  # train() sets the run's
-        # what callbacks and rewards see (trainer_state=); train() sets the callbacks
+        self.reward_fns = reward_fns  # given in Python, they may not import back from the config
+        self.sandbox = sandbox  # tests this run started, by mode
+        self.code = code  # commit and dirty tree (run/version.py), main process
+        # what callbacks and reward functions see (trainer_state=)
         self.run_state = RunState(
             max_steps=cfg.train.steps,
             is_world_process_zero=accelerator.is_main_process,
             is_local_process_zero=accelerator.is_local_main_process,
         )
-        self.callbacks = Callbacks(None, cfg, self.run_state)
+        reward_fns.trainer_state = self.run_state
+        objects = {
+            "model": parts.model,
+            "processing_class": tokenizer,
+            "optimizer": parts.optimizer,
+            "lr_scheduler": parts.scheduler,
+        }
+        self.callbacks = Callbacks(callbacks, cfg, self.run_state, objects)
         self.main = accelerator.is_main_process
         self.metrics_path = out / "metrics.jsonl"
         self.state = ckpt.TrainerState()
-        self.start = time.time()
+        self.start = start
         self.prior = 0.0  # wall seconds of earlier sessions of this run
-        self.sandbox: sandbox_policy.Record | None = None  # tests this run started, by mode
-        self.code: dict | None = None  # commit and dirty tree (run/version.py), main process
         device = accelerator.device
         folded = use_dequantized_base(cfg.model, device, parts.model)
         self.alarm = MismatchAlarm.for_run(cfg, device.type, folded)
 
+    def begin(self) -> None:
+        """The run's state: the checkpoint's when resuming (its wall seconds carried on), else a
+        fresh one with the held-out accuracy before training."""
+        self.state = _start_or_resume(
+            self.accelerator, self.parts, self.resume, self.metrics_path, self.held_out, self.cfg
+        )
+        self.prior = self.state.wall_seconds
+
     def held_out(self) -> dict | None:
-        """Greedy accuracy on the held-out set (None without one)."""
+        """Greedy accuracy on the held-out set (None without one), with what its grading
+        reported: its own grader errors and logged metrics, never a step's."""
         if not self.eval_examples:
             return None
         cfg = self.cfg
-        rewards = self.rewards or run_reward_set(cfg.objective)
         with generating(self.parts.model, cfg, self.accelerator.device, self.engine) as generate:
-            result = evaluate_accuracy(
+            return evaluate_accuracy(
                 generate,
                 self.tokenizer,
                 self.eval_examples,
                 cfg.data,
-                rewards,
+                self.reward_fns,
                 cfg.rollout.eval_max_new_tokens,
                 cfg.rollout.eval_batch_size,
                 self.accelerator,
             )
-        logged = rewards.take_metrics()  # log_metric in the evaluation's grading: its own
-        if logged:
-            result["metrics"] = logged
-        return result
 
     def wall_seconds(self) -> float:
         return self.prior + time.time() - self.start
@@ -463,7 +480,7 @@ class Run:
                         self.objective,
                         self.engine,
                         step=state.step,
-                        rewards=self.rewards,
+                        reward_fns=self.reward_fns,
                         table=rows,
                     )
                     state.step += 1

@@ -59,12 +59,12 @@ def fixed_batch(tok, rows_of_groups: list[int]):
     ]
     cmask = torch.tensor([[1.0] * len(c) + [0.0] * (T - len(c)) for c in c_ids])
     ro = Rollout(
-        torch.tensor(ids),
-        torch.tensor(att),
-        cmask,
-        P,
-        completions,
-        torch.zeros(len(rows), dtype=torch.bool),
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(att),
+        completion_mask=cmask,
+        prompt_len=P,
+        texts=completions,
+        truncated=torch.zeros(len(rows), dtype=torch.bool),
     )
     seq_adv = group_advantages(r, True).flatten()
     return ScoredBatch(ro, r, seq_adv, token_advantages(seq_adv, cmask, None, 0.0))

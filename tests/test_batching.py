@@ -77,12 +77,12 @@ def _rollout(tok, prompts, completions):
         cmask.append([1.0] * len(c) + [0.0] * (T - len(c)))
     n = len(prompts)
     return Rollout(
-        torch.tensor(ids),
-        torch.tensor(att),
-        torch.tensor(cmask),
-        P,
-        list(completions),
-        torch.zeros(n, dtype=torch.bool),
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(att),
+        completion_mask=torch.tensor(cmask),
+        prompt_len=P,
+        texts=list(completions),
+        truncated=torch.zeros(n, dtype=torch.bool),
     )
 
 

@@ -362,19 +362,20 @@ def test_a_real_time_signal_is_an_error_not_a_crash(signum):
     assert out["reward"] == 0.0  # killed (socket-patch) or, as a namespace's PID 1, ignored
 
 
-def test_a_failing_grader_scores_zero_with_its_reason_and_is_counted(monkeypatch):
+def test_a_failing_grader_scores_zero_with_its_reason_and_is_reported(monkeypatch):
     from ibpo.rewards import code as code_grader
     from ibpo.rewards import errors
 
     def broken(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")
 
-    errors.take()
     monkeypatch.setattr(code_grader, "run_tests", broken)
-    out = grade_code(fenced(ADD), ADD_SPEC)
-    assert out["reward"] == 0.0 and out["passed"] == 0
-    assert out["reason"].startswith("grader error (code): BlockingIOError")
-    assert code_reward(fenced(ADD), ADD_SPEC) == 0.0
-    assert errors.take() == {"code": 2}
+    with errors.collecting() as failures:
+        out = grade_code(fenced(ADD), ADD_SPEC)
+        assert out["reward"] == 0.0 and out["passed"] == 0
+        assert out["reason"].startswith("grader error (code): BlockingIOError")
+        assert code_reward(fenced(ADD), ADD_SPEC) == 0.0
+    assert [f.kind for f in failures] == ["code", "code"]
+    assert failures[0].reason == out["reason"]
     with pytest.raises(ValueError, match="JSON test spec"):  # the dataset's error still says so
         code_reward(fenced(ADD), "not json")

@@ -37,16 +37,17 @@ def device_rollout(rows: list[list[int]], texts: list[str], width: int | None = 
     rollout.assemble leaves them (prompts of P tokens, completions right-padded)."""
     n, T = len(rows), width or max(len(r) for r in rows)
     return Rollout(
-        torch.zeros(n, P + T, dtype=torch.long, device=DEVICE),
-        torch.ones(n, P + T, dtype=torch.long, device=DEVICE),
-        torch.ones(n, T, device=DEVICE),
-        P,
-        texts,
-        torch.zeros(n, dtype=torch.bool, device=DEVICE),
-        [list(r) for r in rows],
-        [P] * n,
-        [len(r) == T and r[-1] != EOS for r in rows],
-        torch.zeros(n, T, device=DEVICE),  # behaviour log-probs, as a sampling backend reports
+        input_ids=torch.zeros(n, P + T, dtype=torch.long, device=DEVICE),
+        attention_mask=torch.ones(n, P + T, dtype=torch.long, device=DEVICE),
+        completion_mask=torch.ones(n, T, device=DEVICE),
+        prompt_len=P,
+        texts=texts,
+        truncated=torch.zeros(n, dtype=torch.bool, device=DEVICE),
+        tokens=[list(r) for r in rows],
+        prompt_lengths=[P] * n,
+        cut_off=[len(r) == T and r[-1] != EOS for r in rows],
+        # behaviour log-probs, as a sampling backend reports
+        logprobs=torch.zeros(n, T, device=DEVICE),
     )
 
 

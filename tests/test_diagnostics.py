@@ -110,12 +110,12 @@ def _fake_rounds(monkeypatch, reward_rows):
         from ibpo.rollout import Rollout
 
         ro = Rollout(
-            torch.ones(n * g, 5, dtype=torch.long),
-            torch.ones(n * g, 5, dtype=torch.long),
-            mask,
-            2,
-            ["x"] * (n * g),
-            torch.zeros(n * g, dtype=torch.bool),
+            input_ids=torch.ones(n * g, 5, dtype=torch.long),
+            attention_mask=torch.ones(n * g, 5, dtype=torch.long),
+            completion_mask=mask,
+            prompt_len=2,
+            texts=["x"] * (n * g),
+            truncated=torch.zeros(n * g, dtype=torch.bool),
         )
         return Round(ro, r, r, None, {"generated_tokens": float(n * g * 3)})
 
@@ -205,7 +205,14 @@ def _lengths_round(monkeypatch, rewards, lengths, width=16):
         mask = (torch.arange(width) < torch.tensor(lengths).view(n, 1)).float()
         ids = torch.ones(n, 5 + width, dtype=torch.long)
         none = torch.zeros(n, dtype=torch.bool)
-        ro = Rollout(ids, torch.ones_like(ids), mask, 5, ["x"] * n, none)
+        ro = Rollout(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            completion_mask=mask,
+            prompt_len=5,
+            texts=["x"] * n,
+            truncated=none,
+        )
         return Round(ro, r, r, None, {"generated_tokens": float(mask.sum())})
 
     monkeypatch.setattr(step, "score_round", fake_round)

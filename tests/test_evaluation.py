@@ -97,7 +97,8 @@ def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answ
     off mid-thought must not be graded on a draft answer inside its thinking."""
     from ibpo.evaluation.benchmarks import Problem
     from ibpo.evaluation.evaluate import run_benchmark
-    from ibpo.rewards.math import as_graded, extract_answer, math_reward
+    from ibpo.rewards.functions import reward_set
+    from ibpo.rewards.math import extract_answer, text_to_grade
 
     class OpensThinking:  # a chat template ending in an open think block
         chat_template = "(any)"
@@ -119,7 +120,7 @@ def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answ
             1,
             tmp_path / name,
             build,
-            math_reward,
+            reward_set("math"),
             extract_answer,
             None,
             4,
@@ -128,7 +129,7 @@ def test_a_completion_cut_off_in_a_think_block_the_template_opened_holds_no_answ
         got[name] = records[("p", 0)]
     assert got["cut"]["reward"] == 0.0 and got["cut"]["extracted"] is None
     assert got["done"]["reward"] == 1.0 and got["done"]["extracted"] == "204"
-    assert as_graded("Q<think>\n\n</think>\n\n", "\\boxed{1}") == "\\boxed{1}"  # closed
+    assert text_to_grade("Q<think>\n\n</think>\n\n", "\\boxed{1}") == "\\boxed{1}"  # closed
 
 
 def test_livecodebench_contest_date_window():
@@ -451,11 +452,10 @@ def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypat
     """A grader that fails on one sample scores it 0 and says why; the run goes on."""
     from ibpo.evaluation.benchmarks import Problem
     from ibpo.evaluation.evaluate import run_benchmark
-    from ibpo.rewards import errors
     from ibpo.rewards import math as grader
-    from ibpo.rewards.math import extract_answer, math_reward
+    from ibpo.rewards.functions import reward_set
+    from ibpo.rewards.math import extract_answer
 
-    errors.take()
     real = grader._normalize
 
     def flaky(s):
@@ -475,14 +475,13 @@ def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypat
     answers = {"6 + 7?": "\\boxed{13}", "2 + 2?": "\\boxed{4}"}
     sampler = lambda prompts, seeds: [(answers[p], 5, False) for p in prompts]  # noqa: E731
     records = run_benchmark(
-        problems, 1, tmp_path, lambda: (sampler, Plain()), math_reward, extract_answer, None, 4,
-        progress=False,
+        problems, 1, tmp_path, lambda: (sampler, Plain()), reward_set("math"), extract_answer,
+        None, 4, progress=False,
     )  # fmt: skip
     assert records[("a", 0)]["reward"] == 0.0
     assert records[("a", 0)]["grader_error"].startswith("grader error (math): RecursionError")
     assert records[("b", 0)]["reward"] == 1.0 and "grader_error" not in records[("b", 0)]
     assert summarize(problems, records, n=1, vote=True)["grader_errors"] == 1
-    assert errors.take() == {"math": 1}  # also counted for the process (a step would log it)
 
 
 def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
@@ -490,7 +489,8 @@ def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
     gives the options, so the letter, the value or both are graded against the gold letter."""
     from ibpo.evaluation.benchmarks import Problem
     from ibpo.evaluation.evaluate import run_benchmark
-    from ibpo.rewards.math import extract_answer, math_reward
+    from ibpo.rewards.functions import reward_set
+    from ibpo.rewards.math import extract_answer
 
     class Plain:
         chat_template = "(any)"
@@ -504,7 +504,7 @@ def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
     problems = [Problem(str(i), f"{prompt} #{i}", "\\text{(C)}") for i in range(4)]
     sampler = lambda prompts, seeds: [(answers[int(p[-1])], 5, False) for p in prompts]  # noqa: E731
     records = run_benchmark(
-        problems, 1, tmp_path, lambda: (sampler, Plain()), math_reward, extract_answer, None, 4,
-        progress=False,
+        problems, 1, tmp_path, lambda: (sampler, Plain()), reward_set("math"), extract_answer,
+        None, 4, progress=False,
     )  # fmt: skip
     assert [records[(str(i), 0)]["reward"] for i in range(4)] == [1.0, 1.0, 1.0, 0.0]

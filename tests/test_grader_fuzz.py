@@ -134,10 +134,15 @@ def test_hostile_programs_in_every_kind_and_mode():
         kind, mode = kinds[i % len(kinds)], MODES[(i // len(kinds)) % len(MODES)]
         spec = dict(SPECS[kind], time_s=0.5)
         cases.append((kind, mode, _program(rng, kind), json.dumps(spec)))
-    errors.take()
     counts, statuses, forged = Counter(), Counter(), []
+
+    def grade(case):  # in its own collecting context: pool threads start without the caller's
+        with errors.collecting() as caught:
+            return code_grader.grade_code(case[2], case[3], mode=case[1]), caught
+
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda c: code_grader.grade_code(c[2], c[3], mode=c[1]), cases))
+        graded = list(pool.map(grade, cases))
+    outs = [out for out, _ in graded]
     for (kind, mode, completion, _), out in zip(cases, outs):
         counts[kind, mode] += 1
         for r in out["results"]:
@@ -153,7 +158,7 @@ def test_hostile_programs_in_every_kind_and_mode():
     left = alive(TAG)
     for pid in left:
         os.kill(pid, 9)
-    failures = errors.take()
+    failures = [f.reason for _, caught in graded for f in caught]
     print(f"\nfuzz: {sum(counts.values())} programs, {dict(sorted(counts.items()))}")
     print(f"fuzz: test statuses {dict(statuses)}; grader errors {failures}; left running {left}")
     assert not forged, forged[:3]
@@ -213,16 +218,16 @@ def _answer(rng: random.Random) -> str:
 
 def test_hostile_math_answers_never_raise():
     rng = random.Random(29)
-    errors.take()
     scores = Counter()
-    for _ in range(300):
-        completion, gold = _answer(rng), rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
-        reward = math_reward(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
-        assert reward in (0.0, 1.0)
-        scores[reward] += 1
-    hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
-    assert [math_reward(c, "6") for c in hedges] == [0.0, 0.0, 0.0]
-    failures = errors.take()
+    with errors.collecting() as failures:
+        for _ in range(300):
+            completion = _answer(rng)
+            gold = rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
+            reward = math_reward(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
+            assert reward in (0.0, 1.0)
+            scores[reward] += 1
+        hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
+        assert [math_reward(c, "6") for c in hedges] == [0.0, 0.0, 0.0]
     print(f"\nfuzz: 300 math answers, rewards {dict(scores)}; grader errors {failures}")
     assert not failures, failures
 
@@ -310,19 +315,18 @@ def _honest(rng: random.Random, gold: str) -> str:
 
 def test_generated_negations_and_several_candidates_never_score():
     rng = random.Random(36)
-    errors.take()
     forged, missed = [], []
-    for i in range(360):
-        gold = rng.choice(GOLDS)
-        completion = (_negated if i % 2 else _several)(rng, gold)
-        if math_reward(completion, gold) != 0.0:
-            forged.append((completion, gold))
-    for _ in range(120):
-        gold = rng.choice(GOLDS)
-        completion = _honest(rng, gold)
-        if math_reward(completion, gold) != 1.0:
-            missed.append((completion, gold))
-    failures = errors.take()
+    with errors.collecting() as failures:
+        for i in range(360):
+            gold = rng.choice(GOLDS)
+            completion = (_negated if i % 2 else _several)(rng, gold)
+            if math_reward(completion, gold) != 0.0:
+                forged.append((completion, gold))
+        for _ in range(120):
+            gold = rng.choice(GOLDS)
+            completion = _honest(rng, gold)
+            if math_reward(completion, gold) != 1.0:
+                missed.append((completion, gold))
     print(
         f"\nfuzz: 360 negated/several answers, {len(forged)} scored; 120 honest, {len(missed)} not"
     )

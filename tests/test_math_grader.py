@@ -487,25 +487,27 @@ def test_hedges_equations_and_tolerance(completion, gold, expected):
     assert math_reward(completion, gold) == float(expected), (completion, gold)
 
 
-def test_a_failing_grader_scores_zero_and_is_counted(monkeypatch, caplog):
+def test_a_failing_grader_scores_zero_and_is_reported(monkeypatch, caplog):
     from ibpo.rewards import errors
 
     def broken(s):
         raise RecursionError("maximum recursion depth exceeded")
 
-    errors.take()
     monkeypatch.setattr(errors, "_logged", set())
     monkeypatch.setattr(grader, "_normalize", broken)
-    with caplog.at_level(logging.WARNING, logger="ibpo.rewards"):
+    with caplog.at_level(logging.WARNING, logger="ibpo.rewards"), errors.collecting() as failures:
         assert math_reward("\\boxed{2}", "2") == 0.0
         assert grader.answers_match("2", "2") is False
-        reward, why = errors.graded(math_reward, "\\boxed{3}", "3")
-    assert reward == 0.0 and why.startswith("grader error (math): RecursionError")
-    assert errors.take() == {"math": 3}
-    assert errors.take() == {}
+        with errors.sample(7):
+            assert math_reward("\\boxed{3}", "3") == 0.0
+    assert [f.kind for f in failures] == ["math"] * 3
+    assert [f.index for f in failures] == [None, None, 7]
+    assert failures[2].reason.startswith("grader error (math): RecursionError")
     assert sum("grader error (math)" in r.getMessage() for r in caplog.records) == 1  # once
     monkeypatch.undo()
-    assert errors.graded(math_reward, "\\boxed{3}", "3") == (1.0, "")
+    with errors.collecting() as failures:
+        assert math_reward("\\boxed{3}", "3") == 1.0
+    assert failures == []
 
 
 # Words and marks that negate, condition, hedge or bound an answer: none may score, in the box,

@@ -207,7 +207,14 @@ def _rollout(rows: list[list[int]], texts: list[str], prompt_len: int = 2) -> Ro
         mask[n, : len(r)] = 1
     ids = torch.cat([torch.ones(len(rows), prompt_len, dtype=torch.long), comp], 1)
     att = torch.cat([torch.ones(len(rows), prompt_len), mask], 1).long()
-    return Rollout(ids, att, mask, prompt_len, texts, torch.zeros(len(rows), dtype=torch.bool))
+    return Rollout(
+        input_ids=ids,
+        attention_mask=att,
+        completion_mask=mask,
+        prompt_len=prompt_len,
+        texts=texts,
+        truncated=torch.zeros(len(rows), dtype=torch.bool),
+    )
 
 
 class _Tok:

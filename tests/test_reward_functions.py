@@ -12,7 +12,7 @@ from ibpo.data import Example, load_splits, render_example, rows_to_examples
 from ibpo.recipe import load_config
 from ibpo.repair import repair_prompt
 from ibpo.rewards import REWARDS
-from ibpo.rewards.functions import RewardError, grade, reward_set, reward_stats
+from ibpo.rewards.functions import RewardError, grade_completions, reward_set, reward_stats
 from ibpo.rewards.math import math_reward
 from tests.conftest import make_tokenizer
 
@@ -21,7 +21,8 @@ def test_the_builtin_math_reward_is_the_grader_reading_the_answer_column():
     texts = ["The answer is 5", "4", "so 12", ""]
     gold = ["5", "5", "12", "3"]
     rs = reward_set("math")
-    total, per = rs.score(texts, {"answer": gold}, ["q"] * 4)
+    grades = rs.score(texts, {"answer": gold}, ["q"] * 4)
+    total, per = grades.totals, grades.per_function
     assert total == [math_reward(t, a) for t, a in zip(texts, gold)] == [1.0, 0.0, 1.0, 0.0]
     assert per == {"math": total} and rs.reads_answer
 
@@ -34,7 +35,8 @@ def test_none_does_not_apply_and_the_weighted_sum_ignores_it():
         return [None, 0.25, 1.0, None]
 
     rs = reward_set([a, b], weights=[2.0, 4.0])
-    total, per = rs.score(["w", "x", "y", "z"], {}, ["p"] * 4)
+    grades = rs.score(["w", "x", "y", "z"], {}, ["p"] * 4)
+    total, per = grades.totals, grades.per_function
     assert total[:3] == [2.0, 1.0, 5.0]  # TRL: nansum of weight x value
     assert math.isnan(total[3])  # none applies: no reward at all (TRL), not a 0
     assert math.isnan(per["a"][1]) and per["b"][1] == 0.25
@@ -56,7 +58,7 @@ def test_functions_receive_every_column_the_prompts_and_the_completion_ids():
         Example("q1", "2", {"question": "q1", "answer": "#### 2", "level": 5, "meta": {"k": 2}}),
     ]
     each = [rows[0], rows[0], rows[1], rows[1]]  # G = 2
-    grade(
+    grade_completions(
         reward_set(spy), each, ["P0"] * 2 + ["P1"] * 2, ["a", "b", "c", "d"], [[1], [2], [3], [4]]
     )
     assert seen["prompts"] == ["q0", "q0", "q1", "q1"]  # as the dataset gives them
@@ -77,11 +79,11 @@ def test_a_conversation_reaches_rewards_as_messages():
         got.update(c=completions, p=prompts)
         return [1.0]
 
-    grade(reward_set(spy), [ex], ["rendered"], ["4"])
+    grade_completions(reward_set(spy), [ex], ["rendered"], ["4"])
     assert got["c"] == [[{"role": "assistant", "content": "4"}]]  # TRL's conversational form
     assert got["p"] == [list(chat)]
-    total, _ = grade(reward_set("math"), [ex], ["rendered"], ["The answer is 4"])
-    assert total == [1.0]  # the built-ins read a conversational completion's text
+    grades = grade_completions(reward_set("math"), [ex], ["rendered"], ["The answer is 4"])
+    assert grades.totals == [1.0]  # the built-ins read a conversational completion's text
 
 
 @pytest.mark.parametrize(
@@ -159,8 +161,8 @@ def test_reward_workers_run_the_functions_concurrently_with_the_same_result():
         return [None if c == "b" else 1.0 for c in completions]
 
     texts = ["a", "bb", "b", "cccc"]
-    total, per = reward_set([slow_a, slow_b], workers=2).score(texts, {}, ["p"] * 4)
-    assert total == [2.0, 3.0, 1.0, 5.0]
+    grades = reward_set([slow_a, slow_b], workers=2).score(texts, {}, ["p"] * 4)
+    assert grades.totals == [2.0, 3.0, 1.0, 5.0]
     barrier = threading.Barrier(2, timeout=0.5)  # the control: one at a time, never met
     with pytest.raises(RewardError, match="BrokenBarrierError"):
         reward_set([slow_a, slow_b], workers=1).score(["a"], {}, ["p"])
@@ -216,7 +218,7 @@ def test_a_conversation_is_rendered_whole_through_the_chat_template():
 def test_a_registered_grader_is_looked_up_when_called(monkeypatch):
     rs = reward_set("math")
     monkeypatch.setitem(REWARDS, "math", lambda text, answer: 0.5)
-    assert rs.score(["x"], {"answer": ["1"]}, ["p"])[0] == [0.5]
+    assert rs.score(["x"], {"answer": ["1"]}, ["p"]).totals == [0.5]
 
 
 def test_the_math_reward_reads_a_problems_options_from_its_column_or_text(monkeypatch):
@@ -228,14 +230,19 @@ def test_the_math_reward_reads_a_problems_options_from_its_column_or_text(monkey
         Example("What is 3 * 4?", "12", {"question": "What is 3 * 4?"}),  # no options
     ]
     texts = [r"\boxed{\textbf{(C)}\ 12}", r"\boxed{C}", r"\boxed{12}", r"\boxed{C}"]
-    total, _ = grade(reward_set("math"), rows, ["P"] * 4, texts)
-    assert total == [1.0, 1.0, 1.0, 0.0]
+    grades = grade_completions(reward_set("math"), rows, ["P"] * 4, texts)
+    assert grades.totals == [1.0, 1.0, 1.0, 0.0]
     wrong = [r"\boxed{(B) 12}", r"\boxed{B}", r"\boxed{10}", r"\boxed{12}"]
-    assert grade(reward_set("math"), rows, ["P"] * 4, wrong)[0] == [0.0, 0.0, 0.0, 1.0]
+    assert grade_completions(reward_set("math"), rows, ["P"] * 4, wrong).totals == [
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+    ]
     # a conversation: the options in its last user message
     chat = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": amc})
     row = Example(amc, "12", {"prompt": list(chat)}, chat)
-    assert grade(reward_set("math"), [row], ["P"], [r"\boxed{C}"])[0] == [1.0]
+    assert grade_completions(reward_set("math"), [row], ["P"], [r"\boxed{C}"]).totals == [1.0]
     # a grader without a `choices` parameter is called as before
     seen = []
     monkeypatch.setitem(REWARDS, "math", lambda text, answer: seen.append((text, answer)) or 0.0)

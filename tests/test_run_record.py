@@ -200,9 +200,15 @@ def _rollout(prompt_len: int, n: int, prefill: int | None) -> Rollout:
     att = torch.ones_like(ids)
     att[0, 0] = 0  # one left-padded prompt: real lengths prompt_len - 1, prompt_len, ...
     mask = torch.ones(n, 2, device="cpu")
-    ro = Rollout(ids, att, mask, prompt_len, ["1"] * n, torch.zeros(n, dtype=torch.bool))
-    ro.prefill_tokens = prefill
-    return ro
+    return Rollout(
+        input_ids=ids,
+        attention_mask=att,
+        completion_mask=mask,
+        prompt_len=prompt_len,
+        texts=["1"] * n,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        prefill_tokens=prefill,
+    )
 
 
 @pytest.mark.parametrize("prefill, want", [(None, 4 * 5 - 1), (7, 7)])

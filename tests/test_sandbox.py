@@ -4,6 +4,7 @@ Hostile programs (fork bomb, memory bomb, writes outside the working directory, 
 secrets, gigabytes of output) must end failed/timeout/error quickly and leave the host as it was.
 """
 
+import contextvars
 import json
 import os
 import socket
@@ -455,10 +456,9 @@ def test_socket_patch_as_root_is_refused_where_a_test_would_stay_root(monkeypatc
     with pytest.raises(policy.Refused, match="world-readable"):
         run_tests("print(1)", [TestCase("script")], FAST, mode="socket-patch")
     spec = json.dumps({"tests": [{"input": "", "output": "1"}]})
-    before = errors.peek()
-    with pytest.raises(policy.Refused, match="world-readable"):
+    with errors.collecting() as failures, pytest.raises(policy.Refused, match="world-readable"):
         grade_code("```python\nprint(1)\n```", spec, mode="socket-patch")
-    assert errors.peek() == before  # the setup's fault, not a grader error scored 0
+    assert failures == []  # the setup's fault, not a grader error scored 0
     monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
     assert sandbox.uncontained("socket-patch") is None
 
@@ -539,20 +539,20 @@ PRINTS_1 = "```python\nprint(1)\n```"
 @pytest.mark.skipif(len(ISOLATING) < 2, reason="needs bwrap and namespaces both, to accept one")
 def test_a_policy_holds_every_caller_in_every_thread_and_records_what_ran():
     accept, refuse = ISOLATING
-    before = errors.peek()
     only = policy.Policy((accept,), False, mode_fix="Fix: the other one.")
-    with policy.enforced(only) as record:
+    with policy.enforced(only) as record, errors.collecting() as failures:
         with pytest.raises(policy.Refused, match=f"{refuse} mode.*Fix: the other one"):
             run_tests("print(1)", [TestCase("script")], FAST, mode=refuse)
         with ThreadPoolExecutor(2) as pool:  # a reward worker's thread, a user's own
+            in_context = lambda *a: contextvars.copy_context().run(grade_code, *a)  # noqa: E731
             with pytest.raises(policy.Refused):
-                pool.submit(grade_code, PRINTS_1, SPEC, refuse).result()
-            assert pool.submit(grade_code, PRINTS_1, SPEC, accept).result()["reward"] == 1.0
+                pool.submit(in_context, PRINTS_1, SPEC, refuse).result()
+            assert pool.submit(in_context, PRINTS_1, SPEC, accept).result()["reward"] == 1.0
         assert statuses(run_tests("pass", [TestCase("script")] * 2, FAST, mode=accept)) == [
             "passed",
             "passed",
         ]
-    assert errors.peek() == before  # refusals are no grader errors scored 0
+    assert failures == []  # refusals are no grader errors scored 0
     assert record.modes == {accept: 3} and record.isolation() == accept
     assert sum(record.memory.values()) == 3
     # the policy ended with its block

@@ -51,13 +51,13 @@ def graded(monkeypatch):
     """The completions repairs and the held-out evaluation hand to the reward functions."""
     seen = {"repair": [], "eval": []}
     for where, module in (("repair", repair_mod), ("eval", evaluate_mod)):
-        real = module.grade
+        real = module.grade_completions
 
-        def spy(rewards, examples, rendered, texts, ids=None, _real=real, _where=where):
+        def spy(reward_fns, examples, rendered, texts, ids=None, _real=real, _where=where):
             seen[_where].append(list(texts))
-            return _real(rewards, examples, rendered, texts, ids)
+            return _real(reward_fns, examples, rendered, texts, ids)
 
-        monkeypatch.setattr(module, "grade", spy)
+        monkeypatch.setattr(module, "grade_completions", spy)
     reward_module.CALLS.clear()
     return seen
 

@@ -25,7 +25,7 @@ from ibpo.data import (
 )
 from ibpo.recipe import load_config
 from ibpo.rewards import calls
-from ibpo.rewards.functions import RewardError, grade, reward_set
+from ibpo.rewards.functions import RewardError, grade_completions, logged_metrics, reward_set
 from ibpo.run.callbacks import CallbackError, Callbacks, RunControl, RunState
 from ibpo.step import reward_summary
 from tests.conftest import make_tokenizer
@@ -37,13 +37,13 @@ def test_a_reward_reading_only_the_completion_ids():
     def reward_func(completion_ids, **kwargs):
         return [float(len(ids)) for ids in completion_ids]
 
-    total, _ = reward_set(reward_func).score(
+    grades = reward_set(reward_func).score(
         [" blue.", " in the sky."],
         {},
         ["The sky is", "The sun is"],
         [[6303, 13], [304, 279, 1, 13]],
     )
-    assert total == [2.0, 4.0]
+    assert grades.totals == [2.0, 4.0]
 
 
 def test_a_reward_reading_the_completions_and_one_reading_a_column():
@@ -56,10 +56,10 @@ def test_a_reward_reading_the_completions_and_one_reading_a_column():
         return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
 
     texts = [r" The solution is \boxed{2}.", r" The solution is \boxed{6}."]
-    _, per = reward_set([by_chars, reward_func]).score(
+    grades = reward_set([by_chars, reward_func]).score(
         texts, {"ground_truth": ["2", "5"]}, ["Solve 2x + 3 = 7.", "Solve 3x - 5 = 10."]
     )
-    assert per == {"by_chars": [27.0, 27.0], "reward_func": [1.0, 0.0]}
+    assert grades.per_function == {"by_chars": [27.0, 27.0], "reward_func": [1.0, 0.0]}
 
 
 def test_a_conversational_format_reward():
@@ -71,8 +71,8 @@ def test_a_conversational_format_reward():
     chat = ({"role": "user", "content": "What is (1 + 2) * 4?"},)
     ex = Example("What is (1 + 2) * 4?", "", {"prompt": list(chat)}, chat)
     texts = ["<think>3 times 4</think><answer>12</answer>", "It is 12."]
-    total, _ = grade(reward_set(format_reward_func), [ex, ex], ["r", "r"], texts, [[1], [2]])
-    assert total == [1.0, 0.0]
+    rs = reward_set(format_reward_func)
+    assert grade_completions(rs, [ex, ex], ["r", "r"], texts, [[1], [2]]).totals == [1.0, 0.0]
 
 
 def test_multi_task_rewards_and_a_row_none_applies_to(capsys):
@@ -99,7 +99,8 @@ def test_multi_task_rewards_and_a_row_none_applies_to(capsys):
     ]
     examples = [Example(r["prompt"], "", r) for r in rows for _ in range(2)]
     rs = reward_set([math_reward_func, coding_reward_func])
-    total, per = grade(rs, examples, ["p"] * 4, ["4", "5", "def f", "x"], [[1]] * 4)
+    grades = grade_completions(rs, examples, ["p"] * 4, ["4", "5", "def f", "x"], [[1]] * 4)
+    total, per = grades.totals, grades.per_function
     assert total[:2] == [1.0, -1.0] and all(math.isnan(t) for t in total[2:])
     assert all(math.isnan(v) for v in per["coding_reward_func"])
     err = capsys.readouterr().err
@@ -130,12 +131,13 @@ def test_trl_s_own_reward_functions_run_unchanged():
     ]
     examples = [Example("1/3?", "", row, chat) for row in rows]
     texts = [r"<think>so</think>My answer is \boxed{\frac{1}{3}}", "no"]
-    total, per = grade(rs, examples, ["r", "r"], texts, [[1, 2], [1, 2, 3, 4]])
+    grades = grade_completions(rs, examples, ["r", "r"], texts, [[1, 2], [1, 2, 3, 4]])
+    per = grades.per_function
     assert per["think_format_reward"] == [1.0, 0.0]
     assert per["accuracy_reward"][0] == 1.0 and math.isnan(per["accuracy_reward"][1])
     assert per["soft_overlong_punishment_reward"] == [0.0, -1.0]
     # accuracy_reward logs columns of its own for the completions table
-    assert rs.last_extra["gold_parsed"][1] == "[unparseable]"
+    assert grades.extra["gold_parsed"][1] == "[unparseable]"
 
 
 def test_trainer_state_log_metric_and_log_extra():
@@ -147,10 +149,12 @@ def test_trainer_state_log_metric_and_log_extra():
 
     rs = reward_set(curriculum, workers=2)  # chunks: each call logs its own rows
     rs.trainer_state = RunState(global_step=3, max_steps=12)
-    total, _ = rs.score(["a", "bb", "ccc"], {}, ["p"] * 3)
-    assert total == [0.25] * 3
-    assert rs.last_extra == {"length": [1, 2, 3]}
-    assert rs.take_metrics() == {"curriculum/progress": 0.25} and rs.take_metrics() == {}
+    grades = rs.score(["a", "bb", "ccc"], {}, ["p"] * 3)
+    assert grades.totals == [0.25] * 3
+    assert grades.extra == {"length": [1, 2, 3]}
+    assert grades.metrics == {"curriculum/progress": [0.25, 0.25]}  # one value per call
+    assert logged_metrics([grades]) == {"curriculum/progress": 0.25}
+    assert rs.score(["a"], {}, ["p"]).extra == {"length": [1]}  # each grading its own
 
 
 def test_a_signature_that_cannot_be_called_is_named_with_its_fix():
@@ -203,9 +207,9 @@ def test_async_rewards_are_awaited_together_and_beside_the_others():
         return [0.5] * len(completions)
 
     rs = reward_set([waits_for_the_other, async_reward_func, plain], timeout=10)
-    total, per = rs.score(["x", ""], {}, ["p", "p"])
-    assert per["async_reward_func"] == [1.0, 0.0] and total == [2.5, 1.5]
-    assert rs.take_timeouts() == 0
+    grades = rs.score(["x", ""], {}, ["p", "p"])
+    assert grades.per_function["async_reward_func"] == [1.0, 0.0]
+    assert grades.totals == [2.5, 1.5] and grades.timeouts == 0
 
 
 def test_a_reward_that_hangs_scores_zero_is_counted_and_the_run_goes_on(capsys, monkeypatch):
@@ -224,14 +228,15 @@ def test_a_reward_that_hangs_scores_zero_is_counted_and_the_run_goes_on(capsys, 
 
     rs = reward_set([hangs, hangs_async, quick], timeout=0.2)
     t0 = time.monotonic()
-    total, per = rs.score(["x", "y"], {}, ["p", "p"])
+    grades = rs.score(["x", "y"], {}, ["p", "p"])
     assert time.monotonic() - t0 < 5
+    per = grades.per_function
     assert per["hangs"] == [0.0, 0.0] and per["hangs_async"] == [0.0, 0.0]
-    assert total == [0.25, 0.25] and rs.take_timeouts() == 2
+    assert grades.totals == [0.25, 0.25] and grades.timeouts == 2
     err = capsys.readouterr().err
     assert "reward function 'hangs' ran past objective.reward_timeout=0.2 s" in err
-    rs.score(["x", "y"], {}, ["p", "p"])
-    assert rs.take_timeouts() == 2 and "ran past" not in capsys.readouterr().err  # warned once
+    again = rs.score(["x", "y"], {}, ["p", "p"])
+    assert again.timeouts == 2 and "ran past" not in capsys.readouterr().err  # warned once
     release.set()
 
     # an async function blocking its loop with synchronous code: the loop is given up on
@@ -242,7 +247,8 @@ def test_a_reward_that_hangs_scores_zero_is_counted_and_the_run_goes_on(capsys, 
         return [1.0] * len(completions)
 
     rs = reward_set([blocks, quick], timeout=0.1)
-    assert rs.score(["x"], {}, ["p"])[1]["blocks"] == [0.0] and rs.take_timeouts() == 1
+    grades = rs.score(["x"], {}, ["p"])
+    assert grades.per_function["blocks"] == [0.0] and grades.timeouts == 1
 
 
 def test_without_a_timeout_a_reward_runs_on_the_calling_thread():
@@ -411,7 +417,7 @@ def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
             for p, c in zip(prompts, texts)
         ]
     rs = reward_set([(model, tok)])  # the pair, as TRL's reward model + processing class
-    _, per = rs.score(texts, {}, prompts)
+    per = rs.score(texts, {}, prompts).per_function
     (name,) = rs.names
     assert per[name] == pytest.approx(expected, abs=1e-5)  # padded in a batch: the same scores
     with pytest.raises(ConfigError, match=r"a torch module \(a reward model\) without its "):
@@ -420,7 +426,7 @@ def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
     tok.save_pretrained(tmp_path / "rm")
     by_path = reward_set(str(tmp_path / "rm"))  # a folder (or Hub id), loaded when first called
     assert by_path.names == ["rm"]
-    assert by_path.score(texts, {}, prompts)[1]["rm"] == pytest.approx(expected, abs=1e-5)
+    assert by_path.score(texts, {}, prompts).per_function["rm"] == pytest.approx(expected, abs=1e-5)
     cfg = load_config(None, ["objective.reward=[math, org/reward-model]"])
     assert cfg.objective.reward == ["math", "org/reward-model"]
 

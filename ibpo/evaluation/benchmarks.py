@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pickle
 import sys
 import zlib
@@ -31,6 +32,7 @@ from ibpo.config import ConfigError
 from ibpo.data import gold_answer, read_json_records, read_parquet_file
 from ibpo.rewards import REWARDS
 from ibpo.rewards.code import extract_code, humaneval_spec, livecodebench_spec
+from ibpo.rewards.functions import RewardSet, reward_set
 from ibpo.rewards.math import extract_answer
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -225,6 +227,14 @@ def grader(bench: Benchmark) -> tuple[Callable[[str, str], float], Callable[[str
         raise ConfigError(f"{bench.name} needs the '{bench.reward}' grader in ibpo.rewards")
     extract = extract_code if bench.reward == "code" else extract_answer
     return REWARDS[bench.reward], extract
+
+
+def reward_fns(bench: Benchmark) -> RewardSet:
+    """The benchmark's grader as the reward functions a training run grades with (weight 1,
+    correct at 1): evaluate.run_benchmark grades by the route a step does. Up to 8 calls at
+    once: code grading waits on sandbox subprocesses, not on Python."""
+    grader(bench)  # an unknown grader: the error naming it
+    return reward_set(bench.reward, workers=min(8, os.cpu_count() or 1))
 
 
 def _hub_error(bench: Benchmark, subset: str | None, err) -> str:

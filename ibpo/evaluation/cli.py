@@ -22,7 +22,7 @@ import torch
 from ibpo.config import ConfigError
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.adapter import fill_from_adapter
-from ibpo.evaluation.benchmarks import BENCHMARKS, grader, load_problems
+from ibpo.evaluation.benchmarks import BENCHMARKS, grader, load_problems, reward_fns
 from ibpo.evaluation.evaluate import (
     SAMPLE_SEEDS,
     Sampler,
@@ -226,7 +226,7 @@ def evaluate(args) -> dict:
     """Run one benchmark from parsed arguments; -> the summary (also written to disk)."""
 
     bench = BENCHMARKS[args.benchmark]
-    grade, extract = grader(bench)
+    _, extract = grader(bench)
     for note in fill_from_adapter(args):  # --model/--quantization not given: the adapter's
         print(f"eval: {note}", file=sys.stderr)
     args.model = args.model or EMBEDDED_NAME
@@ -267,7 +267,7 @@ def evaluate(args) -> dict:
         args.n,
         out_dir,
         lambda: builder(args),
-        grade,
+        reward_fns(bench),
         extract,
         args.enable_thinking,
         args.batch_size,

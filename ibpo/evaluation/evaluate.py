@@ -1,5 +1,8 @@
 """Evaluation: generate, grade with the training graders, report avg@n / pass@k / maj@n.
 
+Both entry points grade as a training step does, by rewards.functions.grade_completions: the
+same verdicts on the same completions, grader failures included (scored 0 and reported).
+
 Two entry points:
 * `evaluate_accuracy`: greedy held-out accuracy used by the trainer before and after a run
   (deterministic; with several processes each evaluates its shard and the counts are summed).
@@ -42,19 +45,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
-from ibpo.rewards import errors as grader_errors
-from ibpo.rewards.functions import RewardSet, grade, takes_choices
-from ibpo.rewards.math import answers_match, as_graded
+from ibpo.rewards.functions import RewardSet, grade_completions, logged_metrics
+from ibpo.rewards.math import answers_match, text_to_grade
 from ibpo.rollout import Generator
 
 # (prompts, one sampling seed per prompt) -> (completion text, length in tokens, hit
@@ -77,33 +77,44 @@ def evaluate_accuracy(
     tokenizer,
     examples: list[Example],
     data_cfg: DataConfig,
-    rewards: RewardSet,
+    reward_fns: RewardSet,
     max_new_tokens: int,
     batch_size: int,
     accelerator=None,
-) -> dict[str, float]:
-    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length}.
-    A completion is correct when the run's weighted reward (rewards/functions.py) reaches its
-    correct threshold (objective.correct_threshold); one no reward applies to is not."""
+) -> dict:
+    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length,
+    grader_errors, metrics}. A completion is correct when the run's weighted reward
+    (rewards/functions.py) reaches its correct threshold (objective.correct_threshold); one no
+    reward applies to is not. `grader_errors`: the graders' own failures (scored 0), over all
+    processes; `metrics` (when they logged any): the mean of what the reward functions logged
+    (log_metric) on this process."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     shard = examples[rank::world]
     correct = tokens = 0.0
+    gradings = []
     for s in range(0, len(shard), batch_size):
         batch = shard[s : s + batch_size]
         prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
-        totals, _ = grade(rewards, batch, prompts, out.texts, out.host_tokens())
-        correct += sum(t >= rewards.correct for t in totals)
+        grades = grade_completions(reward_fns, batch, prompts, out.texts, out.host_tokens())
+        correct += sum(t >= reward_fns.correct for t in grades.totals)
         tokens += float(sum(out.lengths))
-    totals = torch.tensor([correct, tokens, float(len(shard))], device="cpu")
+        gradings.append(grades)
+    logged = logged_metrics(gradings)
+    failed = float(sum(len(g.failures) for g in gradings))
+    totals = torch.tensor([correct, tokens, float(len(shard)), failed], device="cpu")
     if accelerator is not None and world > 1:
         totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     n = int(totals[2].item())
-    return {
+    result = {
         "accuracy": totals[0].item() / max(n, 1),
         "n": n,
         "mean_length": totals[1].item() / max(n, 1),
+        "grader_errors": int(totals[3].item()),
     }
+    if logged:
+        result["metrics"] = logged
+    return result
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -258,7 +269,7 @@ def run_benchmark(
     n: int,
     out_dir: Path,
     build_sampler: Callable[[], tuple[Sampler, object]],
-    grade: Callable[[str, str], float],
+    reward_fns: RewardSet,
     extract: Callable[[str], str | None],
     enable_thinking: bool | None,
     batch_size: int,
@@ -266,10 +277,8 @@ def run_benchmark(
     seed: int = 0,
 ) -> dict:
     """Generate the missing (problem, sample) pairs chunk by chunk, each with its own seed
-    (sample_seed(seed, problem id, sample)); -> all records by key. Grading runs in threads: code
-    grading waits on sandbox subprocesses, not on Python."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    (sample_seed(seed, problem id, sample)), and grade them with `reward_fns` (the benchmark's
+    grader: benchmarks.reward_fns) as a training step grades; -> all records by key."""
     from tqdm.auto import tqdm
 
     path = out_dir / "samples.jsonl"
@@ -277,37 +286,44 @@ def run_benchmark(
     todo = [(p, i) for p in problems for i in range(n) if (p.id, i) not in records]
     if not todo:
         return records
-    reads_choices = takes_choices(grade)  # a multiple-choice problem's options: its text
     sample, tokenizer = build_sampler()
     cfg = DataConfig(prompt_template="{question}", enable_thinking=enable_thinking)
     rendered = {p.id: render_prompt(tokenizer, p.prompt, cfg) for p, _ in todo}
     total = len(problems) * n
     bar = tqdm(total=total, initial=total - len(todo), unit="sample", disable=not progress)
-    pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
     for s in range(0, len(todo), batch_size):
         chunk = todo[s : s + batch_size]
         seeds = [sample_seed(seed, p.id, i) for p, i in chunk]
         outs = sample([rendered[p.id] for p, _ in chunk], seeds)
-        graded = [as_graded(rendered[p.id], o[0]) for (p, _), o in zip(chunk, outs)]
-        graders = [partial(grade, choices=p.prompt) if reads_choices else grade for p, _ in chunk]
-        rewards = pool.map(grader_errors.graded, graders, graded, [p.gold for p, _ in chunk])
+        prompts = [rendered[p.id] for p, _ in chunk]
+        texts = [text for text, _, _ in outs]
+        grades = grade_completions(reward_fns, [as_example(p) for p, _ in chunk], prompts, texts)
+        answered = [extract(text_to_grade(p, t)) for p, t in zip(prompts, texts)]
         new = [
             {
                 "problem_id": p.id,
                 "sample": i,
                 "completion": text,
-                "extracted": extract(g),
+                "extracted": a,
                 "reward": float(r),
                 "length": length,
                 "truncated": bool(cut),
                 **({"grader_error": why} if why else {}),  # the grader's own failure: scored 0
             }
-            for (p, i), (text, length, cut), g, (r, why) in zip(chunk, outs, graded, rewards)
+            for (p, i), (text, length, cut), a, r, why in zip(
+                chunk, outs, answered, grades.totals, grades.failure_reasons()
+            )
         ]
         append_samples(path, new)
         records.update({(r["problem_id"], r["sample"]): r for r in new})
         bar.update(len(chunk))
         bar.set_postfix(reward=f"{_mean([r['reward'] for r in new]):.3f}")
     bar.close()
-    pool.shutdown()
     return records
+
+
+def as_example(problem) -> Example:
+    """A benchmark Problem as the training data's Example: its user message is the problem's
+    text (where a grader finds written-out options), its gold the answer graders compare
+    against."""
+    return Example(problem.prompt.strip(), problem.gold, given=problem.prompt)

@@ -7,6 +7,8 @@ within a time limit.
   uses signal.alarm, as math-verify's default timeouts do, needs the main thread); with a time
   limit each runs on a daemon thread that is abandoned when its time is up (a thread cannot be
   stopped; its late result is ignored, and a daemon thread never holds the process at exit).
+  Every call runs in a copy of the caller's context (contextvars), on whichever thread: what
+  the caller's context holds (the grader failures being collected, errors.py) reaches it.
 * `EventLoop`: one asyncio loop on a daemon thread of its own, on which the coroutines of
   `async def` rewards are awaited together (`asyncio.gather`), each within the time limit (a
   coroutine that runs out of time is cancelled). A loop of its own, not `asyncio.run`: in a
@@ -18,12 +20,14 @@ Not here: which calls to make and what their values mean (functions.py).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 # A loop blocked by synchronous code inside an `async def` cannot cancel anything: the caller
@@ -50,6 +54,7 @@ def run_sync(
 ) -> list[Outcome]:
     """Each call's Outcome, in order; at most `workers` at once, each within `timeout` seconds
     (None: no limit)."""
+    calls = [_in_context(c) for c in calls]
     if timeout is None:
         if workers <= 1 or len(calls) <= 1:
             return [_outcome(c) for c in calls]
@@ -59,6 +64,12 @@ def run_sync(
     for start in range(0, len(calls), max(workers, 1)):
         out.extend(_on_threads(calls[start : start + max(workers, 1)], timeout))
     return out
+
+
+def _in_context(call: Callable[[], Any]) -> Callable[[], Any]:
+    """The call, to run in a copy of the caller's context as it is now (one copy per call: a
+    context cannot be entered by two threads at once)."""
+    return partial(contextvars.copy_context().run, call)
 
 
 def _on_threads(calls: list[Callable[[], Any]], timeout: float) -> list[Outcome]:

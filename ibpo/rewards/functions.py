@@ -1,4 +1,9 @@
-"""Reward functions in TRL's convention, and the weighted set of them a run grades with.
+"""Reward functions in TRL's convention, the weighted set of them a run grades with, and the
+one route by which completions are graded.
+
+Names: a reward *function* is a callable (`RewardFunction` holds one with its name and
+weight); a `RewardSet` is the weighted set a run grades with (passed around as `reward_fns`);
+*rewards* are always values (a `Grades`' totals, the step's [B, G] tensor).
 
 A reward function returns one value per completion (`list[float | None]`) and is called as
 TRL's GRPOTrainer calls it, every argument by keyword:
@@ -9,11 +14,12 @@ TRL's GRPOTrainer calls it, every argument by keyword:
 one entry per completion (a prompt's row repeated for each of its G completions). `prompts`
 are the prompts as the dataset gives them (a string, or a chat's list of {"role", "content"}
 messages); `completions` the texts, or for a conversational prompt one-message chats
-`[{"role": "assistant", "content": text}]`, as graders must read them (rewards.math.as_graded:
+`[{"role": "assistant", "content": text}]`, as graders must read them (rewards.math.text_to_grade:
 with "<think>" in front when the prompt opened the think block); `completion_ids` their token
 ids; `trainer_state` the run's state (global_step, max_steps, epoch: run/callbacks.RunState);
-`log_metric(name, value)` adds a scalar to the step's metrics, `log_extra(column, values)` a
-column (one value per completion of the call) to the step's completions table. Every dataset
+`log_metric(name, value)` adds a scalar to the grading's metrics (the step's, or the held-out
+evaluation's as `eval_<name>`), `log_extra(column, values)` a column (one value per completion
+of the call) to the step's completions table. Every dataset
 column comes by name, except TRL's `prompt` (it is `prompts`) and `completion`; `answer` holds
 the gold answer as data.answer_column and data.answer_format read it (what the built-in
 graders compare against). A function that takes only some of these takes `**kwargs` for the
@@ -37,6 +43,13 @@ one's completions split into that many chunks (for remote verifiers, compilers a
 rewards that wait rather than compute). `reward_timeout` bounds every call: one that runs out
 of time scores 0 for its completions, counted (`reward_timeouts`, one warning naming it),
 and the run goes on.
+
+A grading returns `Grades`: the weighted totals, each function's values, the columns and
+metrics the functions logged, the calls that ran out of time and the built-in graders' own
+failures (errors.py), all of that grading's alone, so gradings may run at once.
+`grade_completions` is the route every grading takes (the step's rollouts and repairs, the
+held-out evaluation, the benchmarks): problems, rendered prompts and completion texts in,
+`Grades` out.
 
 `objective.reward` names the functions: a built-in (`math`, `code`: the graders of
 ibpo.rewards.REWARDS, each `(text, gold) -> float`, wrapped here), an import path
@@ -65,13 +78,15 @@ import numbers
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ibpo.config import ConfigError
 from ibpo.rewards import REWARDS
+from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
-from ibpo.rewards.math import as_graded
+from ibpo.rewards.errors import GraderFailure
+from ibpo.rewards.math import text_to_grade
 from ibpo.rewards.models import hub_reward_model, reward_model
 from ibpo.sandbox.policy import Refused
 
@@ -143,10 +158,14 @@ def builtin(name: str) -> RewardFn:
     def reward(completions: list, answer: list | None = None, prompts=None, **columns):
         grader = REWARDS[name]
         gold = answer if answer is not None else [None] * len(completions)
-        if not takes_choices(grader):
-            return [grader(_text(c), a) for c, a in zip(completions, gold)]
-        choices = problem_choices(columns, prompts, len(completions))
-        return [grader(_text(c), a, choices=o) for c, a, o in zip(completions, gold, choices)]
+        options = {}
+        if takes_choices(grader):
+            options = {"choices": problem_choices(columns, prompts, len(completions))}
+        values = []
+        for i, (c, a) in enumerate(zip(completions, gold)):
+            with grader_errors.sample(i):  # a failure of the grader is completion i's
+                values.append(grader(_text(c), a, **{k: v[i] for k, v in options.items()}))
+        return values
 
     reward.__name__ = name
     return reward
@@ -203,7 +222,10 @@ def _signature(fn) -> inspect.Signature | None:
 
 
 @dataclass(frozen=True)
-class Reward:
+class RewardFunction:
+    """One function of a RewardSet: its name (metrics `rewards/<name>`), the callable and its
+    weight in the total."""
+
     name: str
     fn: RewardFn
     weight: float = 1.0
@@ -222,37 +244,77 @@ class _TimedOut(Exception):
     """An awaitable a synchronous function returned ran out of time."""
 
 
+@dataclass
+class Grades:
+    """What one grading of n completions gave: the weighted reward of each (NaN: no function
+    applies), each function's values (NaN: it returned None), the columns the functions logged
+    (log_extra: one value per completion), the values they logged by metric name (log_metric),
+    the calls that ran out of time and the graders' own failures (each scored 0)."""
+
+    totals: list[float]
+    per_function: dict[str, list[float]]
+    extra: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    timeouts: int = 0
+    failures: list[GraderFailure] = field(default_factory=list)
+
+    def failure_reasons(self) -> list[str]:
+        """Each completion's grader failures, joined ("" where its grading did not fail)."""
+        out = [""] * len(self.totals)
+        for f in self.failures:
+            if f.index is not None and 0 <= f.index < len(out):
+                out[f.index] = f"{out[f.index]}; {f.reason}" if out[f.index] else f.reason
+        return out
+
+
+def logged_metrics(gradings: Sequence[Grades]) -> dict[str, float]:
+    """The mean of each metric the functions logged (log_metric) over several gradings (one
+    step's, one evaluation's)."""
+    logged: dict[str, list[float]] = {}
+    for g in gradings:
+        for name, values in g.metrics.items():
+            logged.setdefault(name, []).extend(values)
+    return {name: sum(v) / len(v) for name, v in logged.items() if v}
+
+
+class _Grading:
+    """What the functions leave during one grading of n completions (log_extra, log_metric)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+        self.lock = threading.Lock()
+
+
 class RewardSet:
-    """The run's reward functions with their weights and thresholds: `score` grades a batch of
-    completions. Also what the functions see and leave between calls: `trainer_state` (the
-    trainer sets it), the metrics they log (`take_metrics`), the extra columns of the last
-    `score` (`last_extra`) and the calls that ran out of time (`take_timeouts`)."""
+    """The run's reward functions (`functions`) with their weights and thresholds: `score`
+    grades a batch of completions -> Grades. Also what the functions see: `trainer_state` (the
+    trainer sets it). A grading keeps what it produces in its Grades, so several may run at
+    once; the set keeps only its warnings (each once) and its event loop."""
 
     def __init__(
         self,
-        rewards: Sequence[Reward],
+        functions: Sequence[RewardFunction],
         workers: int = 1,
         timeout: float | None = None,
         correct: float = 1.0,
         failed: float = 0.0,
+        trainer_state: Any = None,
     ):
-        if not rewards:
+        if not functions:
             raise ConfigError("objective.reward names no reward function")
-        names = [r.name for r in rewards]
+        names = [r.name for r in functions]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(
                 f"two reward functions are named {dup[0]!r}; their metrics would collide. "
                 "Fix: give each function its own name"
             )
-        self.rewards, self.workers = list(rewards), max(int(workers), 1)
+        self.functions, self.workers = list(functions), max(int(workers), 1)
         self.timeout = None if timeout is None or timeout <= 0 else float(timeout)
         self.correct, self.failed = float(correct), float(failed)
-        self.trainer_state: Any = None
-        self.last_extra: dict[str, list] = {}
-        self._n = 0
-        self._metrics: dict[str, list[float]] = {}
-        self._timeouts = 0
+        self.trainer_state = trainer_state
         self._lock = threading.Lock()
         self._loop = EventLoop()
         self._warned: set[str] = set()
@@ -260,29 +322,16 @@ class RewardSet:
 
     @property
     def names(self) -> list[str]:
-        return [r.name for r in self.rewards]
+        return [r.name for r in self.functions]
 
     @property
     def reads_answer(self) -> bool:
         """Whether a built-in grader needs each row's gold answer (data.answer_column)."""
-        return any(r.builtin for r in self.rewards)
+        return any(r.builtin for r in self.functions)
 
     # --- what the functions leave -----------------------------------------------------------
 
-    def take_metrics(self) -> dict[str, float]:
-        """The mean of each metric the functions logged (log_metric) since the last take."""
-        with self._lock:
-            out = {k: sum(v) / len(v) for k, v in self._metrics.items() if v}
-            self._metrics.clear()
-        return out
-
-    def take_timeouts(self) -> int:
-        """Calls that ran out of time since the last take."""
-        with self._lock:
-            n, self._timeouts = self._timeouts, 0
-        return n
-
-    def _log_metric(self, name: str, value: float) -> None:
+    def _log_metric(self, grading: _Grading, name: str, value: float) -> None:
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -291,10 +340,10 @@ class RewardSet:
                 f"log_metric({name!r}, {value!r}): not a number, not logged. Fix: pass a float",
             )
             return
-        with self._lock:
-            self._metrics.setdefault(str(name), []).append(value)
+        with grading.lock:
+            grading.metrics.setdefault(str(name), []).append(value)
 
-    def _log_extra(self, lo: int, hi: int, column: str, values) -> None:
+    def _log_extra(self, grading: _Grading, lo: int, hi: int, column: str, values) -> None:
         """log_extra of a call on completions[lo:hi]: its values take their rows' places."""
         values = list(values)
         if len(values) != hi - lo:
@@ -304,8 +353,8 @@ class RewardSet:
                 "completions; the column is not logged. Fix: one value per completion",
             )
             return
-        with self._lock:
-            self.last_extra.setdefault(str(column), [None] * self._n)[lo:hi] = values
+        with grading.lock:
+            grading.extra.setdefault(str(column), [None] * grading.n)[lo:hi] = values
 
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
@@ -318,11 +367,11 @@ class RewardSet:
 
     def score(
         self, completions: list, columns: dict[str, list], prompts: list, completion_ids=None
-    ) -> tuple[list[float], dict[str, list[float]]]:
-        """-> (the weighted sum per completion, NaN where no function applies; each function's
-        values, NaN where it returned None). `columns`: name -> one value per completion."""
+    ) -> Grades:
+        """Every function called on the completions, as TRL calls them -> Grades. `columns`:
+        name -> one value per completion."""
         n = len(completions)
-        self._n, self.last_extra = n, {}
+        grading = _Grading(n)
         base = {k: v for k, v in columns.items() if k not in NOT_COLUMNS}
         base.update(
             prompts=list(prompts),
@@ -330,54 +379,57 @@ class RewardSet:
             completion_ids=completion_ids,
             trainer_state=self.trainer_state,
         )
-        sync = [r for r in self.rewards if not r.is_async]
-        concurrent = [r for r in self.rewards if r.is_async]
+        sync = [r for r in self.functions if not r.is_async]
+        concurrent = [r for r in self.functions if r.is_async]
         pending = None
         if concurrent:  # started first: awaited on the loop while the others run
-            coros = [r.fn(**self._kwargs(r, base, 0, n)) for r in concurrent]
+            coros = [_caught(r.fn(**self._kwargs(r, base, 0, n, grading))) for r in concurrent]
             pending = self._loop.start(coros, self.timeout)
         chunks = _chunks(n, self.workers)
         jobs = [(r, lo, hi) for r in sync for lo, hi in chunks]
-        calls = [self._call(r, self._kwargs(r, base, lo, hi)) for r, lo, hi in jobs]
+        calls = [self._call(r, self._kwargs(r, base, lo, hi, grading)) for r, lo, hi in jobs]
         outcomes = run_sync(calls, self.workers, self.timeout)
         if concurrent:
             jobs += [(r, 0, n) for r in concurrent]
             outcomes += self._loop.collect(pending, len(concurrent), self.timeout)
-        per: dict[str, list[float]] = {r.name: [math.nan] * n for r in self.rewards}
+        grades = Grades([], {r.name: [math.nan] * n for r in self.functions})
         for (r, lo, hi), outcome in zip(jobs, outcomes):
-            per[r.name][lo:hi] = self._values(r, outcome, base, lo, hi)
-        total = []
+            grades.per_function[r.name][lo:hi] = self._values(r, outcome, base, lo, hi, grades)
         for i in range(n):
-            applied = [(r.weight, per[r.name][i]) for r in self.rewards]
+            applied = [(r.weight, grades.per_function[r.name][i]) for r in self.functions]
             applied = [w * v for w, v in applied if not math.isnan(v)]
-            total.append(sum(applied) if applied else math.nan)
-        self._check_total(total, base)
-        return total, per
+            grades.totals.append(sum(applied) if applied else math.nan)
+        self._check_total(grades.totals, base)
+        grades.extra, grades.metrics = grading.extra, grading.metrics
+        return grades
 
-    def _kwargs(self, r: Reward, base: dict, lo: int, hi: int) -> dict:
+    def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading=None) -> dict:
+        grading = grading or _Grading(hi - lo)
         kw = {k: v[lo:hi] if isinstance(v, list) else v for k, v in base.items()}
-        kw["log_extra"] = functools.partial(self._log_extra, lo, hi)
-        kw["log_metric"] = self._log_metric
+        kw["log_extra"] = functools.partial(self._log_extra, grading, lo, hi)
+        kw["log_metric"] = functools.partial(self._log_metric, grading)
         self._check_arguments(r, kw)
         return kw
 
-    def _call(self, r: Reward, kw: dict) -> Callable[[], Any]:
-        """A synchronous function's call; an awaitable it returns is awaited on the loop."""
+    def _call(self, r: RewardFunction, kw: dict) -> Callable[[], Any]:
+        """A synchronous function's call -> (its value, the grader failures it recorded); an
+        awaitable it returns is awaited on the loop."""
 
         def call():
-            out = r.fn(**kw)
-            if inspect.isawaitable(out):
-                (done,) = self._loop.run([out], self.timeout)
-                if done.timed_out:
-                    raise _TimedOut
-                if done.error is not None:
-                    raise done.error
-                return done.value
-            return out
+            with grader_errors.collecting() as failures:
+                out = r.fn(**kw)
+                if inspect.isawaitable(out):
+                    (done,) = self._loop.run([out], self.timeout)
+                    if done.timed_out:
+                        raise _TimedOut
+                    if done.error is not None:
+                        raise done.error
+                    out = done.value
+            return out, failures
 
         return call
 
-    def _check_arguments(self, r: Reward, kw: dict) -> None:
+    def _check_arguments(self, r: RewardFunction, kw: dict) -> None:
         """The arguments must bind: a parameter nobody passes, or a passed one that the
         function does not take (and no **kwargs), is named before anything runs."""
         key = (r.name, frozenset(kw))
@@ -406,10 +458,13 @@ class RewardSet:
                 )
         self._bindable.add(key)
 
-    def _values(self, r: Reward, o: Outcome, base: dict, lo: int, hi: int) -> list[float]:
+    def _values(
+        self, r: RewardFunction, o: Outcome, base: dict, lo: int, hi: int, grades: Grades
+    ) -> list[float]:
+        """One call's values on completions[lo:hi]; its timeout or grader failures go to
+        `grades`."""
         if o.timed_out or isinstance(o.error, _TimedOut):
-            with self._lock:
-                self._timeouts += 1
+            grades.timeouts += 1
             self._warn_once(
                 f"timeout:{r.name}",
                 f"reward function {r.name!r} ran past objective.reward_timeout="
@@ -423,15 +478,20 @@ class RewardSet:
         if o.error is not None:
             message, error = self._raised(r, base, lo, hi, o.error)
             raise RewardError(message) from error
-        return _checked(r, o.value, hi - lo, lo)
+        value, failures = o.value
+        grades.failures += [
+            replace(f, index=None if f.index is None else lo + f.index, function=r.name)
+            for f in failures
+        ]
+        return _checked(r, value, hi - lo, lo)
 
-    def _raised(self, r: Reward, base: dict, lo: int, hi: int, e: BaseException):
+    def _raised(self, r: RewardFunction, base: dict, lo: int, hi: int, e: BaseException):
         """(The message, the exception) for a function that raised on completions[lo:hi]:
         the first sample that raises on its own, found by calling it one sample at a time."""
         for i in range(lo, hi):
             kw = self._kwargs(r, base, i, i + 1)
             if r.is_async:
-                (o,) = self._loop.run([r.fn(**kw)], self.timeout)
+                (o,) = self._loop.run([_caught(r.fn(**kw))], self.timeout)
             else:
                 (o,) = run_sync([self._call(r, kw)], 1, self.timeout)
             if o.timed_out or isinstance(o.error, _TimedOut):
@@ -478,6 +538,13 @@ class RewardSet:
                 )
 
 
+async def _caught(awaitable) -> tuple[Any, list[GraderFailure]]:
+    """An async function's (value, the grader failures it recorded): collected in the task
+    that awaits it, as a synchronous call's are on its thread."""
+    with grader_errors.collecting() as failures:
+        return await awaitable, failures
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
@@ -511,7 +578,7 @@ def _last_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 
 
-def _checked(r: Reward, out, n: int, offset: int) -> list[float]:
+def _checked(r: RewardFunction, out, n: int, offset: int) -> list[float]:
     fix = "Fix: return a list of one float (or None: does not apply) per completion"
     if isinstance(out, (str, bytes, Mapping)):
         raise RewardError(
@@ -596,8 +663,8 @@ def reward_set(
     for name, fn, _ in fns:
         _check_signature(name, fn)
     ws = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
-    rewards = [Reward(n, f, w, b) for (n, f, b), w in zip(fns, ws)]
-    return RewardSet(rewards, workers, timeout, correct, failed)
+    functions = [RewardFunction(n, f, w, b) for (n, f, b), w in zip(fns, ws)]
+    return RewardSet(functions, workers, timeout, correct, failed)
 
 
 def _is_module(item) -> bool:
@@ -646,15 +713,19 @@ def run_reward_set(objective, reward_funcs=None) -> RewardSet:
     )
 
 
-def grade(rewards: RewardSet, examples: list, rendered: list[str], texts: list[str], ids=None):
-    """Grade completions: `examples[n]` (data.Example) is the problem completion n answers and
-    `rendered[n]` the prompt it continued. -> RewardSet.score's (totals, per-function values).
-    Kwargs as the module docstring says: the rows' columns, `answer`, `prompts` as the dataset
-    gives them, and for a conversation the completions as one-message chats."""
-    graded = [as_graded(p, t) for p, t in zip(rendered, texts)]
+def grade_completions(
+    reward_fns: RewardSet, examples: list, rendered: list[str], texts: list[str], ids=None
+) -> Grades:
+    """Grade completions, the one route of the step, the repairs, the held-out evaluation and
+    the benchmarks: `examples[n]` (data.Example) is the problem completion n answers,
+    `rendered[n]` the prompt it continued and `texts[n]` its text (`ids[n]` its token ids).
+    The functions get what the module docstring says: the rows' columns, `answer`, `prompts`
+    as the dataset gives them, and each completion as graders must read it (text_to_grade;
+    for a conversation as a one-message chat)."""
+    to_grade = [text_to_grade(p, t) for p, t in zip(rendered, texts)]
     completions = [
         [{"role": "assistant", "content": t}] if ex.messages is not None else t
-        for ex, t in zip(examples, graded)
+        for ex, t in zip(examples, to_grade)
     ]
     names = list(dict.fromkeys(k for ex in examples for k in ex.columns))
     columns = {k: [ex.columns.get(k) for ex in examples] for k in names}
@@ -665,4 +736,4 @@ def grade(rewards: RewardSet, examples: list, rendered: list[str], texts: list[s
         else (ex.question if ex.given is None else ex.given)
         for ex in examples
     ]
-    return rewards.score(completions, columns, prompts, ids)
+    return reward_fns.score(completions, columns, prompts, ids)

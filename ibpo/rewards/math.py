@@ -135,7 +135,7 @@ MAX_CANDIDATES = 8  # more different boxes than this: no answer, without compari
 MAX_BOXES = 32  # more boxes than this (even all alike): no answer, read no further
 
 
-def as_graded(prompt: str, completion: str) -> str:
+def text_to_grade(prompt: str, completion: str) -> str:
     """The completion as graders must read it: with "<think>" in front when the prompt left a
     think block open (chat templates that start the model's thinking themselves), so that a
     completion cut off mid-thought holds no answer, as it would had the model opened the block."""

@@ -79,7 +79,13 @@ class RunControl:
 class Callbacks:
     """The run's callbacks, called in order; `control` collects what they asked."""
 
-    def __init__(self, callbacks: Sequence[Any] | None, args: Any, state: RunState):
+    def __init__(
+        self,
+        callbacks: Sequence[Any] | None,
+        args: Any,
+        state: RunState,
+        objects: dict[str, Any] | None = None,
+    ):
         # a class is instantiated, as transformers' Trainer does
         self.callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks or []]
         for cb in self.callbacks:
@@ -89,7 +95,8 @@ class Callbacks:
                     "an object with such methods (a transformers.TrainerCallback, for one)"
                 )
         self.args, self.state, self.control = args, state, RunControl()
-        self.objects: dict[str, Any] = {}  # model, processing_class, optimizer, lr_scheduler
+        # passed to every hook: model, processing_class, optimizer, lr_scheduler
+        self.objects: dict[str, Any] = dict(objects or {})
 
     def __bool__(self) -> bool:
         return bool(self.callbacks)

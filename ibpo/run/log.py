@@ -87,6 +87,8 @@ def log_eval(e: dict | None, step: int, bar, metrics_file, accelerator, log_with
     if not e:
         return
     line = {"step": step, "eval_accuracy": e["accuracy"], "eval_n": e["n"]}
+    # the evaluation's own grader failures (scored 0), apart from the steps' grader_errors
+    line["eval_grader_errors"] = float(e.get("grader_errors", 0))
     # what reward functions logged (log_metric) while grading it, as TRL names eval metrics
     line.update({f"eval_{k}": v for k, v in e.get("metrics", {}).items()})
     if accelerator.is_main_process:
