@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ibpo.config import ConfigError
+from ibpo.config import ConfigError, DataConfig
 from ibpo.evaluation.benchmarks import BENCHMARKS, decode_lcb_tests, lcb_files, load_problems
 from ibpo.evaluation.cli import markdown_row
 from ibpo.evaluation.evaluate import (
@@ -508,3 +508,71 @@ def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
         None, 4, progress=False,
     )  # fmt: skip
     assert [records[(str(i), 0)]["reward"] for i in range(4)] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_benchmarks_and_the_held_out_evaluation_give_the_same_verdicts(tmp_path, monkeypatch):
+    """One grading route (rewards.functions.grade_completions) for a benchmark and the trainer's
+    held-out evaluation: the same completions get the same verdicts, a failure of the grader
+    itself included, which each reports as its own (a sample's grader_error; the evaluation's
+    grader_errors, logged as eval_grader_errors, never a step's)."""
+    from types import SimpleNamespace
+
+    from ibpo.evaluation.benchmarks import Problem, reward_fns
+    from ibpo.evaluation.evaluate import as_example, evaluate_accuracy, run_benchmark
+    from ibpo.rewards import math as grader
+    from ibpo.rewards.math import extract_answer
+    from ibpo.run.log import log_eval
+
+    real = grader._normalize
+
+    def flaky(s):
+        if "77" in s:
+            raise RecursionError("deep")
+        return real(s)
+
+    monkeypatch.setattr(grader, "_normalize", flaky)
+
+    class Plain:
+        chat_template = "(any)"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return messages[-1]["content"]
+
+    answers = {  # problem -> (gold, completion)
+        "6 + 7?": ("13", "6 + 7 = 13, so \\boxed{13}"),
+        "2 + 2?": ("4", "\\boxed{5}"),
+        "70 + 7?": ("77", "\\boxed{77}"),  # the grader itself fails: scored 0
+        "3 * 3?": ("9", "9 + 7 = 16. Answer: 9"),
+        "1 + 1?": ("2", "\\boxed{2}, or maybe 3"),  # hedged
+    }
+    problems = [Problem(f"p{i}", q, gold) for i, (q, (gold, _)) in enumerate(answers.items())]
+
+    def completion_for(prompt: str) -> str:
+        return next(text for q, (_, text) in answers.items() if q in prompt)
+
+    sampler = lambda prompts, seeds: [(completion_for(p), 5, False) for p in prompts]  # noqa: E731
+    bench = BENCHMARKS["gsm8k"]
+    records = run_benchmark(
+        problems, 1, tmp_path, lambda: (sampler, Plain()), reward_fns(bench), extract_answer,
+        None, 8, progress=False,
+    )  # fmt: skip
+
+    def generate(tokenizer, prompts, n, max_new_tokens, batch_size, do_sample=True):
+        texts = [completion_for(p) for p in prompts]
+        return SimpleNamespace(texts=texts, host_tokens=lambda: [[1]] * len(texts), lengths=[1])
+
+    data = DataConfig(prompt_template="{question}")
+    held_out = [
+        evaluate_accuracy(generate, Plain(), [as_example(p)], data, reward_fns(bench), 8, 8)
+        for p in problems
+    ]
+    verdicts = [records[(p.id, 0)]["reward"] >= 1.0 for p in problems]
+    assert verdicts == [True, False, False, True, False]
+    assert [e["accuracy"] == 1.0 for e in held_out] == verdicts
+    failed = ["grader_error" in records[(p.id, 0)] for p in problems]
+    assert [e["grader_errors"] for e in held_out] == [int(f) for f in failed] == [0, 0, 1, 0, 0]
+
+    lines = []
+    log_eval(held_out[2], 3, None, SimpleNamespace(write=lines.append, flush=lambda: None),
+             SimpleNamespace(is_main_process=False), None)  # fmt: skip
+    assert json.loads(lines[0])["eval_grader_errors"] == 1.0

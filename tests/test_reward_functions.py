@@ -248,3 +248,49 @@ def test_the_math_reward_reads_a_problems_options_from_its_column_or_text(monkey
     monkeypatch.setitem(REWARDS, "math", lambda text, answer: seen.append((text, answer)) or 0.0)
     reward_set("math").score(["x"], {"answer": ["1"], "choices": [["8", "10"]]}, ["p"])
     assert seen == [("x", "1")]
+
+
+def test_two_concurrent_gradings_each_keep_exactly_their_own_grader_failures(monkeypatch):
+    """Grader failures travel with the grading that met them (a context variable, copied into
+    the reward workers' threads), never through a count shared by the process: two gradings
+    running at once, each on worker threads, each report exactly theirs, at their indices."""
+    from ibpo.rewards import math as grader
+
+    real = grader._normalize
+    both_running = threading.Barrier(2, timeout=10)  # each grading waits for the other
+
+    def flaky(s):
+        if s.startswith("9"):  # a failure of the grader itself on every gold starting with 9
+            raise RecursionError(f"deep {s}")
+        return real(s)
+
+    def meet(completions, **_):
+        if "\\boxed{2}" in completions:  # once per grading (its first chunk)
+            both_running.wait()
+        return [None] * len(completions)
+
+    monkeypatch.setattr(grader, "_normalize", flaky)
+    fns = reward_set(["math", meet], workers=2)
+    runs = {
+        "a": (["\\boxed{91}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}"], ["91", "2", "3", "4"]),
+        "b": (["\\boxed{1}", "\\boxed{2}", "\\boxed{93}", "\\boxed{94}"], ["1", "2", "93", "94"]),
+    }
+    out = {}
+
+    def grade(name):
+        texts, gold = runs[name]
+        out[name] = fns.score(texts, {"answer": gold}, ["p"] * 4)
+
+    threads = [threading.Thread(target=grade, args=(name,)) for name in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    a, b = out["a"], out["b"]
+    assert a.totals == [0.0, 1.0, 1.0, 1.0] and b.totals == [1.0, 1.0, 0.0, 0.0]
+    assert [(f.index, f.function, f.kind) for f in a.failures] == [(0, "math", "math")]
+    assert sorted(f.index for f in b.failures) == [2, 3]
+    assert all("deep 9" in f.reason for f in a.failures + b.failures)
+    assert a.failure_reasons()[1:] == ["", "", ""] and b.failure_reasons()[:2] == ["", ""]
+    assert "deep 91" in a.failure_reasons()[0] and "deep 94" in b.failure_reasons()[3]
+    assert fns.score(["\\boxed{3}"], {"answer": ["3"]}, ["p"]).failures == []  # none left over

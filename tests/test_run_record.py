@@ -228,6 +228,37 @@ def test_a_round_logs_the_prompt_tokens_its_rollout_ran(prefill, want):
     assert r.stats["generated_tokens"] == 8
 
 
+def test_a_round_reports_its_own_grader_failures_not_an_earlier_gradings():
+    """A step's grader_errors are its gradings' failures: one the held-out evaluation (or any
+    grading before) met is that grading's, and never reaches the next round."""
+    from ibpo.rewards import errors
+
+    cfg = load_config(None, ["rollout.group_size=2", "repair.enabled=false"])
+    examples = [Example("1+1?", "2"), Example("2+2?", "4")]
+
+    def fails_on(bad):
+        def grade(text, gold):
+            if gold == bad:  # as a built-in grader does with a failure of its own
+                errors.record("math", RecursionError("deep"))
+                return 0.0
+            return 1.0
+
+        return grader_rewards(grade)
+
+    def generator(tok, prompts, n, *args, **kwargs):
+        return _rollout(5, 4, None)
+
+    before = fails_on("2")
+    earlier = before.score(["1"], {"answer": ["2"]}, ["p"])  # e.g. the held-out evaluation's
+    assert len(earlier.failures) == 1
+    r = score_round(generator, make_tokenizer(), examples, cfg, False, before, random.Random(0))
+    assert [f.kind for f in r.gradings[0].failures] == ["math", "math"]  # its G = 2 of "1+1?"
+    clean = score_round(
+        generator, make_tokenizer(), examples, cfg, False, fails_on("9"), random.Random(0)
+    )
+    assert [g.failures for g in clean.gradings] == [[]]
+
+
 def test_token_counts_add_up_over_processes(monkeypatch):
     """What a step spent is the sum over processes (each rolls out its own prompts), not a mean
     weighted by trained sequences."""
