@@ -597,7 +597,8 @@ def update_policy(
     # repeats its last one, with zero weight.
     n = agreed_count(accelerator, len(mbs))
     chunk, temp = tr.logprob_chunk_tokens, ro.temperature
-    old = None  # 6. old/reference log-probs (detached), only when they matter
+    # 6. old and reference log-probs (detached), each only when it matters
+    old = None
     if tr.updates_per_rollout > 1:
         old = frozen_logprobs(model, mbs, chunk, temp, reference=False, count=n)
     ref = None
