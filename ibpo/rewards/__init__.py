@@ -1,8 +1,9 @@
-"""Reward functions by name. Training rewards and evaluation use the same graders.
+"""The built-in graders by name (`REWARDS`). Training rewards and evaluation use the same graders.
 
-A reward function takes (completion text, gold answer) and returns a float in [0, 1] (a grader
-with a `choices` parameter also gets the problem's multiple-choice options: functions.py). The
-built-in ones never raise for a completion: their own failures score 0 and are counted (errors).
+A grader takes (completion text, gold answer) and returns a float in [0, 1] (one with a
+`choices` parameter also gets the problem's multiple-choice options); functions.py wraps each
+as a reward function in TRL's convention. The built-in ones never raise for a completion: their
+own failures score 0 and are reported with the grading that met them (errors.py).
 """
 
 from collections.abc import Callable

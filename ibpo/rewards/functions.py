@@ -403,8 +403,9 @@ class RewardSet:
         grades.extra, grades.metrics = grading.extra, grading.metrics
         return grades
 
-    def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading=None) -> dict:
-        grading = grading or _Grading(hi - lo)
+    def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading: _Grading) -> dict:
+        """The keyword arguments of r's call on completions[lo:hi]; what it logs goes to
+        `grading`."""
         kw = {k: v[lo:hi] if isinstance(v, list) else v for k, v in base.items()}
         kw["log_extra"] = functools.partial(self._log_extra, grading, lo, hi)
         kw["log_metric"] = functools.partial(self._log_metric, grading)
@@ -489,7 +490,7 @@ class RewardSet:
         """(The message, the exception) for a function that raised on completions[lo:hi]:
         the first sample that raises on its own, found by calling it one sample at a time."""
         for i in range(lo, hi):
-            kw = self._kwargs(r, base, i, i + 1)
+            kw = self._kwargs(r, base, i, i + 1, _Grading(hi))  # what it logs: not kept
             if r.is_async:
                 (o,) = self._loop.run([_caught(r.fn(**kw))], self.timeout)
             else:
