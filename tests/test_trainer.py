@@ -202,7 +202,8 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
     # steps 1-3, and the periodic evaluation after step 2 (the last step has eval_after)
     assert [x["step"] for x in lines] == [1, 2, 2, 3]
     assert [x["grader_errors"] for x in lines if "reward" in x] == [0.0, 0.0, 0.0]
-    assert lines[2].keys() == {"step", "eval_accuracy", "eval_n"} and lines[2]["eval_n"] == 6
+    assert lines[2].keys() == {"step", "eval_accuracy", "eval_n", "eval_grader_errors"}
+    assert lines[2]["eval_n"] == 6 and lines[2]["eval_grader_errors"] == 0.0
     assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
     png = out / "plots" / "training.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
