@@ -149,9 +149,10 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
 
 def set_kv_cache(model: nn.Module, kind: str) -> None:
-    """rollout.kv_cache for every later generate() call (rollouts, repairs, evaluation), set on
-    the model's generation config. `static` pre-allocates the cache once per call at its final
-    length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
+    """The KV cache of every later generate() call (rollouts, repairs, evaluation), set on the
+    model's generation config: `dynamic` (what a run uses, whatever cache the model's own
+    generation config names) grows per token; `static` pre-allocates the cache once per call at
+    its final length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
     transformers does not compile bitsandbytes 4-bit models, and an uncompiled static cache is
     what this is about."""
     config = unwrap(model).generation_config
