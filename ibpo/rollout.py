@@ -7,7 +7,7 @@ first EOS. Large rollouts are generated in slices of `batch_size` sequences. The
 prompt share one prompt forward (`prefill`): its KV cache is computed once and repeated.
 Distinct prompts that begin alike (a group's repair prompts, held-out questions under one chat
 preamble) share the forward of their common prefix the same way (`plan_shared_prefixes`,
-`shared_prefix_inputs`; rollout.share_prefixes), wherever that computes fewer token slots.
+`shared_prefix_inputs`; generate's `share_prefixes`), wherever that computes fewer token slots.
 
 Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
 here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.
@@ -624,8 +624,8 @@ Generator = Callable[..., Rollout]
 
 
 def hf_generator(model: nn.Module, share_prefixes: bool = True) -> Generator:
-    """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`:
-    rollout.share_prefixes."""
+    """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`: prompts
+    that begin alike run their common prefix once (off only to compare against it)."""
     return partial(generate, model, share_prefixes=share_prefixes)
 
 
