@@ -97,8 +97,6 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         f"objective.reward={REWARD}",
         "data.eval_size=0",
         "run.save_every=0",
-        "run.plots=false",
-        "run.progress=false",
         f"run.output_dir={out}",
         f"train.steps={steps}",
         *extra,

@@ -48,7 +48,6 @@ def run(tiny_model_dir, tmp_path_factory):
             "run.save_every=1",
             "train.learning_rate=0.05",
             f"run.output_dir={out}",
-            "run.progress=false",
         ],
     )
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal

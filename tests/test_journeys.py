@@ -59,8 +59,6 @@ def home(tiny_model_dir, tmp_path_factory):
                 "rollout.eval_max_new_tokens=4",
                 "data.eval_size=2",
                 "run.output_dir=outputs/run",
-                "run.progress=false",
-                "run.plots=false",
                 "run.push_to_hub=true",
                 "run.hub_repo_id=alice/tiny-journey",
             ]

@@ -37,8 +37,6 @@ def _settings(model_dir, out, steps=2, eval_size=2):
         "train.log_reference_kl": False,
         "run.save_every": 1,
         "run.output_dir": str(out),
-        "run.progress": False,
-        "run.plots": False,
     }
 
 

@@ -186,7 +186,6 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
             "rollout.eval_max_new_tokens=4",
             "data.eval_size=6",
             f"run.output_dir={out}",
-            "run.progress=false",
             "train.steps=3",
             "train.eval_every=2",
         ],
@@ -235,10 +234,8 @@ def test_trackers_through_accelerate_get_every_step_and_eval(tiny_model_dir, tmp
         "rollout.eval_max_new_tokens=4",
         "data.eval_size=4",
         f"run.output_dir={out}",
-        "run.progress=false",
         "run.log_with=[tensorboard,wandb,trackio]",
         "train.eval_every=1",
-        "run.plots=false",
     ]
     code = f"from ibpo.cli import main; raise SystemExit(main(['train', *{args!r}]))"
     proc = subprocess.run(

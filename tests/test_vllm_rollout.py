@@ -224,7 +224,6 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             "rollout.eval_max_new_tokens=4",
             "data.eval_size=4",
             f"run.output_dir={out}",
-            "run.progress=false",
             "train.steps=2",
             "train.learning_rate=0.05",
             "objective.reward=odd_length",
@@ -283,7 +282,6 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
             "data.eval_size=0",
             "train.steps=1",
             f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
         ],
     )
     with pytest.raises(RuntimeError, match="a bug"):
