@@ -122,7 +122,7 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
         "rollout.max_new_tokens=8",
         "data.eval_size=5",
         "rollout.eval_max_new_tokens=4",
-        "rollout.eval_batch_size=2",
+        "rollout.generation_batch_size=2",
         "objective.reward=parity",
         "run.save_every=1",
         "train.learning_rate=0.01",
@@ -215,7 +215,7 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
     kernels; 4-bit matmuls leave more rounding than fp32: 1e-4)."""
     args = [
         "model.quantization=nf4",
-        "model.cpu_dequantize=false",
+        "--bnb-kernels",
         "train.steps=2",
         "train.prompts_per_step=2",
         "rollout.group_size=4",
