@@ -362,3 +362,40 @@ def test_the_eval_mapping_keeps_the_items_a_recipe_or_override_does_not_name(tmp
     assert ev["dataset"] is None  # the training source, not a copy of its name
     other = load_config(recipe, ["data.eval.dataset=c/d"]).data.eval
     assert other["subset"] is None  # another dataset: its own default configuration
+
+
+# --- the schema's size, and docs/config.md kept to it ------------------------------------------
+
+
+def _documented() -> tuple[set[str], str]:
+    """("section.key" of every row under a section heading of docs/config.md, its whole text)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    keys, section = set(), None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif section and (m := re.match(r"\| `(\w+)` \|", line)):
+            keys.add(f"{section}.{m.group(1)}")
+    return keys, text
+
+
+def test_the_schema_holds_at_most_80_keys_each_documented():
+    import dataclasses
+
+    from ibpo.config import Config
+    from ibpo.recipe import FOLDED, REMOVED
+
+    schema = {
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(Config)
+        for f in dataclasses.fields(s.default_factory())
+    }
+    assert len(schema) <= 80
+    documented, text = _documented()
+    assert documented == schema  # every key once under its section, and no key the schema lacks
+    for key in {*REMOVED, *FOLDED}:  # the removed keys' table
+        section, name = key.split(".")
+        assert f"`{key}`" in text or f"`{name}`" in text, key
