@@ -1,4 +1,4 @@
-"""What None inherits (recipe.resolve: config.inherit and the objective's registration), that
+"""What None inherits (recipe.resolve: recipe.inherit and the objective's registration), that
 config.py imports nothing from ibpo, and that each registration is one the recipe can set."""
 
 import ast
