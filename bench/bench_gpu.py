@@ -350,7 +350,7 @@ def plan_seconds(arch: dict, cfg) -> dict[str, float]:
         out["repairs"] = _generate_s(params, layers, repair_jobs(cfg), batch, prompt, new)
     out["update"] = 6 * params * n * (P + ro.max_new_tokens) / MATMUL_FLOPS  # fwd, recompute, bwd
     if repair:  # the recipe row: one evaluation batch, the update again with offloading
-        b = ro.eval_batch_size
+        b = ro.generation_batch_size
         out["evaluation"] = _generate_s(params, layers, b, b, P, ro.eval_max_new_tokens)
         micro = math.ceil(cfg.train.prompts_per_step / cfg.train.micro_batch_groups)
         host = 2 * micro * offloaded_bytes(shape, cfg, 2) / HOST_BYTES_PER_S
@@ -543,7 +543,7 @@ def _measure_step(cfg, base, question, args, device, meter: Meter) -> None:
     meter.start("load")
     model, tok = load_policy(cfg.model, device, base=base)
     del base
-    set_kv_cache(model, cfg.rollout.kv_cache)
+    set_kv_cache(model, "dynamic")  # as the trainer sets it
     unwrap(model).generation_config.min_new_tokens = cfg.rollout.max_new_tokens  # full length
     optimizer = trainer.build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -652,11 +652,11 @@ def _offload_update(cfg, captured: dict, meter: Meter) -> None:
 def _evaluation_batch(model, tok, question, cfg, device, meter: Meter) -> None:
     ro = cfg.rollout
     unwrap(model).generation_config.min_new_tokens = ro.eval_max_new_tokens
-    prompts = [render_prompt(tok, question, cfg.data)] * ro.eval_batch_size
+    prompts = [render_prompt(tok, question, cfg.data)] * ro.generation_batch_size
     meter.start("evaluation")
     with step.generating(model, cfg, device) as generate:
-        generate(tok, prompts, 1, ro.eval_max_new_tokens, ro.eval_batch_size, do_sample=False)
-    meter.end(tokens=ro.eval_batch_size * ro.eval_max_new_tokens)
+        generate(tok, prompts, 1, ro.eval_max_new_tokens, len(prompts), do_sample=False)
+    meter.end(tokens=len(prompts) * ro.eval_max_new_tokens)
 
 
 # --- a learning signal ------------------------------------------------------------------------
@@ -700,7 +700,7 @@ def calibrate_threshold(model, tok, cfg, device: torch.device) -> tuple[float, f
     with step.generating(model, cfg, device) as generate:
         out = generate(
             tok, prompts, 1, ro.max_new_tokens, len(prompts),
-            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+            temperature=ro.temperature, top_p=ro.top_p,
         )  # fmt: skip
     shares = sorted(share_of_characters(t) for t in out.texts)
     low, high = LEARN_THRESHOLD_RANGE
@@ -723,7 +723,7 @@ def learning_run(args, device: torch.device) -> dict:
         "model.lora_r=16", "model.lora_alpha=32", "rollout.group_size=8",
         "rollout.max_new_tokens=16", "rollout.generation_batch_size=32",
         "train.prompts_per_step=4", f"train.learning_rate={args.learn_lr:g}", "objective.kl_coef=0",
-        "objective.name=ibpo", "model.lora_dropout=0",
+        "objective.name=ibpo",
         f"objective.reward={LEARN_REWARD}", "data.eval_size=0",
         "repair.cost_share=1", "repair.min_success=0",  # every planned repair, every step
     ])  # fmt: skip
@@ -811,7 +811,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="*",
         default=[],
         metavar="K=V",
-        help="recipe overrides for every configuration, e.g. rollout.kv_cache=static",
+        help="recipe overrides for every configuration, e.g. train.micro_batch_groups=1",
     )
     args = ap.parse_args(argv)
     for item in args.configs.split(","):

@@ -9,10 +9,10 @@ evaluation) and reads the per-step mismatch metrics (ibpo/algo/mismatch.py) from
 
     fp32            model.quantization=none: generate() and the update on the same fp32 weights
     nf4 folded      4-bit NF4 base, generate() on the dequantised base with the adapter folded in
-                    (model.cpu_dequantize=true, the CPU default), the update on the dequantised
+                    (the CPU default), the update on the dequantised
                     base with the adapter unfolded
     nf4             4-bit NF4 base, generate() and the update on bitsandbytes' 4-bit layers
-                    (model.cpu_dequantize=false)
+                    (the dequantised copy turned off, as for a base too large for it)
     nf4 dropped     as "nf4 folded", but generation runs with the adapter disabled: what a
                     generation path that ignores the LoRA looks like (the alarm's case)
 
@@ -31,9 +31,9 @@ from pathlib import Path
 
 PATHS = {
     "fp32": ["model.quantization=none"],
-    "nf4 folded": ["model.quantization=nf4", "model.cpu_dequantize=true"],
-    "nf4": ["model.quantization=nf4", "model.cpu_dequantize=false"],
-    "nf4 dropped": ["model.quantization=nf4", "model.cpu_dequantize=true"],
+    "nf4 folded": ["model.quantization=nf4"],
+    "nf4": ["model.quantization=nf4"],  # with the dequantised copy off (run_path)
+    "nf4 dropped": ["model.quantization=nf4"],
 }
 FIGURES = ("mismatch_kl", "mismatch_abs_mean", "mismatch_abs_max", "mismatch_share")
 
@@ -68,18 +68,25 @@ def run_path(name: str, overrides: list[str], steps: int, out: Path) -> list[dic
             *PATHS[name],
             "data.eval_size=0",
             f"train.steps={steps}",
-            "run.progress=false",
-            "run.plots=false",
             f"run.output_dir={out}",
-            "rollout.mismatch_warn_kl=0",  # measured here, not warned about
             *overrides,
         ],
     )
-    if name.endswith("dropped"):
-        with adapter_dropped():
+    import ibpo.modeling as modeling
+    import ibpo.run.alarm as alarm
+
+    limit, warn = modeling.AUTO_DEQUANTIZE_MAX_BYTES, alarm.WARN_KL
+    alarm.WARN_KL = 0.0  # measured here, not warned about
+    if name == "nf4":  # bitsandbytes' own 4-bit path, no dequantised copy
+        modeling.AUTO_DEQUANTIZE_MAX_BYTES = -1
+    try:
+        if name.endswith("dropped"):
+            with adapter_dropped():
+                train(cfg)
+        else:
             train(cfg)
-    else:
-        train(cfg)
+    finally:
+        modeling.AUTO_DEQUANTIZE_MAX_BYTES, alarm.WARN_KL = limit, warn
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "mismatch_kl" in r]
 

@@ -18,7 +18,7 @@ Templates (all user turns, as repair.template):
   rewrite          asks for a fresh solution: the from-scratch baseline that locality must expose
   head             today's instruction and fields, the instruction before the attempts: the
                    question and instruction are then a prefix every repair of a group shares
-                   (rollout.share_prefixes runs it once), so only the two attempts are each
+                   (generate's share_prefixes runs it once), so only the two attempts are each
                    prompt's own
 
 Beside each variant's own figures: its success against the default's on the same failed
@@ -90,7 +90,7 @@ TEMPLATES = {
 
 def variants(budget: int, quick: bool) -> list[tuple[str, RepairConfig, int, bool]]:
     """(name, repair config, max_new_tokens, shared prefixes) per variant; the first is today's
-    default. `unshared` is the default with rollout.share_prefixes=false: the same repairs, the
+    default. `unshared` is the default with generate's share_prefixes=False: the same repairs, the
     cost without the sharing, measured in the same run."""
     base = RepairConfig(enabled=True)
     out = [(f"default budget={budget}", base, budget, True)]
@@ -137,7 +137,7 @@ def bench(ns: argparse.Namespace) -> dict:
     generator = generators[True]
     data = DataConfig(dataset="builtin:mixed")
     problems = builtin_examples("mixed", "test")
-    sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
+    sampling = dict(temperature=1.0, top_p=1.0)
     gen = dict(sampling, batch_size=ns.batch_size)
     chosen = variants(ns.budget, ns.quick)
     if ns.variants:

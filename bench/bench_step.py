@@ -52,7 +52,6 @@ SMOKE = [
     "rollout.group_size=2",
     "train.prompts_per_step=2",
     "rollout.max_new_tokens=4",
-    "repair.max_new_tokens=4",
     "repair.cost_share=1",  # 4-token completions leave no budget for a repair prompt
     "repair.min_success=0",  # and the timed step repairs whatever the warm-up one returned
     "repair.reference_selection=correct_first",  # the tiny model is never correct
@@ -99,12 +98,12 @@ def build(cfg, cpu: bool = False) -> Run:
     stream = PromptStream(
         train_examples,
         cfg.train.seed,
-        cfg.data.shuffle,
-        accelerator.process_index,
-        accelerator.num_processes,
+        shuffle=True,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
     )
     model, tokenizer = load_policy(cfg.model, accelerator.device)
-    set_kv_cache(model, cfg.rollout.kv_cache)
+    set_kv_cache(model, "dynamic")  # as the trainer sets it
     optimizer = build_optimizer(model, cfg, accelerator.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

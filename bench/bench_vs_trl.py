@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py                 # SmolLM2-135M, G=8, 64 tokens
     HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --steps 5 --rounds 3
-    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py train.logprob_chunk_tokens=256  # ibpo knob
+    HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py train.micro_batch_groups=1   # ibpo knob
     HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --smoke --model PATH   # tiny check
     HF_HUB_OFFLINE=1 python bench/bench_vs_trl.py --smoke --in-process --model PATH   # CI
 
@@ -108,7 +108,7 @@ def prompts(ns, tokenizer) -> list[tuple[str, str]]:
 
     data = DataConfig()
     train, _ = load_splits(data, seed=0)
-    stream = PromptStream(train, seed=0, shuffle=data.shuffle)
+    stream = PromptStream(train, seed=0, shuffle=True)
     taken = stream.take((ns.warmup + ns.steps) * ns.prompts_per_step)
     return [(render_prompt(tokenizer, ex.question, data), ex.answer) for ex in taken]
 
@@ -124,7 +124,6 @@ def ibpo_overrides(ns) -> list[str]:
         "model.dtype=float32",
         "model.lora_r=16",
         "model.lora_alpha=32",
-        "model.lora_dropout=0.0",
         "model.lora_target_modules=all-linear",
         "model.gradient_checkpointing=true",
         "data.dataset=builtin:arithmetic",
@@ -133,14 +132,12 @@ def ibpo_overrides(ns) -> list[str]:
         f"rollout.generation_batch_size={B * G}",
         "rollout.temperature=1.0",
         "rollout.top_p=1.0",
-        "rollout.top_k=0",
         f"objective.name={ns.ibpo_objective}",
         "objective.kl_coef=0.0",
         f"train.prompts_per_step={B}",
         f"train.micro_batch_groups={B}",
         "train.updates_per_rollout=1",
         f"train.learning_rate={ns.learning_rate}",
-        "train.weight_decay=0.0",
         "train.lr_scheduler=constant",
         "train.warmup_steps=0",
         "train.max_grad_norm=1.0",

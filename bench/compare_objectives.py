@@ -76,9 +76,7 @@ def claim(run_dir: Path) -> bool:
     return False
 
 
-def run_one(
-    objective: str, seed: int, out: Path, overrides: list[str], in_process: bool, first: bool
-) -> Path:
+def run_one(objective: str, seed: int, out: Path, overrides: list[str], in_process: bool) -> Path:
     run_dir = out / f"{objective}-s{seed}"
     if (run_dir / "summary.json").is_file():
         print(f"[skip] {run_dir} is done", flush=True)
@@ -88,13 +86,9 @@ def run_one(
         return run_dir
     args = [
         *overrides,
-        # greedy decoding of one model on a fixed held-out set: the "before" accuracy is the same
-        # for every run, so only the first run of a comparison measures it
-        f"train.eval_before={'true' if first else 'false'}",
         f"objective.name={objective}",
         f"train.seed={seed}",
         f"run.output_dir={run_dir}",
-        "run.progress=false",
     ]
     print(f"[run] {objective} seed {seed}", flush=True)
     if in_process:  # smoke mode: no interpreter start-up per run
@@ -190,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {o: [] for o in objectives}
     for seed in seeds:
         for objective in objectives:
-            first = seed == seeds[0] and objective == objectives[0]
-            dirs[objective].append(run_one(objective, seed, out, overrides, ns.smoke, first))
+            dirs[objective].append(run_one(objective, seed, out, overrides, ns.smoke))
     pending = [d for ds in dirs.values() for d in ds if not (d / "summary.json").is_file()]
     if pending:
         print(f"{len(pending)} runs are still running elsewhere; rerun to write the table")

@@ -38,7 +38,7 @@ def rebuilt_counts(command: str, tokenizer) -> dict[int, int]:
         raise SystemExit(f"{command}: dynamic sampling or another backend: not rebuilt here")
     train, _ = load_splits(cfg.data, cfg.train.seed)
     train, _ = drop_long_prompts(train, tokenizer, cfg.data, "training")
-    stream = PromptStream(train, cfg.train.seed, cfg.data.shuffle)
+    stream = PromptStream(train, cfg.train.seed, shuffle=True)
     B, G = cfg.train.prompts_per_step, cfg.rollout.group_size
     counts = {}
     for step in range(1, cfg.train.steps + 1):

@@ -157,7 +157,6 @@ def budget(ns: argparse.Namespace) -> list[str]:
         f"data.eval_size={ns.eval_size}",
         f"train.steps={ns.steps}",
         f"train.eval_every={ns.eval_every}",
-        "train.eval_before=true",
         f"train.prompts_per_step={ns.prompts}",
         f"rollout.group_size={ns.group_size}",
         f"rollout.max_new_tokens={ns.max_new_tokens}",
@@ -166,8 +165,6 @@ def budget(ns: argparse.Namespace) -> list[str]:
         f"objective.kl_coef={ns.kl_coef}",
         "train.log_reference_kl=true",  # the KL to the reference is a reported figure
         "run.save_every=0",  # a checkpoint at the end and on SIGINT/SIGTERM, for resuming
-        "run.plots=false",  # the study draws its own
-        "run.progress=false",
     ]
     if ns.model:
         shared.append(f"model.name={ns.model}")

@@ -22,15 +22,15 @@ in TRL's convention, or a list of them, where a string is a built-in name, an im
 reward model's Hub id, and a pair (model, tokenizer) a reward model
 (ibpo/rewards/functions.py); `reward_weights`: one weight each. `callbacks`: objects with
 TRL-like hooks (ibpo/run/callbacks.py). `eval_dataset`: held-out rows in place of
-data.eval_dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The run's
+data.eval.dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The run's
 config.yaml records a Python function by its import path `module:qualname`, which resumes from
 YAML only for a function defined at a module's top level; passing the functions again always
 does.
 
-The CLI (`ibpo train`, recipes/train.py) calls this function; under `accelerate launch` every
-process calls it, as every process runs the CLI. Configuration errors raise ConfigError (the
-CLI prints its one line and exits 2); how the run ended is `result.status` (summary.json's
-`status` and `exit_code`, as the CLI exits).
+The CLI (`ibpo train`, recipes/train.py) loads the recipe once and calls `run_loaded`; under
+`accelerate launch` every process does, as every process runs the CLI. Configuration errors
+raise ConfigError (the CLI prints its one line and exits 2); how the run ended is
+`result.status` (summary.json's `status` and `exit_code`, as the CLI exits).
 
 Not here: the run itself (trainer.py), the schema (config.py).
 """
@@ -46,7 +46,7 @@ from typing import Any
 from ibpo.catalog import resolve_recipe
 from ibpo.config import Config, ConfigError
 from ibpo.data import IN_MEMORY
-from ibpo.recipe import load_config, validate
+from ibpo.recipe import load_config
 from ibpo.rewards.functions import import_path
 from ibpo.trainer import train as run_recipe
 
@@ -78,11 +78,13 @@ def train(
 ) -> TrainResult:
     """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
     when given, observed and steered by `callbacks`, held out on `eval_dataset`, with the
-    adapter `peft_config` (module docstring). -> TrainResult."""
+    adapter `peft_config` (module docstring). What the arguments set in the configuration joins
+    the overrides, so that the recipe loads (and is checked) once. -> TrainResult."""
     if isinstance(recipe, (str, Path)):  # a file, or a packaged recipe's name (ibpo recipes)
         recipe = resolve_recipe(str(recipe))
+    extra: dict[str, Any] = {}
     for arg, key, rows in (("dataset", "data.dataset", dataset),
-                           ("eval_dataset", "data.eval_dataset", eval_dataset)):  # fmt: skip
+                           ("eval_dataset", "data.eval.dataset", eval_dataset)):  # fmt: skip
         if rows is None:
             continue
         if isinstance(rows, (str, Path)):
@@ -90,44 +92,49 @@ def train(
                 f"{arg}= takes rows (a datasets.Dataset or a list of dicts). Fix: for a file or "
                 f"Hub id, pass overrides={{'{key}': {str(rows)!r}}}"
             )
-        # before resolving: what the data is decides the prompts' default (data.prompt_template)
-        overrides = _with_override(overrides, key, IN_MEMORY)
-    cfg = load_config(recipe, overrides)
+        extra[key] = IN_MEMORY  # what the data is decides the prompts' default
     if peft_config is not None:
-        _take_lora_settings(cfg, peft_config)
+        extra.update(_lora_settings(peft_config))
     funcs = None
     if reward_funcs is not None:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         names = [f if isinstance(f, str) else import_path(f) for f in funcs]
-        cfg.objective.reward = names if len(names) > 1 else names[0]
+        extra["objective.reward"] = names if len(names) > 1 else names[0]
     if reward_weights is not None:
-        cfg.objective.reward_weights = [float(w) for w in reward_weights]
-    validate(cfg)
+        extra["objective.reward_weights"] = [float(w) for w in reward_weights]
+    cfg = load_config(recipe, _with_overrides(overrides, extra))
+    return run_loaded(cfg, dataset, funcs, callbacks, eval_dataset, peft_config)
+
+
+def run_loaded(
+    cfg: Config, rows=None, reward_funcs=None, callbacks=None, eval_rows=None, peft_config=None
+) -> TrainResult:
+    """Run a config as load_config returned it (checked and resolved; `ibpo train` loads it
+    once and calls this), with what `train` was given in Python. -> TrainResult."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     summary = run_recipe(
         cfg,
-        rows=dataset,
-        reward_funcs=funcs,
+        rows=rows,
+        reward_funcs=reward_funcs,
         callbacks=callbacks,
-        eval_rows=eval_dataset,
+        eval_rows=eval_rows,
         peft_config=peft_config,
     )
     adapter = summary.get("adapter")
     return TrainResult(summary, Path(adapter) if adapter else None, Path(cfg.run.output_dir))
 
 
-def _with_override(overrides, key: str, value):
-    """`overrides` (a mapping, a list of "k=v" strings or None) with key=value last."""
+def _with_overrides(overrides, extra: dict[str, Any]):
+    """`overrides` (a mapping, a list of "k=v" strings or None) with `extra` after them, its
+    values as given (in a list: (key, value) pairs, which load_config takes as they are)."""
     if isinstance(overrides, Mapping):
-        return {**overrides, key: value}
-    return [*(overrides or []), f"{key}={value}"]
+        return {**overrides, **extra}
+    return [*(overrides or []), *extra.items()]
 
 
-def _take_lora_settings(cfg: Config, peft_config) -> None:
-    """A LoraConfig given in Python: its rank, alpha, dropout and target modules recorded in
-    the model section (config.yaml, `ibpo plan`), the object itself used as it is. DoRA is not
-    a plain B A update, which the CPU fast path folds into a dequantised 4-bit weight: there
-    that path is off."""
+def _lora_settings(peft_config) -> dict[str, Any]:
+    """A LoraConfig given in Python: its rank, alpha and target modules, recorded in the model
+    section (config.yaml, `ibpo plan`); the object itself is used as it is."""
     from peft import LoraConfig
 
     if not isinstance(peft_config, LoraConfig):
@@ -135,16 +142,10 @@ def _take_lora_settings(cfg: Config, peft_config) -> None:
             f"peft_config= is a {type(peft_config).__name__}; ibpo trains LoRA adapters. Fix: "
             "pass a peft.LoraConfig (rsLoRA, DoRA and modules_to_save are its options)"
         )
-    m = cfg.model
-    m.lora_r, m.lora_alpha = peft_config.r, peft_config.lora_alpha
-    m.lora_dropout = float(peft_config.lora_dropout)
+    settings = {"model.lora_r": peft_config.r, "model.lora_alpha": peft_config.lora_alpha}
     targets = peft_config.target_modules
     if targets is not None:
-        m.lora_target_modules = targets if isinstance(targets, str) else sorted(targets)
-    if peft_config.use_dora and m.quantization == "nf4":
-        if m.cpu_dequantize:
-            raise ConfigError(
-                "model.cpu_dequantize=true folds plain LoRA updates into the 4-bit weights, "
-                "not DoRA's. Fix: set model.cpu_dequantize=false (or null)"
-            )
-        m.cpu_dequantize = False
+        settings["model.lora_target_modules"] = (
+            targets if isinstance(targets, str) else sorted(targets)
+        )
+    return settings

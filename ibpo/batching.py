@@ -4,9 +4,10 @@ A micro-batch is made of whole groups: the group transforms of `ibpo`/`dfpo` (th
 the sequence ratio) and the cancellation diagnostic need every member of a group in the same
 forward. Groups are sorted by their longest completion, longest first, so that groups of similar
 length share a micro-batch and little compute goes to padding. A micro-batch holds at most
-`train.micro_batch_groups` groups and, when `train.micro_batch_tokens` > 0, at most that many
-padded tokens (rows x (longest prompt + longest completion) of the micro-batch); a group that alone
-exceeds the budget is a micro-batch by itself (groups are never split).
+`train.micro_batch_groups` groups and, when a caller gives `max_tokens` > 0 (the trainer does
+not), at most that many padded tokens (rows x (longest prompt + longest completion) of the
+micro-batch); a group that alone exceeds the budget is a micro-batch by itself (groups are never
+split).
 
 Each micro-batch is then cut to its own width: the left-padding columns that none of its prompts
 uses and the completion columns past its longest completion. Position ids come from the attention

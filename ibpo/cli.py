@@ -32,7 +32,7 @@ import sys
 import yaml
 
 from ibpo import catalog
-from ibpo.api import train
+from ibpo.api import run_loaded
 from ibpo.config import ConfigError
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = estimate(ns.model_config, cfg, ns.gpus, ns.gpu_memory_gb, ns.sharding)
             print(format_plan(plan))
             return 0
-        summary = train(cfg).summary
+        summary = run_loaded(cfg).summary
     except StoppedEarly as e:  # Ctrl-C before the loop: nothing trained
         print(f"ibpo: {e}", file=sys.stderr)
         return e.exit_code

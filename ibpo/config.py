@@ -1,39 +1,27 @@
-"""Typed run configuration: dataclasses, YAML recipes, dotted command-line overrides and checks.
+"""The recipe schema: the sections of a run's configuration, their fields and defaults, the
+rule each field declares (`choice`, `positive`, `at_least`, `within`, `containing`, `mapping`,
+`declared`: a dataclass field with the rule in its metadata) and the rules between fields.
 
-A recipe is a YAML file whose top-level sections match the dataclasses below; any field can be
-overridden on the command line as ``section.key=value`` (values parsed as YAML scalars). Unknown
-sections or keys and values of the wrong type are errors that name the key and the valid choices.
-With no recipe the defaults are the embedded CPU demo: SmolLM2-135M-Instruct in 4-bit NF4 + LoRA,
-learning built-in arithmetic with the ``ibpo`` objective.
+A recipe is a YAML file whose top-level sections are the dataclasses below, and any field can be
+overridden on the command line as ``section.key=value``. With no recipe the defaults are the
+embedded CPU demo: SmolLM2-135M-Instruct in 4-bit NF4 + LoRA, learning built-in arithmetic with
+the ``ibpo`` objective. docs/config.md lists every field and why a user would set it.
 
-Each field declares its own rule (`choice`, `positive`, `at_least`, `within`, `containing`,
-`inherits`: a dataclass field with the rule in its metadata); `validate` walks them and then
-checks what spans fields, one ConfigError per problem naming the key and the fix, raised before
-anything is loaded. `inherit` fills every field whose None means "inherit" (the repair settings
-from the rollout's, the held-out columns from training's) and the values a registry declares for
-the run (the objective's parameters), so that what `ibpo config` prints and a run's config.yaml
-holds are the values the run uses; inheriting again changes nothing.
-
-This module imports nothing from ibpo and knows no registry: which objectives, reward functions,
-group weights, gates, aggregations and KL estimators exist is the package's (ibpo.algo,
-ibpo.rewards), and ibpo/recipe.py checks those values and fills what an objective declares when
-it loads a recipe (`ibpo.recipe.load_config`, the entry point). It holds no logic about *how*
-the values are used; classes receive plain arguments.
+Not here: reading YAML and overrides, type coercion, migrating the keys of older versions,
+running the checks in order and filling what None inherits (ibpo/recipe.py, whose `load_config`
+is the entry point); which objectives, rewards, weights, gates, aggregations and KL estimators
+exist (the package's registries, which recipe.py checks). This module imports nothing of ibpo
+and holds no logic about how the values are used: classes receive plain arguments.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 
 class ConfigError(ValueError):
@@ -52,14 +40,6 @@ BUILTIN_PROMPT_TEMPLATE = "{question}\nAnswer with just the number."
 # The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
 # engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
 VLLM_BATCHED_TOKENS = 8192
-# The operational switches that once were train.* and are now run.* (RunConfig).
-_TRAIN_TO_RUN = (
-    "output_dir", "resume_from", "overwrite", "save_every", "keep_checkpoints", "progress",
-    "log_with", "plots", "push_to_hub", "hub_repo_id", "hub_private",
-)  # fmt: skip
-# A key renamed in a later version -> its new name ("section.key"): in a recipe or an override
-# the old name is an error that names the new one; a saved config (from_dict) is migrated.
-RENAMED: dict[str, str] = {f"train.{key}": f"run.{key}" for key in _TRAIN_TO_RUN}
 
 
 # --- rules declared on the fields ------------------------------------------------------------
@@ -67,11 +47,11 @@ RENAMED: dict[str, str] = {f"train.{key}": f"run.{key}" for key in _TRAIN_TO_RUN
 _FIRST: Any = object()
 
 
-def choice(*options: str, default: Any = _FIRST, null: str = "", inherit: str = "") -> Any:
+def choice(*options: str, default: Any = _FIRST, null: str = "") -> Any:
     """A field holding one of `options` (by default the first). Where it allows None, `null`
-    says what None means, or `inherit` names the key ("section.key") whose value it takes."""
+    says what None means."""
     default = options[0] if default is _FIRST else default
-    return field(default=default, metadata={"choices": options, "null": null, "inherit": inherit})
+    return field(default=default, metadata={"choices": options, "null": null})
 
 
 def positive(default: Any, why: str = "", *, null: str = "", inherit: str = "") -> Any:
@@ -103,9 +83,11 @@ def containing(default: str | None, *parts: str) -> Any:
     return field(default=default, metadata={"contains": parts})
 
 
-def inherits(key: str) -> Any:
-    """None (the default) = the value of `key` ("section.key"); `inherit` copies it."""
-    return field(default=None, metadata={"inherit": key})
+def mapping(choices: typing.Mapping[str, tuple[str, ...]] | None = None, **defaults: Any) -> Any:
+    """A mapping with these keys and defaults; `choices`: the values a key may take. A recipe or
+    an override sets the keys it names and keeps the others."""
+    meta = {"keys": tuple(defaults), "key_choices": dict(choices or {})}
+    return field(default_factory=lambda: dict(defaults), metadata=meta)
 
 
 _OWN = "the objective's default"
@@ -135,6 +117,8 @@ def _field_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
     None when nothing is. None values are the coercion's business (only Optional fields get it)."""
     if value is None:
         return None
+    if "keys" in meta:
+        return _mapping_problem(value, meta)
     note = meta.get("inherit") or meta.get("null")
     null = f"or null: {note}" if note else ""
     if "choices" in meta and value not in meta["choices"]:
@@ -159,22 +143,22 @@ def _field_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
     return None
 
 
+def _mapping_problem(value: typing.Mapping[str, Any], meta: typing.Mapping[str, Any]) -> str | None:
+    for key, item in value.items():
+        if key not in meta["keys"]:
+            return f": unknown key {key!r}; its keys: {', '.join(meta['keys'])}"
+        options = meta["key_choices"].get(key)
+        if options and item is not None and item not in options:
+            return f".{key}={item!r}; choose one of: {', '.join(options)} (or null: training's)"
+    return None
+
+
 def check_fields(section_obj: Any, section: str) -> None:
     """Each field of one section against the rule declared on it."""
     for f in dataclasses.fields(section_obj):
         problem = _field_problem(getattr(section_obj, f.name), f.metadata)
         if problem:
             raise ConfigError(f"{section}.{f.name}{problem}")
-
-
-def section_with(section: str, values: typing.Mapping[str, Any]) -> Any:
-    """A fresh `section` (e.g. "objective") with `values` set as a recipe sets them: each a key
-    of the section, of its field's type and within its field's rule, or a ConfigError naming the
-    first that is not."""
-    obj = next(f for f in dataclasses.fields(Config) if f.name == section).default_factory()
-    _apply(obj, section, dict(values))
-    check_fields(obj, section)
-    return obj
 
 
 # --- the sections ----------------------------------------------------------------------------
@@ -192,21 +176,13 @@ class ModelConfig:
     dtype: str = choice("auto", "bfloat16", "float16", "float32")
     lora_r: int = positive(16)
     lora_alpha: int = positive(32)
-    lora_dropout: float = within(0.0, 1.0, 0.0, open_high=True)
     lora_target_modules: str | list[str] = "all-linear"
     gradient_checkpointing: bool = True
     # Keep the layer inputs that gradient checkpointing saves in pinned CPU memory during the
     # update (one copy to the host and one back per layer and micro-batch): frees the planner's
     # "activations: layer inputs" on the GPU. Needs gradient_checkpointing.
     offload_activations: bool = False
-    # CPU only, 4-bit base: compute each phase with a dequantised copy of the base weights (made
-    # on entry, freed after) instead of dequantising on every call; null = on while that copy
-    # stays under 4 GiB.
-    cpu_dequantize: bool | None = None
-    # auto: flash_attention_2 on CUDA when the flash-attn package is installed, else sdpa
-    attn_implementation: str = choice("auto", "sdpa", "eager", "flash_attention_2")
-    trust_remote_code: bool = False
-    revision: str | None = None
+    revision: str | None = None  # a Hub revision (branch, tag or commit) of model.name
 
 
 @dataclass
@@ -215,18 +191,19 @@ class DataConfig:
     dataset: str = "builtin:arithmetic"
     subset: str | None = None  # Hub dataset configuration name (e.g. "main" for gsm8k)
     split: str = "train"
-    # null: the same source as `dataset`, with its held-out rows carved out of training where it
-    # has no eval_split (a named eval_dataset never is): not a copy, so left null by resolve
-    eval_dataset: str | None = None
-    eval_split: str = "test"
-    # Another eval_dataset has its own layout: its configuration (null = its default, or the
-    # training one for the training source: left null) and, when they differ from training's,
-    # its columns and answer format (null = the training ones, filled in by resolve).
-    eval_subset: str | None = None
-    eval_question_column: str | None = inherits("data.question_column")
-    eval_answer_column: str | None = inherits("data.answer_column")
-    eval_answer_format: str | None = choice(
-        *ANSWER_FORMATS, default=None, inherit="data.answer_format"
+    # The held-out set, as the keys of this section that differ for it (EVAL_KEYS): dataset
+    # (null: the training source, with the held-out rows carved out of training where it has no
+    # such split; a named one never is), subset, split, question_column, answer_column,
+    # answer_format. What it leaves null is training's (subset: only for the training source),
+    # filled in when the recipe resolves. A recipe or override sets only the keys it names.
+    eval: dict[str, str | None] = mapping(
+        dataset=None,
+        subset=None,
+        split="test",
+        question_column=None,
+        answer_column=None,
+        answer_format=None,
+        choices={"answer_format": ANSWER_FORMATS},
     )
     eval_size: int = at_least(0, 100, "0 = skip")  # held-out problems, evaluated before and after
     question_column: str = "question"
@@ -244,7 +221,6 @@ class DataConfig:
     system_prompt: str | None = None
     enable_thinking: bool | None = None  # passed to chat templates that know it (Qwen3)
     max_prompt_tokens: int = positive(512)  # longer prompts (chat template included) are left out
-    shuffle: bool = True
     # A row without a question or a usable answer (no runnable tests, for code) is an error
     # naming it; true leaves such rows out and prints how many and the first reason.
     skip_unusable: bool = False
@@ -256,42 +232,26 @@ class RolloutConfig:
     group_size: int = at_least(2, 8, "advantages compare members of a group")
     max_new_tokens: int = positive(16)
     temperature: float = positive(1.0, "rollouts are sampled")
-    # top_p < 1 or top_k > 0 sample from a truncated distribution, while log-probs (and KL,
-    # entropy) use the full one: the update is then slightly off-policy
+    # top_p < 1 samples from a truncated distribution, while log-probs (and KL, entropy) use the
+    # full one: the update is then slightly off-policy
     top_p: float = within(0.0, 1.0, 1.0, "1 = off", open_low=True)
-    top_k: int = at_least(0, 0, "0 = off")
-    generation_batch_size: int = positive(64)  # sequences per generate() call
+    # sequences per generate() call: rollouts and held-out answers (repairs: repair.batch_size)
+    generation_batch_size: int = positive(64)
     eval_max_new_tokens: int = positive(24)
-    eval_batch_size: int = positive(100)
     # DAPO's dynamic sampling: drop groups whose (shaped) rewards are all equal - they carry no
-    # gradient - and refill from the data stream, at most `max_resample_rounds` extra rounds.
+    # gradient - and refill from the data stream, at most 3 extra rounds (step.py).
     # None: the objective's default (its registration's dynamic_sampling: on for 'dapo', which is
     # DAPO only with it; off for the others), filled in when the recipe resolves. Any objective
     # may set it.
     dynamic_sampling: bool | None = None
-    max_resample_rounds: int = at_least(0, 3)
-    # Keys/values during generate(): dynamic (grown per token) | static (allocated once per call
-    # for prompt + max_new_tokens: fixed shapes, no regrowth copies)
-    kv_cache: str = choice("dynamic", "static")
-    # hf backend: prompts of one generate() call that begin alike (a group's repair prompts, the
-    # held-out questions' shared chat preamble) run their common prefix through the model once;
-    # what is sampled is unchanged. Needs the dynamic cache, sdpa or eager attention and no
-    # sliding-window layers (rollout.shares_prefixes); elsewhere each prompt runs whole.
-    share_prefixes: bool = True
     # Who generates rollouts, repairs and held-out answers: hf (the policy's own generate()) |
     # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
     # with the adapter as a LoRA request re-sent each step; one process; ibpo/vllm_rollout.py)
     backend: str = choice("hf", "vllm")
-    # vllm: GiB for vLLM's KV cache; null = one generation_batch_size batch at full length
-    vllm_kv_cache_gb: float | None = positive(None, null="sized from the batch")
-    # vllm: between generation phases the engine sleeps (weights to host memory, KV cache freed)
-    # so that training has the GPU; false keeps both resident (faster switches, more memory)
-    vllm_sleep: bool = True
     # Rollout-vs-trainer mismatch, measured every step on the trained tokens (step.py): the KL
-    # between the log-probs the backend sampled with and the trainer's. Above mismatch_warn_kl a
-    # warning names the backend and the likely causes (adapter not applied, stale weights, dtype
-    # or kernels); above mismatch_stop_kl the run saves and stops (exit code 5).
-    mismatch_warn_kl: float = at_least(0.0, 0.005, "0 = never warn")
+    # between the log-probs the backend sampled with and the trainer's. Above 0.005 a warning
+    # names the backend and the likely causes (run/alarm.py); above mismatch_stop_kl the run
+    # saves and stops (exit code 5).
     mismatch_stop_kl: float | None = positive(None, null="never stop")
 
 
@@ -349,9 +309,6 @@ class ObjectiveConfig:
     # whose weighted sum (None: does not apply) is the reward
     reward: str | list[str] = "math"
     reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
-    # >1: the reward functions, and chunks of a step's completions, run on this many threads
-    # (slow rewards that wait: a remote verifier, a compiler)
-    reward_workers: int = positive(1)
     # Seconds one call of a reward function may take (on a step's completions, or a chunk of
     # them); past it those completions score 0, counted in the step's reward_timeouts, and the
     # run goes on. null = wait as long as it takes (the functions then run on the main thread)
@@ -396,9 +353,8 @@ class RepairConfig:
     # first, then failed ones | random: any sibling
     reference_selection: str = choice("correct_only", "correct_first", "random")
     max_repairs_per_group: int = positive(4)  # incorrect members repaired per group (the cost)
-    max_new_tokens: int | None = positive(None, inherit="rollout.max_new_tokens")
-    temperature: float | None = positive(None, inherit="rollout.temperature")
-    # Repair prompts hold the question, the attempt and a reference (about prompt + 2 x completion
+    # Repairs are sampled as rollouts are (rollout.max_new_tokens, temperature, top_p). Their
+    # prompts hold the question, the attempt and a reference (about prompt + 2 x completion
     # tokens), so their KV cache per sequence is ~3x a rollout's: bound the batch separately.
     batch_size: int | None = positive(None, inherit="rollout.generation_batch_size")
     rho: float = within(0.0, 1.0, 0.5)  # phi_i = rho * mean over references of 1[repair correct]
@@ -422,16 +378,13 @@ class TrainConfig:
 
     steps: int = at_least(0, 20)
     prompts_per_step: int = positive(4)  # B prompts; each step trains on B * G sequences
-    # whole groups per forward/backward (group transforms need them)
+    # whole groups per forward/backward (group transforms need them); groups are sorted by
+    # length, so similar lengths share a micro-batch
     micro_batch_groups: int = positive(4)
-    # Also cap a micro-batch at this many padded tokens (rows x (prompt + completion) width;
-    # 0 = no cap). Groups are sorted by length either way, so similar lengths share a micro-batch.
-    micro_batch_tokens: int = at_least(0, 0, "0 = no token cap")
     # > 1 reuses a rollout (off-policy; needs old log-probs)
     updates_per_rollout: int = positive(1)
     # 0 would run every step and change nothing
     learning_rate: float = positive(5e-4, "train.steps=0 evaluates without training")
-    weight_decay: float = at_least(0.0, 0.0)
     warmup_steps: int = at_least(0, 0, "0 = no warmup")
     lr_scheduler: str = choice("constant", "linear", "cosine")
     # The gradient is clipped to this norm (its norm before clipping is logged and checked for
@@ -439,13 +392,8 @@ class TrainConfig:
     max_grad_norm: float = positive(1.0, ".inf = no clipping")
     # auto (paged 8-bit AdamW on CUDA without FSDP, else AdamW) | adamw | adamw_8bit
     optimizer: str = choice("auto", "adamw", "adamw_8bit")
-    logprob_chunk_tokens: int = positive(1024)  # completion tokens per lm_head chunk
     seed: int = 0
-    eval_before: bool = True  # evaluate the held-out set before training too (not only after)
     log_reference_kl: bool = True  # log KL to the reference each step (one no-grad forward)
-    # A step whose loss or gradient is not finite is skipped (no update); this many consecutive
-    # skipped steps stop the run with a checkpoint (0 = never stop).
-    max_nonfinite_steps: int = at_least(0, 3, "0 = never stop")
     # Held-out evaluation every `eval_every` steps during training (0 = only before and after).
     eval_every: int = at_least(0, 0, "0 = evaluate only before and after")
 
@@ -458,23 +406,17 @@ class RunConfig:
     output_dir: str = "outputs/ibpo-demo"
     # Checkpoints (<output_dir>/checkpoints/step-<N>: adapter, optimizer, scheduler, RNG, data
     # position, metrics) every `save_every` steps and at the end (0 = only at the end; also on
-    # SIGINT/SIGTERM). The last `keep_checkpoints` are kept.
+    # SIGINT/SIGTERM). The last two are kept.
     save_every: int = at_least(0, 50, "0 = only at the end")
-    keep_checkpoints: int = at_least(1, 2, "resuming needs one")
-    # null = start afresh (replacing this output_dir's checkpoints) | latest (this output_dir's
-    # newest checkpoint; afresh when there is none) | a step-<N> folder or another output_dir
+    # null = start afresh (an earlier run in this output_dir moves to previous-<time>/, never
+    # deleted) | latest (this output_dir's newest checkpoint; afresh when there is none) | a
+    # step-<N> folder or another output_dir
     resume_from: str | None = None
-    # Starting afresh where an unfinished run (interrupted, failed, out of memory) left
-    # checkpoints is refused unless this is true: rerunning the same command must not delete them.
-    overwrite: bool = False
-    progress: bool = True
     log_with: str | list[str] | None = None  # Accelerate trackers: tensorboard | wandb | trackio
-    plots: bool = True  # write <output_dir>/plots/*.png and the end-of-run report
-    # Hugging Face Hub: push the final adapter, tokenizer and a model card (`ibpo push` does the
-    # same for any output_dir). The token comes from HF_TOKEN or `hf auth login`, never a file.
-    push_to_hub: bool = False
-    hub_repo_id: str | None = None  # "user/name"; required when push_to_hub is true
-    hub_private: bool = True
+    # Hugging Face Hub, "user/name": at the end of a completed run push the final adapter,
+    # tokenizer and a model card to this private repo (null = no push; `ibpo push` does the same
+    # for any output_dir, --public too). The token comes from HF_TOKEN or `hf auth login`.
+    hub_repo_id: str | None = None
 
 
 @dataclass
@@ -486,7 +428,8 @@ class Config:
     repair: RepairConfig = field(default_factory=RepairConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    # "section.key" of each field `resolve` filled in (not a dataclass field: no YAML sets it)
+    # "section.key" of each field resolving filled in ("section.key.item" for a mapping's
+    # item; not a dataclass field: no YAML sets it)
     inherited = frozenset()
 
     def to_dict(self, recipe: bool = False) -> dict[str, Any]:
@@ -495,13 +438,16 @@ class Config:
         config.yaml: rerun with objective.name=grpo, the objective's own defaults apply)."""
         tree = dataclasses.asdict(self)
         if recipe:
-            for key in self.inherited:
-                section, name = key.split(".")
-                tree[section][name] = None
+            for key in self.inherited:  # "section.key", or "section.key.item" in a mapping
+                section, name, *item = key.split(".")
+                if item:
+                    tree[section][name][item[0]] = None
+                else:
+                    tree[section][name] = None
         return tree
 
 
-# --- checks that span fields -----------------------------------------------------------------
+# --- rules between fields -----------------------------------------------------------------
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -567,7 +513,7 @@ def _check_reward_and_answers(cfg: Config) -> None:
     completion 0 against a test spec, and the code grader cannot run a number."""
     data, rewards = cfg.data, reward_list(cfg.objective)
     formats = {"data.answer_format": data.answer_format}
-    formats["data.eval_answer_format"] = data.eval_answer_format or data.answer_format
+    formats["data.eval.answer_format"] = data.eval["answer_format"]
     for key, fmt in formats.items():
         for reward in (r for r in rewards if r in ("math", "code")):
             if reward == "math" and fmt == "code_tests":
@@ -583,13 +529,9 @@ def _check_reward_and_answers(cfg: Config) -> None:
                 )
 
 
-def validate(cfg: Config) -> Config:
-    """Every section's field rules, then what spans fields; -> cfg, unchanged. The values a
-    registry backs are ibpo.recipe.validate's, which runs this first."""
-    for f in dataclasses.fields(cfg):
-        if f.name != "objective":
-            check_fields(getattr(cfg, f.name), f.name)
-    check_objective(cfg.objective)
+def check_across(cfg: Config) -> Config:
+    """The rules between fields, on a resolved config (what None inherits filled in: the held-out
+    set's answer format is then the one it uses); -> cfg, unchanged."""
     tr, run, ro = cfg.train, cfg.run, cfg.rollout
     _check_reward(cfg.objective)
     _check_reward_and_answers(cfg)
@@ -600,9 +542,7 @@ def validate(cfg: Config) -> Config:
         )
     if tr.eval_every and cfg.data.eval_size == 0:
         raise ConfigError("train.eval_every needs held-out problems: set data.eval_size > 0")
-    if run.push_to_hub and not run.hub_repo_id:
-        raise ConfigError("run.push_to_hub=true needs run.hub_repo_id=<user>/<name>")
-    if run.push_to_hub:  # a bad id fails now, not after hours of training
+    if run.hub_repo_id is not None:  # a bad id fails now, not after hours of training
         check_repo_id(run.hub_repo_id, fix="run.hub_repo_id=")
     if run.resume_from is not None and not run.resume_from.strip():
         raise ConfigError("run.resume_from must be null, 'latest' or a checkpoint path")
@@ -611,194 +551,4 @@ def validate(cfg: Config) -> Config:
             f"rollout.generation_batch_size must be <= {VLLM_BATCHED_TOKENS} with the vllm "
             "backend (its sequences at once may not exceed its tokens per step)"
         )
-    return cfg
-
-
-# --- what None inherits ----------------------------------------------------------------------
-
-
-def inherit(cfg: Config, declared: typing.Mapping[str, Any] | None = None) -> Config:
-    """A copy of a validated `cfg` with every None-means-inherit field set to what it inherits:
-    first `declared` ("section.key" -> value: what a registry declares for this run, such as the
-    objective's parameters, repair.enabled and rollout.dynamic_sampling, which ibpo.recipe.resolve
-    passes), then the fields declared with `inherits` / `inherit=` (repair.max_new_tokens,
-    temperature, batch_size from the rollout's; data.eval_question_column, eval_answer_column and
-    eval_answer_format from training's). A field the user set keeps its value. Idempotent. Other
-    None fields (a Hub revision, vllm_kv_cache_gb sized at run time, data.eval_dataset /
-    eval_subset: "the same source", not a copy...) mean something else and stay None. `inherited`
-    lists what was filled, so that the recipe form (to_dict(recipe=True)) inherits afresh.
-    data.prompt_template of a built-in task is BUILTIN_PROMPT_TEMPLATE; other sources keep None:
-    the prompt as given."""
-    before = cfg.to_dict(recipe=True)
-    cfg = copy.deepcopy(cfg)
-    for key, value in (declared or {}).items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) is None:
-            setattr(getattr(cfg, section), name, value)
-    if cfg.data.prompt_template is None and cfg.data.dataset.startswith("builtin:"):
-        cfg.data.prompt_template = BUILTIN_PROMPT_TEMPLATE
-    for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        for f in dataclasses.fields(obj):
-            source = f.metadata.get("inherit")
-            if source and getattr(obj, f.name) is None:
-                src_section, src_key = source.split(".")
-                setattr(obj, f.name, getattr(getattr(cfg, src_section), src_key))
-    after = cfg.to_dict()
-    cfg.inherited = frozenset(
-        f"{section}.{key}"
-        for section, values in before.items()
-        for key, value in values.items()
-        if value is None and after[section][key] is not None
-    )
-    return cfg
-
-
-# --- YAML and overrides ----------------------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`, converting int -> float where natural."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{key}: expected null")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, item_tp, key) for v in value]
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
-    if tp in (int, float, str) and not isinstance(value, tp):
-        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
-    return value
-
-
-def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
-    hints = typing.get_type_hints(type(section_obj))
-    valid = [f.name for f in dataclasses.fields(section_obj)]
-    for key, value in values.items():
-        if key not in valid:
-            old = f"{section}.{key}"
-            if old in RENAMED:
-                raise ConfigError(f"'{old}' was renamed to '{RENAMED[old]}'; use that")
-            raise ConfigError(
-                f"unknown key '{section}.{key}'; valid keys in '{section}': {', '.join(valid)}"
-            )
-        setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
-
-
-def _update(cfg: Config, tree: dict[str, Any], origin: str) -> None:
-    sections = [f.name for f in dataclasses.fields(cfg)]
-    for section, values in tree.items():
-        if section not in sections:
-            raise ConfigError(
-                f"{origin}: unknown section '{section}'; valid sections: {', '.join(sections)}"
-            )
-        if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: section '{section}' must be a mapping of keys to values")
-        try:
-            _apply(getattr(cfg, section), section, values)
-        except ConfigError as e:
-            raise ConfigError(f"{origin}: {e}") from None
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """'train.steps=10' -> ('train', 'steps', 10); values are parsed as YAML scalars."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
-    path, raw = text.split("=", 1)
-    parts = path.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override '{text}': the key must be section.key (e.g. train.steps=10)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
-    return parts[0], parts[1], value
-
-
-def migrate_renamed(tree: Any) -> Any:
-    """A saved config's tree (one an older version wrote) with each RENAMED key moved to its
-    new name; a copy, the input unchanged. Where the new name is set as well the old one stays,
-    for _apply to name. Anything not a mapping of mappings is returned as it is."""
-    if not isinstance(tree, dict):
-        return tree
-    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
-    for old, new in RENAMED.items():
-        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
-        source = tree.get(old_section)
-        if not isinstance(source, dict) or old_key not in source:
-            continue
-        target = tree.setdefault(new_section, {})
-        if isinstance(target, dict) and new_key not in target:
-            target[new_key] = source.pop(old_key)
-    return tree
-
-
-def read_saved(tree: dict[str, Any], origin: str = "config") -> Config:
-    """A nested dict such as Config.to_dict() gives (a run's config.yaml or config.json, also
-    one an older version wrote: with nulls, or with keys since renamed, which move to their new
-    names) -> the Config as read, neither validated nor resolved (ibpo.recipe.from_dict does
-    both). Recipes and overrides (read_recipe) are not migrated: an old name there is an error
-    that names the new one."""
-    cfg = Config()
-    _update(cfg, migrate_renamed(tree), origin)
-    return cfg
-
-
-def read_recipe(
-    recipe: str | Path | Config | None = None,
-    overrides: list[str] | typing.Mapping[str, Any] | None = None,
-) -> Config:
-    """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
-    `section.key=value` overrides (or a mapping {"section.key": value}), as read: neither
-    validated nor resolved (ibpo.recipe.load_config does both)."""
-    cfg = Config()
-    if isinstance(recipe, Config):
-        _update(cfg, recipe.to_dict(recipe=True), "the given Config")
-    elif recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe '{recipe}' not found")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"recipe '{recipe}' is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"recipe '{recipe}' must be a mapping of sections")
-        _update(cfg, tree, str(recipe))
-    if isinstance(overrides, typing.Mapping):
-        overrides = [(key, value) for key, value in overrides.items()]
-    for item in overrides or []:
-        if isinstance(item, tuple):  # from a mapping: the value as given, not YAML text
-            text = f"{item[0]}={item[1]!r}"
-            section, key, _ = parse_override(f"{item[0]}=")
-            value = item[1]
-        else:
-            text = item
-            section, key, value = parse_override(text)
-        _update(cfg, {section: {key: value}}, f"override '{text}'")
     return cfg

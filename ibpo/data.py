@@ -333,12 +333,14 @@ def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True)
 
 
 def eval_layout(cfg: DataConfig) -> DataConfig:
-    """The data settings that read the held-out rows: the eval_* overrides, else training's."""
+    """The data settings that read the held-out rows: data.eval's columns and answer format
+    (resolved: training's where the recipe gives none)."""
+    ev = cfg.eval
     return dataclasses.replace(
         cfg,
-        question_column=cfg.eval_question_column or cfg.question_column,
-        answer_column=cfg.eval_answer_column or cfg.answer_column,
-        answer_format=cfg.eval_answer_format or cfg.answer_format,
+        question_column=ev["question_column"],
+        answer_column=ev["answer_column"],
+        answer_format=ev["answer_format"],
     )
 
 
@@ -347,8 +349,8 @@ def load_splits(
 ) -> tuple[list[Example], list[Example]]:
     """(train examples, held-out eval examples, at most cfg.eval_size of them). `rows`: the
     training rows given in Python (a `datasets.Dataset` or a list of dicts), read as a local
-    file's are (the held-out rows carved out of them unless data.eval_dataset names a source);
-    `eval_rows`: held-out rows given in Python, read with the eval_* layout (data.eval_dataset
+    file's are (the held-out rows carved out of them unless data.eval.dataset names a source);
+    `eval_rows`: held-out rows given in Python, read with data.eval's layout (data.eval.dataset
     is then `in-memory`), nothing carved out of training. `need_answer`: whether a built-in
     grader reads the gold answers (rows_to_examples)."""
     if rows is None and cfg.dataset == IN_MEMORY:
@@ -356,10 +358,10 @@ def load_splits(
             "this run's rows were given in Python (data.dataset=in-memory). Fix: pass them "
             "again, ibpo.train(..., dataset=rows), or set data.dataset to a file or Hub id"
         )
-    if eval_rows is None and cfg.eval_dataset == IN_MEMORY:
+    if eval_rows is None and cfg.eval["dataset"] == IN_MEMORY:
         raise ConfigError(
-            "this run's held-out rows were given in Python (data.eval_dataset=in-memory). Fix: "
-            "pass them again, ibpo.train(..., eval_dataset=rows), or set data.eval_dataset"
+            "this run's held-out rows were given in Python (data.eval.dataset=in-memory). Fix: "
+            "pass them again, ibpo.train(..., eval_dataset=rows), or set data.eval.dataset"
         )
     if eval_rows is not None:
         if rows is not None:
@@ -413,19 +415,19 @@ def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):
 
 
 def _held_out_split(train: list[Example], cfg: DataConfig, need_answer: bool, in_memory=False):
-    """The held-out rows of a file, Hub or in-memory source: its eval split (or
-    data.eval_dataset's), else eval_size rows carved out of training."""
-    eval_source = cfg.eval_dataset or cfg.dataset
+    """The held-out rows of a file, Hub or in-memory source: data.eval's split of its dataset
+    (null: the training source), else eval_size rows carved out of training."""
+    ev = cfg.eval
+    named = ev["dataset"]  # None: the training source, which is carved where it has no split
+    eval_source = named or cfg.dataset
     eval_rows = None
     own_split = not (in_memory or _is_file_source(cfg.dataset))
-    if cfg.eval_size and (cfg.eval_dataset or own_split):
-        same = cfg.eval_dataset in (None, cfg.dataset)  # the training source: its configuration
-        subset = cfg.eval_subset or (cfg.subset if same else None)
-        eval_rows = _load_rows(eval_source, cfg.eval_split, subset)
-        if eval_rows is None and cfg.eval_dataset:  # never carve a named eval set out of training
+    if cfg.eval_size and (named or own_split):
+        eval_rows = _load_rows(eval_source, ev["split"], ev["subset"])
+        if eval_rows is None and named:  # never carve a named eval set out of training
             raise ConfigError(
-                f"data.eval_dataset '{cfg.eval_dataset}' has no split '{cfg.eval_split}'. "
-                "Fix: set data.eval_split to one it has."
+                f"data.eval.dataset '{named}' has no split '{ev['split']}'. "
+                "Fix: set data.eval.split to one it has."
             )
     if eval_rows is not None:
         held = rows_to_examples(eval_rows, eval_layout(cfg), eval_source, need_answer)
@@ -455,7 +457,7 @@ def _without_held_out(train: list[Example], held: list[Example]):
     if not kept:
         raise ConfigError(
             "every training row repeats a held-out question: lower data.eval_size "
-            "or use another data.eval_dataset"
+            "or use another data.eval.dataset"
         )
     return kept, held
 

@@ -160,8 +160,7 @@ def _load_base(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     path = resolve_model_path(cfg.name)
     kwargs = dict(
         dtype=dtype,
-        attn_implementation=attention(cfg.attn_implementation, device, dtype),
-        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=attention("auto", device, dtype),
         revision=cfg.revision,
     )
     if cfg.quantization == "nf4":
@@ -170,7 +169,7 @@ def _load_base(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     quiet_loading_bars()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        tokenizer = load_tokenizer(path, cfg.revision, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(path, cfg.revision)
     except OSError as e:
         raise ConfigError(
             f"could not load model '{cfg.name}': {e}\n  Fix: give a local folder, or a Hub id with "
@@ -201,7 +200,7 @@ def _with_lora(model, cfg: ModelConfig, device: torch.device, peft_config=None):
         lora = LoraConfig(
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
+            lora_dropout=0.0,  # dropout would make the update's log-probs differ from the rollout's
             target_modules=cfg.lora_target_modules,
             task_type="CAUSAL_LM",
         )
@@ -389,7 +388,7 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
                 if getattr(mod, "lora_variant", None):  # DoRA & co. are not a plain B A update
                     raise NotImplementedError(
                         "dequantized_base(merge_lora=True) folds plain LoRA only; "
-                        "set model.cpu_dequantize=false"
+                        "it is used without DoRA adapters only"
                     )
                 if not mod.disable_adapters and not mod.merged:
                     for name in mod.active_adapters:
@@ -417,7 +416,8 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
             del mod.forward  # the class's forward shows again; any copy is freed
 
 
-# `cpu_dequantize: null` turns the copy on only while it stays this small (fp32: ~1B weights).
+# The dequantised copy of a 4-bit base on CPU is used only while it stays this small (fp32: ~1B
+# weights).
 AUTO_DEQUANTIZE_MAX_BYTES = 4 * 2**30
 
 
@@ -434,12 +434,13 @@ def dequantized_bytes(model: nn.Module) -> int:
 
 
 def use_dequantized_base(cfg: ModelConfig, device: torch.device, model: nn.Module) -> bool:
-    """model.cpu_dequantize: true/false, or null = on for a 4-bit base on CPU whose dequantised
-    copy stays under AUTO_DEQUANTIZE_MAX_BYTES; never on CUDA, never on FSDP shards."""
+    """Whether phases compute with a dequantised copy of the base (dequantized_base): for a 4-bit
+    base on CPU whose copy stays under AUTO_DEQUANTIZE_MAX_BYTES and whose adapter is plain LoRA
+    (DoRA & co. are not a B A update to fold in); never on CUDA, never on FSDP shards."""
     if cfg.quantization != "nf4" or device.type != "cpu" or is_fsdp(model):
         return False
-    if cfg.cpu_dequantize is not None:
-        return cfg.cpu_dequantize
+    if any(getattr(mod, "lora_variant", None) for mod in model.modules()):
+        return False
     return dequantized_bytes(model) <= AUTO_DEQUANTIZE_MAX_BYTES
 
 

@@ -1,32 +1,37 @@
-"""A recipe resolved against what the package registers: the entry point from a YAML file,
-overrides or a saved config to the settings a run uses.
-
-config.py holds the schema and every rule it can state alone (the fields' types, choices and
-ranges, what spans fields, what None inherits) and imports nothing of ibpo, so it cannot know
-which objectives or reward functions exist. This module can: it checks the values a registry
-backs (the objective's name against ibpo.algo.objectives.OBJECTIVES, objective.weights, gate,
-aggregation and kl_estimator against the algorithm's tables, the surrogate parameters the
-objective takes, each reward against ibpo.rewards.REWARDS or as an import path) and fills what
-the objective's registration declares (its parameters, repair.enabled,
-rollout.dynamic_sampling) before config.inherit fills the rest. An objective registered before
-the recipe loads is checked and filled the same way as a shipped one: its registration's
-defaults must satisfy the fields' rules, which only this layer can check.
+"""From a recipe to the settings a run uses: reading, overrides, migration, checks, resolution.
 
     load_config(recipe, overrides)   YAML / a Config, then overrides -> checked, resolved Config
     from_dict(tree)                  a run's saved config (migrated) -> checked, resolved Config
     resolve_params(cfg.objective)    the objective section -> the ResolvedObjective the step calls
 
-Not here: reading YAML and overrides, migrating renamed keys, the field rules (config.py); the
-objectives themselves (algo/objectives.py).
+Both entry points go the same way: the defaults, then the YAML tree (its values coerced to the
+fields' types), then the overrides; each field's own rule and the values a registry backs (the
+objective's name against ibpo.algo.objectives.OBJECTIVES, objective.weights, gate, aggregation
+and kl_estimator against the algorithm's tables, the surrogate parameters the objective takes,
+each reward against ibpo.rewards.REWARDS or as an import path); then resolution, once: what the
+objective's registration declares (its parameters, repair.enabled, rollout.dynamic_sampling)
+and what each None-means-inherit field inherits are filled in, so that every later reader, the
+saved config.yaml and `ibpo config` see the values the run uses; last, the rules between fields
+(config.check_across) on those values. An objective registered before the recipe loads is
+checked and filled the same way as a shipped one.
+
+A key of an older version is an error in a recipe or an override, naming what replaced it
+(RENAMED, REMOVED); a saved config (from_dict: resume, `ibpo report`) is migrated instead.
+
+Not here: the schema and its rules (config.py); the objectives themselves (algo/objectives.py).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import types
+import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from ibpo import config
 from ibpo.algo.objectives import (
@@ -38,7 +43,7 @@ from ibpo.algo.objectives import (
     ObjectiveSpec,
     ResolvedObjective,
 )
-from ibpo.config import Config, ConfigError, ObjectiveConfig
+from ibpo.config import BUILTIN_PROMPT_TEMPLATE, Config, ConfigError, ObjectiveConfig
 from ibpo.rewards import REWARDS
 
 # objective field -> the algorithm's names it takes
@@ -55,7 +60,115 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ObjectiveConfig)}
 SURROGATE_PARAMETERS = tuple(k for k, f in _FIELDS.items() if f.metadata.get("surrogate"))
 
 
-# --- the entry points --------------------------------------------------------------------------
+# --- keys of older versions ------------------------------------------------------------------
+
+# The operational switches that once were train.* and are now run.* (some since removed).
+_TRAIN_TO_RUN = (
+    "output_dir", "resume_from", "overwrite", "save_every", "keep_checkpoints", "progress",
+    "log_with", "plots", "push_to_hub", "hub_repo_id", "hub_private",
+)  # fmt: skip
+# A key renamed in a later version -> its new name ("section.key").
+RENAMED: dict[str, str] = {f"train.{key}": f"run.{key}" for key in _TRAIN_TO_RUN}
+# The held-out set's keys that once were data.eval_<item>, now items of data.eval.
+_EVAL_ITEMS = ("dataset", "subset", "split", "question_column", "answer_column", "answer_format")
+FOLDED: dict[str, str] = {f"data.eval_{item}": f"data.eval.{item}" for item in _EVAL_ITEMS}
+# A key removed in a later version -> what happens now, or what to set instead.
+REMOVED: dict[str, str] = {
+    "model.trust_remote_code": "models load without remote code (trust_remote_code=False): use "
+    "a model transformers supports",
+    "model.lora_dropout": "the adapter has no dropout, which would make the update's log-probs "
+    "differ from the rollout's (a peft_config= given to ibpo.train is used as it is)",
+    "model.cpu_dequantize": "on CPU a 4-bit base is dequantised once per phase whenever that "
+    "copy stays under 4 GiB (never for DoRA adapters)",
+    "model.attn_implementation": "attention is flash_attention_2 on CUDA when the flash-attn "
+    "package is installed, else sdpa",
+    "data.shuffle": "the training rows are always shuffled, by train.seed",
+    "rollout.top_k": "rollouts sample from the whole distribution, or top_p's: use rollout.top_p",
+    "rollout.eval_batch_size": "rollout.generation_batch_size sizes the held-out batches too: "
+    "set that",
+    "rollout.kv_cache": "generate() grows its cache per token (the dynamic cache)",
+    "rollout.share_prefixes": "prompts that begin alike share their prefix wherever the model "
+    "allows it (what is sampled is the same)",
+    "rollout.vllm_sleep": "the vLLM engine sleeps between generation phases, so that training "
+    "has the GPU",
+    "rollout.vllm_kv_cache_gb": "vLLM's KV cache holds one rollout.generation_batch_size batch "
+    "at full length: set that",
+    "rollout.mismatch_warn_kl": "the mismatch warning is at KL 0.005; rollout.mismatch_stop_kl "
+    "stops the run",
+    "rollout.max_resample_rounds": "dynamic sampling refills for at most 3 rounds",
+    "objective.reward_workers": "a reward function gets a step's completions at once, so one "
+    "that waits on a service can fan out itself (an `async def` one runs beside the others)",
+    "repair.max_new_tokens": "repairs use rollout.max_new_tokens: set that",
+    "repair.temperature": "repairs use rollout.temperature: set that",
+    "train.max_nonfinite_steps": "3 non-finite steps in a row stop the run with a checkpoint",
+    "train.eval_before": "the held-out set is evaluated before and after training whenever "
+    "data.eval_size > 0 (0 skips both)",
+    "train.logprob_chunk_tokens": "log-probs run 1024 completion tokens at a time; for memory, "
+    "lower train.micro_batch_groups",
+    "train.weight_decay": "AdamW runs without weight decay",
+    "train.micro_batch_tokens": "a micro-batch holds whole groups: for memory, lower "
+    "train.micro_batch_groups",
+    "run.progress": "the progress bar shows when the output is a terminal",
+    "run.plots": "every run writes its plots and end-of-run report",
+    "run.overwrite": "an earlier run in run.output_dir is moved to previous-<time>/, never "
+    "deleted: delete that folder yourself, or choose another run.output_dir",
+    "run.push_to_hub": "set run.hub_repo_id=<user>/<name> to push at the end (null: no push)",
+    "run.hub_private": "the end-of-run push creates a private repo; `ibpo push OUTPUT_DIR "
+    "--repo-id <user>/<name> --public` publishes",
+    "run.keep_checkpoints": "the last two checkpoints are kept",
+}
+
+
+def _gone(section: str, key: str) -> str | None:
+    """What to tell a recipe or override that sets `section.key`, a key of an older version;
+    None for a key that never was."""
+    old = f"{section}.{key}"
+    new = RENAMED.get(old, old)
+    if new in REMOVED:
+        return f"'{old}' was removed: {REMOVED[new]}"
+    if old in FOLDED:
+        item = FOLDED[old].rsplit(".", 1)[1]
+        return (
+            f"'{old}' is now '{FOLDED[old]}'; use that (in a recipe: data: eval: {{{item}: ...}})"
+        )
+    if old in RENAMED:
+        return f"'{old}' was renamed to '{RENAMED[old]}'; use that"
+    return None
+
+
+def migrate(tree: Any) -> Any:
+    """A saved config's tree (one an older version wrote) as this version reads it: a copy with
+    each RENAMED key moved to its new name, each FOLDED one into its mapping and each REMOVED one
+    dropped (run.push_to_hub=false clears run.hub_repo_id: it no longer pushes). Where the new
+    name is set as well the old one stays, for the reading to name. Anything not a mapping of
+    mappings is returned as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in {**RENAMED, **FOLDED}.items():
+        (old_section, old_key), (new_section, *new_keys) = old.split("."), new.split(".")
+        source = tree.get(old_section)
+        if not isinstance(source, dict) or old_key not in source:
+            continue
+        target = tree.setdefault(new_section, {})
+        if isinstance(target, dict) and len(new_keys) == 2:  # an item of a mapping
+            value = source.pop(old_key)
+            items = target.setdefault(new_keys[0], {})
+            if isinstance(items, dict) and value is not None:
+                items.setdefault(new_keys[1], value)
+        elif isinstance(target, dict) and new_keys[0] not in target:
+            target[new_keys[0]] = source.pop(old_key)
+    run = tree.get("run")
+    if isinstance(run, dict) and run.get("push_to_hub") is False:
+        run["hub_repo_id"] = None
+    for key in REMOVED:
+        section, name = key.split(".")
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(name, None)
+    return tree
+
+
+# --- the entry points ------------------------------------------------------------------------
 
 
 def load_config(
@@ -63,21 +176,170 @@ def load_config(
     overrides: list[str] | Mapping[str, Any] | None = None,
 ) -> Config:
     """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
-    `section.key=value` overrides (or a mapping {"section.key": value}) (config.read_recipe),
-    validated, then resolved."""
-    return resolve(validate(config.read_recipe(recipe, overrides)))
+    `section.key=value` overrides (or a mapping {"section.key": value}), checked and resolved."""
+    return config.check_across(resolve(validate(read_recipe(recipe, overrides))))
 
 
 def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
     """A run's saved config (config.yaml or config.json, also one an older version wrote:
-    config.read_saved migrates it) -> the Config, validated and resolved."""
-    return resolve(validate(config.read_saved(tree, origin)))
+    migrated) -> the Config, checked and resolved."""
+    cfg = Config()
+    _update(cfg, migrate(tree), origin)
+    return config.check_across(resolve(validate(cfg)))
+
+
+def read_recipe(
+    recipe: str | Path | Config | None = None,
+    overrides: list[str] | Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults <- recipe <- overrides, as read: neither checked nor resolved."""
+    cfg = Config()
+    if isinstance(recipe, Config):
+        _update(cfg, recipe.to_dict(recipe=True), "the given Config")
+    elif recipe is not None:
+        _update(cfg, _read_yaml(recipe), str(recipe))
+    if isinstance(overrides, Mapping):
+        overrides = [(key, value) for key, value in overrides.items()]
+    for item in overrides or []:
+        if isinstance(item, tuple):  # from a mapping: the value as given, not YAML text
+            text = f"{item[0]}={item[1]!r}"
+            path, _ = parse_override(f"{item[0]}=")
+            value = item[1]
+        else:
+            text = item
+            path, value = parse_override(text)
+        section, key, *rest = path
+        _update(cfg, {section: {key: {rest[0]: value} if rest else value}}, f"override '{text}'")
+    return cfg
+
+
+def _read_yaml(recipe: str | Path) -> dict[str, Any]:
+    path = Path(recipe)
+    if not path.is_file():
+        raise ConfigError(f"recipe '{recipe}' not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe '{recipe}' is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"recipe '{recipe}' must be a mapping of sections")
+    return tree
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.steps=10' -> (['train', 'steps'], 10); 'data.eval.split=test' -> (['data', 'eval',
+    'split'], 'test') for an item of a mapping; values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"override '{text}': the key must be section.key (e.g. train.steps=10)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+    return parts, value
+
+
+# --- reading values into the schema ----------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting int -> float where natural."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, key) for v in value]
+    if origin is dict:
+        _, item_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping (key: value), got {value!r}")
+        return {k: _coerce(v, item_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if tp in (int, float, str) and not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
+    """Set each of `values` on a section, coerced to its field's type; a mapping field takes
+    the items given and keeps the others."""
+    hints = typing.get_type_hints(type(section_obj))
+    valid = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        if key not in valid:
+            raise ConfigError(
+                _gone(section, key)
+                or f"unknown key '{section}.{key}'; valid keys in '{section}': {', '.join(valid)}"
+            )
+        value = _coerce(value, hints[key], f"{section}.{key}")
+        if isinstance(value, dict):
+            value = {**getattr(section_obj, key), **value}
+        setattr(section_obj, key, value)
+
+
+def _update(cfg: Config, tree: dict[str, Any], origin: str) -> None:
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, values in tree.items():
+        if section not in sections:
+            raise ConfigError(
+                f"{origin}: unknown section '{section}'; valid sections: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of keys to values")
+        try:
+            _apply(getattr(cfg, section), section, values)
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+
+
+def section_with(section: str, values: Mapping[str, Any]) -> Any:
+    """A fresh `section` (e.g. "objective") with `values` set as a recipe sets them: each a key
+    of the section, of its field's type and within its field's rule, or a ConfigError naming the
+    first that is not."""
+    obj = next(f for f in dataclasses.fields(Config) if f.name == section).default_factory()
+    _apply(obj, section, dict(values))
+    config.check_fields(obj, section)
+    return obj
+
+
+# --- checks and resolution -------------------------------------------------------------------
 
 
 def validate(cfg: Config) -> Config:
-    """config.validate (every field rule, what spans fields), then the values a registry backs:
-    the objective section (check_objective) and the reward names. -> cfg, unchanged."""
-    config.validate(cfg)
+    """Every field's own rule, then the values a registry backs: the objective section
+    (check_objective) and the reward names. -> cfg, unchanged."""
+    for f in dataclasses.fields(cfg):
+        if f.name != "objective":
+            config.check_fields(getattr(cfg, f.name), f.name)
     check_objective(cfg.objective)
     for name in config.reward_list(cfg.objective):
         if name not in REWARDS and ":" not in name and "/" not in name:
@@ -92,12 +354,73 @@ def validate(cfg: Config) -> Config:
 def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with what its objective declares filled where the recipe left None (the
     objective's parameters, repair.enabled, rollout.dynamic_sampling), then what the fields
-    inherit (config.inherit). Idempotent."""
+    inherit (inherit). Idempotent."""
     spec = check_objective(cfg.objective)
     declared = {f"objective.{key}": value for key, value in defaults(spec).items()}
     declared["repair.enabled"] = spec.repairs
     declared["rollout.dynamic_sampling"] = spec.dynamic_sampling
-    return config.inherit(cfg, declared)
+    return inherit(cfg, declared)
+
+
+def inherit(cfg: Config, declared: Mapping[str, Any] | None = None) -> Config:
+    """A copy of a checked `cfg` with every None-means-inherit value set to what it inherits:
+    first `declared` ("section.key" -> value: what a registry declares for this run), then the
+    fields declared with `inherit=` (repair.batch_size from rollout.generation_batch_size), the
+    held-out set's items (data.eval: its columns and answer format from training's, and for the
+    training source its subset) and a built-in task's prompt (data.prompt_template:
+    BUILTIN_PROMPT_TEMPLATE). A value the user set keeps it. Idempotent. Other None values (a
+    Hub revision, data.eval's dataset: "the training source", not a copy...) mean something
+    else and stay None. `inherited` lists what was filled, so that the recipe form
+    (to_dict(recipe=True)) inherits afresh."""
+    before = cfg.to_dict(recipe=True)
+    cfg = copy.deepcopy(cfg)
+    for key, value in (declared or {}).items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) is None:
+            setattr(getattr(cfg, section), name, value)
+    if cfg.data.prompt_template is None and cfg.data.dataset.startswith("builtin:"):
+        cfg.data.prompt_template = BUILTIN_PROMPT_TEMPLATE
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for f in dataclasses.fields(obj):
+            source = f.metadata.get("inherit")
+            if source and getattr(obj, f.name) is None:
+                src_section, src_key = source.split(".")
+                setattr(obj, f.name, getattr(getattr(cfg, src_section), src_key))
+    _inherit_eval(cfg.data)
+    cfg.inherited = frozenset(_filled(before, cfg.to_dict()))
+    return cfg
+
+
+def _inherit_eval(data: config.DataConfig) -> None:
+    """data.eval's null items: training's columns and answer format; training's subset where
+    the held-out set is the training source (another dataset's null subset is its default)."""
+    ev = data.eval
+    same = ev.get("dataset") in (None, data.dataset)
+    own = {
+        "question_column": data.question_column,
+        "answer_column": data.answer_column,
+        "answer_format": data.answer_format,
+        "subset": data.subset if same else None,
+    }
+    for item, value in own.items():
+        if ev.get(item) is None:
+            ev[item] = value
+
+
+def _filled(before: dict, after: dict):
+    """ "section.key" (or "section.key.item") of each value None in `before` and set in `after`."""
+    for section, values in before.items():
+        for key, value in values.items():
+            new = after[section][key]
+            if isinstance(value, dict):
+                yield from (
+                    f"{section}.{key}.{item}"
+                    for item, old in value.items()
+                    if old is None and new.get(item) is not None
+                )
+            elif value is None and new is not None:
+                yield f"{section}.{key}"
 
 
 # --- the objective -------------------------------------------------------------------------------
@@ -126,7 +449,7 @@ def objective_spec(name: str) -> ObjectiveSpec:
             f"arguments are among {', '.join(SURROGATE_PARAMETERS)}"
         )
     try:
-        section = config.section_with("objective", {"name": name, **defaults(spec)})
+        section = section_with("objective", {"name": name, **defaults(spec)})
         _check_choices(section)
     except ConfigError as e:
         raise ConfigError(f"{where}: default {e}") from None

@@ -84,7 +84,7 @@ def run_repairs(
 ) -> RepairOutcome:
     """Generate and grade the repairs of one step. rewards [B, G] on the host (the weighted
     rewards of `examples`' completions), graded again by `reward_fns` for the repairs; `gen`:
-    max_new_tokens, batch_size, temperature, top_p, top_k for the repair generations (already
+    max_new_tokens, batch_size, temperature, top_p for the repair generations (already
     resolved). `budget`: the tokens the repairs may run (algo/spending.py; `spending` holds
     the cost estimates): when it is finite, a random subset of the planned repairs that fits
     runs, the others are skipped. A step that runs no repair (every member correct, no eligible
@@ -144,7 +144,6 @@ def run_repairs(
         gen["batch_size"],
         temperature=gen["temperature"],
         top_p=gen["top_p"],
-        top_k=gen["top_k"],
     )
     grades = grade_completions(
         reward_fns, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()

@@ -7,7 +7,7 @@ first EOS. Large rollouts are generated in slices of `batch_size` sequences. The
 prompt share one prompt forward (`prefill`): its KV cache is computed once and repeated.
 Distinct prompts that begin alike (a group's repair prompts, held-out questions under one chat
 preamble) share the forward of their common prefix the same way (`plan_shared_prefixes`,
-`shared_prefix_inputs`; rollout.share_prefixes), wherever that computes fewer token slots.
+`shared_prefix_inputs`; generate's `share_prefixes`), wherever that computes fewer token slots.
 
 Callers that generate (scoring, repairs, evaluation) take a `Generator`: `hf_generator(model)`
 here, or a vLLM engine's (vllm_rollout.py); both return the same `Rollout`.
@@ -158,9 +158,10 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
 
 def set_kv_cache(model: nn.Module, kind: str) -> None:
-    """rollout.kv_cache for every later generate() call (rollouts, repairs, evaluation), set on
-    the model's generation config. `static` pre-allocates the cache once per call at its final
-    length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
+    """The KV cache of every later generate() call (rollouts, repairs, evaluation), set on the
+    model's generation config: `dynamic` (what a run uses, whatever cache the model's own
+    generation config names) grows per token; `static` pre-allocates the cache once per call at
+    its final length (no torch.cat regrowth, fixed shapes). No torch.compile of the decoding step:
     transformers does not compile bitsandbytes 4-bit models, and an uncompiled static cache is
     what this is about."""
     config = unwrap(model).generation_config
@@ -633,8 +634,8 @@ Generator = Callable[..., Rollout]
 
 
 def hf_generator(model: nn.Module, share_prefixes: bool = True) -> Generator:
-    """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`:
-    rollout.share_prefixes."""
+    """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`: prompts
+    that begin alike run their common prefix once (off only to compare against it)."""
     return partial(generate, model, share_prefixes=share_prefixes)
 
 

@@ -21,12 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ibpo.config import DEFAULT_REPAIR_TEMPLATE, ConfigError, ModelConfig
 from ibpo.config import VLLM_BATCHED_TOKENS as VLLM_BATCHED_TOKENS  # re-exported
+from ibpo.config import ConfigError, ModelConfig
 from ibpo.embedded import EMBEDDED_NAME
-from ibpo.recipe import objective_spec
 
 GIB = 2**30
+# Completion tokens per lm_head chunk of training's log-probs (step.py; the planner counts one
+# fp32 [chunk, V] block).
+CHUNK_TOKENS = 1024
 F32 = 4  # bytes of fp32: LoRA weights and grads, upcast activations, logits
 # bitsandbytes NF4 with double quantisation (modeling.py): 4 bits per weight; one absmax per
 # 64 weights, itself quantised to 8 bits with one fp32 scale per 256 absmax values; per tensor
@@ -177,9 +179,7 @@ def load_model_shape(spec: str | Mapping | ModelShape | None, model: ModelConfig
     from transformers import AutoConfig
 
     try:
-        hub = AutoConfig.from_pretrained(
-            name, revision=model.revision, trust_remote_code=model.trust_remote_code
-        )
+        hub = AutoConfig.from_pretrained(name, revision=model.revision)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"could not read the config of '{name}': {e}\n  Fix: pass --model-config with a local "
@@ -292,23 +292,19 @@ def repair_template_tokens(template: str) -> int:
 
 
 def repair_generation(cfg) -> tuple[int, int, int] | None:
-    """(batch, prompt tokens, new tokens) of the repair generations, None when repairs are off.
-    Reads the config's `repair` section (IBPO.md Part 2) where there is one."""
-    rep = getattr(cfg, "repair", None)
-    enabled = getattr(rep, "enabled", None)
-    if rep is not None and enabled is None:  # an unresolved config: the declared default
-        enabled = objective_spec(cfg.objective.name).repairs
-    if not enabled:
+    """(batch, prompt tokens, new tokens) of a resolved config's repair generations (IBPO.md
+    Part 2), None when repairs are off."""
+    rep, ro = cfg.repair, cfg.rollout
+    if not rep.enabled:
         return None
-    ro, G = cfg.rollout, cfg.rollout.group_size
-    jobs = cfg.train.prompts_per_step * min(getattr(rep, "max_repairs_per_group", G), G)
-    jobs *= getattr(rep, "references", 1)
-    batch = getattr(rep, "batch_size", None) or ro.generation_batch_size
+    jobs = cfg.train.prompts_per_step * min(rep.max_repairs_per_group, ro.group_size)
+    jobs *= rep.references
     # the prompt as repair.repair_prompt renders it: the problem's rendered prompt (chat template
     # and data.prompt_template included), the template's own text, the attempt and the reference
-    template = getattr(rep, "template", None) or DEFAULT_REPAIR_TEMPLATE
-    prompt = cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + repair_template_tokens(template)
-    return min(batch, jobs), prompt, getattr(rep, "max_new_tokens", None) or ro.max_new_tokens
+    prompt = (
+        cfg.data.max_prompt_tokens + 2 * ro.max_new_tokens + repair_template_tokens(rep.template)
+    )
+    return min(rep.batch_size, jobs), prompt, ro.max_new_tokens
 
 
 def vllm_slot_rank(r: int) -> int:
@@ -322,11 +318,11 @@ def vllm_budget(
     shape: ModelShape, cfg, b: int, max_positions: int | None = None
 ) -> tuple[int, int]:
     """(max_model_len, KV-cache bytes) of the vLLM rollout engine (vllm_rollout.py). The KV
-    budget holds one generation_batch_size batch at full length (rollout.vllm_kv_cache_gb
-    overrides it); vLLM schedules within it. It is raised, if need be, to hold the longest
-    request this run makes (a repair prompt carries two completions) and rounded up to whole
-    KV blocks. max_model_len is the most a single request may use: all of that budget, capped by
-    the model's positions. b: bytes per KV element (the compute dtype)."""
+    budget holds one generation_batch_size batch at full length; vLLM schedules within it. It
+    is raised, if need be, to hold the longest request this run makes (a repair prompt carries
+    two completions) and rounded up to whole KV blocks. max_model_len is the most a single
+    request may use: all of that budget, capped by the model's positions. b: bytes per KV element
+    (the compute dtype)."""
     ro, P = cfg.rollout, cfg.data.max_prompt_tokens
     longest = P + max(ro.max_new_tokens, ro.eval_max_new_tokens)
     repair = repair_generation(cfg)
@@ -334,8 +330,6 @@ def vllm_budget(
         longest = max(longest, repair[1] + repair[2])
     batch = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     kv = kv_cache_bytes(shape, batch, P + ro.max_new_tokens, b)
-    if ro.vllm_kv_cache_gb:
-        kv = int(ro.vllm_kv_cache_gb * GIB)
     per_token = kv_cache_bytes(shape, 1, 1, b)
     length = max(kv // per_token, longest)
     # whole KV blocks: vLLM wants room for a max_model_len request rounded up to its block size

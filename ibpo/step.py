@@ -101,6 +101,7 @@ from ibpo.rewards.functions import (
     run_reward_set,
 )
 from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
+from ibpo.sizes import CHUNK_TOKENS
 
 # --- what the stages hand each other ------------------------------------------------------------
 
@@ -265,8 +266,11 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
     fast = use_dequantized_base(cfg.model, device, model)
     with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            yield hf_generator(model, cfg.rollout.share_prefixes)
+            yield hf_generator(model)
 
+
+# DAPO's dynamic sampling: extra rounds of rollouts that refill the groups it dropped
+MAX_RESAMPLE_ROUNDS = 3
 
 # what the spending rule learns from a step's repairs (algo/spending.observe), in its order
 SPENDING_TOTALS = (
@@ -315,7 +319,7 @@ def collect_batch(
 ) -> ScoredBatch:
     """Rounds of rollout -> rewards -> (IBPO) repairs until B groups are kept, then one scored
     batch. With dynamic sampling, groups whose shaped rewards are all equal (no gradient) are
-    dropped and the batch is refilled from the stream, for at most max_resample_rounds extra
+    dropped and the batch is refilled from the stream, for at most MAX_RESAMPLE_ROUNDS extra
     rounds; if every group was dropped the last round is kept as is (zero advantages), so a step
     never fails for lack of signal. `streams`: the step's sampling streams (None: the process's
     own, for callers that drive this stage alone). `spending`: the step's repair decision and
@@ -359,7 +363,7 @@ def collect_batch(
         if groups:
             kept.append(r.select(groups, G))
             need -= len(groups)
-        if need == 0 or rounds == cfg.rollout.max_resample_rounds:
+        if need == 0 or rounds == MAX_RESAMPLE_ROUNDS:
             break
         rounds += 1
     no_signal = not kept
@@ -445,7 +449,6 @@ def score_round(
             ro.generation_batch_size,
             temperature=ro.temperature,
             top_p=ro.top_p,
-            top_k=ro.top_k,
         )
     t1 = time.perf_counter()
     each = [ex for ex in examples for _ in range(G)]
@@ -471,11 +474,10 @@ def score_round(
         return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])
     rep = cfg.repair
     gen = {
-        "max_new_tokens": rep.max_new_tokens or ro.max_new_tokens,
-        "batch_size": rep.batch_size or ro.generation_batch_size,
-        "temperature": rep.temperature or ro.temperature,
+        "max_new_tokens": ro.max_new_tokens,
+        "batch_size": rep.batch_size,
+        "temperature": ro.temperature,
         "top_p": ro.top_p,
-        "top_k": ro.top_k,
     }
     budget, state = math.inf, None
     if spending is not None:
@@ -591,12 +593,12 @@ def update_policy(
     optimizer steps."""
     t0 = time.perf_counter()
     ro, tr, G = cfg.rollout, cfg.train, cfg.rollout.group_size
-    mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups, tr.micro_batch_tokens)
+    mbs = micro_batches(batch.rollout, G, tr.micro_batch_groups)
     # Every process runs as many forwards and backwards: DDP syncs buffers in each forward and
-    # FSDP gathers weights in each. One with fewer micro-batches (dynamic sampling, token caps)
+    # FSDP gathers weights in each. One with fewer micro-batches (dynamic sampling)
     # repeats its last one, with zero weight.
     n = agreed_count(accelerator, len(mbs))
-    chunk, temp = tr.logprob_chunk_tokens, ro.temperature
+    chunk, temp = CHUNK_TOKENS, ro.temperature
     # 6. old and reference log-probs (detached), each only when it matters
     old = None
     if tr.updates_per_rollout > 1:
@@ -705,9 +707,9 @@ def micro_batch_loss(
     first update after the rollout (`first`) the trainer's log-probs are compared with the
     rollout's behaviour log-probs (algo/mismatch.py): the frozen old ones when they were computed,
     else this forward's, so the check costs no forward of its own."""
-    tr, G = cfg.train, cfg.rollout.group_size
+    G = cfg.rollout.group_size
     with offloaded_activations(cfg.model.offload_activations):
-        logp, ent = sequence_logprobs(model, mb, tr.logprob_chunk_tokens, cfg.rollout.temperature)
+        logp, ent = sequence_logprobs(model, mb, CHUNK_TOKENS, cfg.rollout.temperature)
     mask, a = mb.completion_mask, mb.take(batch.adv)
     trainer_logp = logp.detach() if old is None else old  # the policy before this step's update
     behaviour = None if batch.rollout.logprobs is None else mb.take(batch.rollout.logprobs)

@@ -79,12 +79,9 @@ def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False
     if kind == "adamw_8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.PagedAdamW8bit(
-            params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
-        )
-    return torch.optim.AdamW(
-        params, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay
-    )
+        return bnb.optim.PagedAdamW8bit(params, lr=cfg.train.learning_rate, weight_decay=0.0)
+    # no weight decay (torch's AdamW would default to 0.01): the adapter starts at zero update
+    return torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=0.0)
 
 
 def lr_lambda(cfg: Config):
@@ -123,7 +120,7 @@ def _build(
         cfg.data, cfg.train.seed, rows, need_answer, eval_rows
     )
     model, tokenizer = load_policy(cfg.model, accelerator.device, peft_config=peft_config)
-    set_kv_cache(model, cfg.rollout.kv_cache)
+    set_kv_cache(model, "dynamic")
     accelerator.print(describe_prompts(tokenizer, cfg.data))
     if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
         accelerator.print(note)
@@ -138,9 +135,9 @@ def _build(
     stream = PromptStream(
         train_examples,
         cfg.train.seed,
-        cfg.data.shuffle,
-        accelerator.process_index,
-        accelerator.num_processes,
+        shuffle=True,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
     )
     optimizer = build_optimizer(model, cfg, accelerator.device, launch_kind(accelerator) == "FSDP")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -152,9 +149,9 @@ def _build(
 
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict) -> None:
     """Main process, once the data and the model have loaded: a fresh start moves an earlier
-    run aside (run.overwrite=true: deletes it), then the new config.yaml, headed by the code
-    version as a comment (the file stays a recipe)."""
-    if resume is None and (line := outdir.set_aside_previous_run(out, cfg.run.overwrite)):
+    run aside (never deletes it), then the new config.yaml, headed by the code version as a
+    comment (the file stays a recipe)."""
+    if resume is None and (line := outdir.set_aside_previous_run(out)):
         print(line, file=sys.stderr)
     recipe = yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False)
     (out / "config.yaml").write_text(header(code) + recipe)
@@ -162,16 +159,15 @@ def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict)
 
 def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: Config):
     """The checkpoint's state (RNG, data position, optimizer...: the run goes on as if it had
-    never stopped), or a fresh one with the held-out accuracy before training."""
+    never stopped), or a fresh one with the held-out accuracy before training (None without a
+    held-out set)."""
     if resume is not None:
         state = ckpt.load_checkpoint(accelerator, resume, parts)
         if accelerator.is_main_process:
             ckpt.restore_metrics(resume, metrics)  # drops steps logged after the checkpoint
             trim_completions(metrics.with_name(COMPLETIONS), state.step)
         accelerator.print(f"resumed from {resume} (step {state.step})")
-        applied = outdir.apply_optimizer_settings(
-            parts, cfg.train.learning_rate, cfg.train.weight_decay
-        )
+        applied = outdir.apply_optimizer_settings(parts, cfg.train.learning_rate)
         if applied:
             accelerator.print(f"ibpo: resuming with {'; '.join(applied)}")
         changed = outdir.resume_changes(resume, cfg)
@@ -181,7 +177,7 @@ def _start_or_resume(accelerator, parts, resume, metrics: Path, held_out, cfg: C
                 f"with the new ones: {'; '.join(changed)}"
             )
         return state
-    state = ckpt.TrainerState(eval_before=held_out() if cfg.train.eval_before else None)
+    state = ckpt.TrainerState(eval_before=held_out())
     if state.eval_before:
         e = state.eval_before
         accelerator.print(f"held-out accuracy before: {e['accuracy']:.3f} (n={e['n']})")
@@ -209,19 +205,17 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
     """Main process, after summary.json: plots, the end-of-run table, the Hub upload.
     None of them may cost a finished run: their failures are reported, not raised."""
     run = cfg.run
-    if run.plots:
+    try:
+        report.plot_run(out)
+        print(report.summary_table(out), file=sys.stderr)
+    except Exception as e:  # a figure is never worth a traceback after hours of training
+        print(
+            f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
+            file=sys.stderr,
+        )
+    if run.hub_repo_id is not None and status == "completed":
         try:
-            report.plot_run(out)
-            if run.progress:
-                print(report.summary_table(out), file=sys.stderr)
-        except Exception as e:  # a figure is never worth a traceback after hours of training
-            print(
-                f"ibpo: plots or summary not written: {e!r} (`ibpo report {out}` retries)",
-                file=sys.stderr,
-            )
-    if run.push_to_hub and status == "completed":
-        try:
-            url = hub_push.push(out, run.hub_repo_id, private=run.hub_private)
+            url = hub_push.push(out, run.hub_repo_id, private=True)
             print(f"ibpo: pushed to {url}", file=sys.stderr)
         except Exception as e:  # the run is saved: a failed upload must not fail it
             detail = str(e) if isinstance(e, hub_push.HubError) else repr(e)
@@ -422,7 +416,7 @@ class Run:
                 cfg.data,
                 self.reward_fns,
                 cfg.rollout.eval_max_new_tokens,
-                cfg.rollout.eval_batch_size,
+                cfg.rollout.generation_batch_size,
                 self.accelerator,
             )
 
@@ -437,7 +431,7 @@ class Run:
             self.parts,
             self.state,
             self.metrics_path,
-            self.cfg.run.keep_checkpoints,
+            ckpt.KEEP_CHECKPOINTS,
             self.cfg.to_dict(recipe=True),
         )
 
@@ -457,7 +451,7 @@ class Run:
             total=tr.steps,
             initial=min(state.step, tr.steps),
             desc="ibpo",
-            disable=not (self.main and run.progress),
+            disable=True if not self.main else None,  # None: shown on a terminal only
         )
         phase = "step"  # what ran when an error came: step | eval | save | callback
         cbs = self.callbacks
@@ -495,7 +489,7 @@ class Run:
                     cbs.call("on_step_end", metrics=m)
                     cbs.call("on_log", logs=m)
                     wants_stop, wants_save, wants_eval = cbs.take(acc) if cbs else (0, 0, 0)
-                    if 0 < tr.max_nonfinite_steps <= state.nonfinite_streak:
+                    if state.nonfinite_streak >= failures.MAX_NONFINITE_STEPS:
                         end.status = "nonfinite"
                         break
                     # the same verdict on every process: the metrics are gathered ones

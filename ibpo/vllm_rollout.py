@@ -9,9 +9,9 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
 * Before each generation phase the adapter is saved in PEFT format under a new directory and a
   new LoRA id, so the engine can never serve a stale cached copy; the previous one is deleted.
 * Between phases the engine sleeps (level 1: weights to host memory, KV cache dropped) so that the
-  update has the GPU; rollout.vllm_sleep=false keeps both models resident instead.
-* Its KV cache is a fixed budget (sizes.vllm_budget: one generation batch at full length unless
-  rollout.vllm_kv_cache_gb says otherwise), so memory is planned, not "90% of the card".
+  update has the GPU.
+* Its KV cache is a fixed budget (sizes.vllm_budget: one generation batch at full length), so
+  memory is planned, not "90% of the card".
 * It runs in the training process, not in vLLM's default child process, which would exit on the
   first Ctrl-C or SIGTERM instead of letting the trainer finish the step and save.
 * Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
@@ -115,9 +115,9 @@ def sampled_logprobs(completion) -> torch.Tensor:
 class VLLMEngine:
     """A vLLM engine that generates with the policy's current adapter (see the module doc)."""
 
-    def __init__(self, llm, lora_request, eos: list[int], device: torch.device, sleeps: bool):
+    def __init__(self, llm, lora_request, eos: list[int], device: torch.device):
         self.llm, self._lora_request, self.eos, self.device = llm, lora_request, eos, device
-        self.sleeps, self.asleep = sleeps, False
+        self.asleep = False
         self.workdir = Path(tempfile.mkdtemp(prefix="ibpo-vllm-adapters-"))
         # the saved adapters go with the engine, however the run ends
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, True)
@@ -136,8 +136,7 @@ class VLLMEngine:
         positions = getattr(base_config, "max_position_embeddings", None)
         length, kv_bytes = vllm_budget(shape, cfg, dtype.itemsize, positions)
         kwargs = engine_kwargs(vllm, mc.quantization, mc.lora_r)
-        if cfg.rollout.vllm_sleep:
-            kwargs["enable_sleep_mode"] = True
+        kwargs["enable_sleep_mode"] = True
         if torch.cuda.is_available():
             # vLLM refuses to start unless this fraction of the card is free (less what it sets
             # up first); what it takes is set by its weights and the KV budget below
@@ -154,7 +153,6 @@ class VLLMEngine:
                 revision=mc.revision,
                 seed=cfg.train.seed,
                 dtype=str(dtype).removeprefix("torch."),
-                trust_remote_code=mc.trust_remote_code,
                 max_model_len=length,
                 kv_cache_memory_bytes=kv_bytes,
                 max_num_seqs=cfg.rollout.generation_batch_size,
@@ -165,16 +163,16 @@ class VLLMEngine:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise ConfigError(
                 f"vLLM did not start: {first}\n  Fix: check the fit with `ibpo plan RECIPE "
-                f"rollout.backend=vllm`; lower rollout.vllm_kv_cache_gb (the engine's KV cache, "
-                f"{kv_bytes / 2**30:.2f} GiB now) or rollout.generation_batch_size, or use "
+                f"rollout.backend=vllm`; lower rollout.generation_batch_size (the engine's KV "
+                f"cache holds one such batch: {kv_bytes / 2**30:.2f} GiB now), or use "
                 "rollout.backend=hf."
             ) from e
-        engine = cls(llm, lora_request, eos_ids(tokenizer, model), device, cfg.rollout.vllm_sleep)
+        engine = cls(llm, lora_request, eos_ids(tokenizer, model), device)
         engine.sleep()
         return engine
 
     def sleep(self) -> None:
-        if self.sleeps and not self.asleep:
+        if not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 

@@ -229,7 +229,10 @@ def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:
 
 
 def run_train(model_dir: str, overrides: list[str]) -> dict:
-    """A whole `train()`; its summary and the live policy's full LoRA tensors after it."""
+    """A whole `train()`; its summary and the live policy's full LoRA tensors after it.
+    `--bnb-kernels` among the overrides: a 4-bit base computes with bitsandbytes' kernels, as
+    under FSDP, never with a dequantised copy."""
+    import ibpo.modeling as modeling
     import ibpo.step as step
     import ibpo.trainer as trainer
     from ibpo.distributed import is_fsdp
@@ -257,6 +260,9 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         spending.append({"mode": mode, "local": local, "state": after.state_dict()})
         return after
 
+    if "--bnb-kernels" in overrides:
+        overrides = [o for o in overrides if o != "--bnb-kernels"]
+        modeling.AUTO_DEQUANTIZE_MAX_BYTES = -1
     trainer.rl_step, step.observe_repairs = spy, observe
     try:
         summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))

@@ -30,6 +30,7 @@ from ibpo.modeling import load_policy
 from ibpo.recipe import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
+from ibpo.run import failures
 from ibpo.step import StepParts
 from ibpo.trainer import train
 
@@ -66,7 +67,6 @@ def _args(model_dir, out, steps, *extra):
         "repair.max_repairs_per_group=1",
         "repair.template='{question}|{attempt}|{reference}'",
         f"run.output_dir={out}",
-        "run.progress=false",
         *extra,
     ]
 
@@ -197,7 +197,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     assert _spending(run) == spent
     assert any(s[1] == 0 and s[2] > 0 for s in spent)  # a step that skipped its repairs
     assert any(s[3] == 1.0 for s in spent)  # a probe
-    assert len(ckpt.list_checkpoints(root)) == 2  # keep_checkpoints
+    assert len(ckpt.list_checkpoints(root)) == ckpt.KEEP_CHECKPOINTS == 2
 
 
 class _Crash(BaseException):
@@ -309,13 +309,13 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(
     import ibpo.step as step_mod
 
     monkeypatch.setattr(step_mod, "group_advantages", _nan_advantages({2, 4, 5}))
+    monkeypatch.setattr(failures, "MAX_NONFINITE_STEPS", 2)
     out = tmp_path / "run"
     args = _args(
         tiny_model_dir,
         out,
         8,
         "objective.name=grpo",
-        "train.max_nonfinite_steps=2",
         "run.save_every=0",
         "train.lr_scheduler=linear",
     )
@@ -324,7 +324,7 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(
     assert summary["status"] == "nonfinite" and summary["steps"] == 5
     assert summary["nonfinite_steps"] == 3
     assert "2 consecutive steps (4-5)" in summary["message"]
-    assert "train.max_nonfinite_steps" in summary["message"]
+    assert "resume with run.resume_from=latest" in summary["message"]
     # strict JSON: non-finite values are written as null, never NaN / Infinity
     no_nan = lambda c: pytest.fail(f"metrics.jsonl holds {c}")  # noqa: E731
     lines = [
@@ -372,7 +372,6 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
     assert summary["status"] == "out_of_memory" and summary["steps"] == 2
     for knob in (
         "train.micro_batch_groups",
-        "train.logprob_chunk_tokens",
         "rollout.generation_batch_size",
         "rollout.max_new_tokens",
         "ibpo plan",

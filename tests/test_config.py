@@ -1,8 +1,8 @@
 import pytest
 
 from ibpo.cli import main
-from ibpo.config import ConfigError, parse_override
-from ibpo.recipe import load_config
+from ibpo.config import ConfigError
+from ibpo.recipe import load_config, parse_override
 
 
 def test_defaults_are_the_embedded_demo():
@@ -55,8 +55,9 @@ def test_unknown_key_in_recipe(tmp_path):
 
 
 def test_parse_override_yaml_scalars():
-    assert parse_override("a.b=null") == ("a", "b", None)
-    assert parse_override("a.b=[1, 2]") == ("a", "b", [1, 2])
+    assert parse_override("a.b=null") == (["a", "b"], None)
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("data.eval.split=test") == (["data", "eval", "split"], "test")
     assert load_config(None, ["train.learning_rate=1e-4"]).train.learning_rate == 1e-4
 
 
@@ -122,13 +123,11 @@ def test_every_registry_backed_choice_rejects_a_name_outside_it():
 
 def test_fields_that_allow_null_accept_it():
     nullable = [
-        "repair.max_new_tokens",
-        "repair.temperature",
         "repair.batch_size",
         "repair.enabled",
-        "rollout.vllm_kv_cache_gb",
-        "data.eval_answer_format",
-        "data.eval_question_column",
+        "data.eval.answer_format",
+        "data.eval.question_column",
+        "data.eval.dataset",
         "objective.weights",
         "objective.gate",
         "objective.eps_low",
@@ -137,7 +136,7 @@ def test_fields_that_allow_null_accept_it():
         "objective.scale_rewards",
         "objective.overlong_buffer",
         "objective.overlong_penalty",
-        "model.cpu_dequantize",
+        "rollout.mismatch_stop_kl",
     ]
     load_config(None, [f"{key}=null" for key in nullable])
 
@@ -148,9 +147,12 @@ def test_fields_that_allow_null_accept_it():
         ("model.quantization=x", "model.quantization='x'; choose one of: nf4, none"),
         ("rollout.group_size=0", "rollout.group_size must be >= 2"),
         ("rollout.generation_batch_size=0", "rollout.generation_batch_size must be > 0"),
-        ("data.eval_answer_format=latex", "code_tests (or null: data.answer_format)"),
-        ("rollout.vllm_kv_cache_gb=0", "rollout.vllm_kv_cache_gb must be > 0 (or null"),
-        ("repair.max_new_tokens=0", "must be > 0 (or null: rollout.max_new_tokens)"),
+        ("data.eval.answer_format=latex", "data.eval.answer_format='latex'; choose one of: "),
+        ("data.eval.answer_format=latex", "code_tests (or null: training's)"),
+        ("data.eval={splitt: x}", "data.eval: unknown key 'splitt'; its keys: dataset, subset"),
+        ("data.eval=test", "data.eval: expected a mapping (key: value), got 'test'"),
+        ("data.eval.split=[a]", "data.eval.split: ['a'] is not a valid"),
+        ("repair.batch_size=0", "must be > 0 (or null: rollout.generation_batch_size)"),
         ("repair.rho=1.5", "repair.rho must lie in [0, 1]"),
         ("repair.shaping_lambda=-1", "repair.shaping_lambda must be >= 0"),
         ("repair.template=fix {question} {attempt}", "repair.template must contain '{reference}'"),
@@ -158,8 +160,6 @@ def test_fields_that_allow_null_accept_it():
         ("objective.kl_coef=-0.1", "objective.kl_coef must be >= 0"),
         ("objective.eps_low=1", "objective.eps_low must lie in [0, 1)"),
         ("objective.gate=token", None),  # ibpo takes a gate
-        ("run.keep_checkpoints=0", "run.keep_checkpoints must be >= 1 (resuming needs one)"),
-        ("train.micro_batch_tokens=-1", "train.micro_batch_tokens must be >= 0 (0 = no token cap)"),
         ("run.resume_from=' '", "run.resume_from must be null, 'latest' or a checkpoint path"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens must be > 0"),
     ],
@@ -184,7 +184,7 @@ def test_field_messages(override, message):
             "data.answer_format=code_tests gives test specs, "
             "which objective.reward=math scores 0 for every completion: set objective.reward=code",
         ),
-        (["data.eval_answer_format=code_tests"], "data.eval_answer_format=code_tests gives test"),
+        (["data.eval.answer_format=code_tests"], "data.eval.answer_format=code_tests gives test"),
         (
             ["objective.reward=code", "data.answer_format=gsm8k"],
             "objective.reward=code runs the answer as a JSON test spec, not a gsm8k answer: "
@@ -194,21 +194,18 @@ def test_field_messages(override, message):
             [
                 "objective.reward=code",
                 "data.answer_format=code_tests",
-                "data.eval_answer_format=boxed",
+                "data.eval.answer_format=boxed",
             ],
-            "set data.eval_answer_format=code_tests",
+            "set data.eval.answer_format=code_tests",
         ),
         (["train.learning_rate=0"], "train.learning_rate must be > 0"),
         (["train.learning_rate=-1e-4"], "train.learning_rate must be > 0"),
         (["train.max_grad_norm=0"], "train.max_grad_norm must be > 0 (.inf = no clipping)"),
         (["train.max_grad_norm=-1"], "train.max_grad_norm must be > 0"),
-        (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
         (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
         (["rollout.top_p=0"], "rollout.top_p must lie in (0, 1]"),
         (["rollout.top_p=1.1"], "rollout.top_p must lie in (0, 1]"),
-        (["rollout.top_k=-1"], "rollout.top_k must be >= 0 (0 = off)"),
-        (["run.push_to_hub=true"], "run.push_to_hub=true needs run.hub_repo_id"),
-        (["run.push_to_hub=true", "run.hub_repo_id=a--b/c"], "Fix: run.hub_repo_id="),
+        (["run.hub_repo_id=a--b/c"], "Fix: run.hub_repo_id="),
         (
             ["objective.name=grpo", "objective.weights=min_replace"],
             "objective.weights does not apply to 'grpo' (it takes: eps_low, eps_high)",
@@ -229,16 +226,15 @@ def test_values_at_the_edges_are_accepted():
         [
             "rollout.top_p=1",
             "rollout.top_p=0.9",
-            "rollout.top_k=0",
             "train.max_grad_norm=.inf",
-            "train.weight_decay=0",
             "train.warmup_steps=0",
             "train.learning_rate=1e-8",
             "objective.reward=code",
             "data.answer_format=code_tests",
         ],
     )
-    assert cfg.train.max_grad_norm == float("inf") and cfg.data.eval_answer_format == "code_tests"
+    assert cfg.train.max_grad_norm == float("inf")
+    assert cfg.data.eval["answer_format"] == "code_tests"
     # the code grader also takes a column that already holds its JSON specs
     assert load_config(None, ["objective.reward=code"]).data.answer_format == "plain"
 
@@ -255,25 +251,25 @@ def test_a_reward_registered_at_run_time_is_accepted(monkeypatch):
 
 def test_the_run_section_holds_what_once_was_train_and_the_old_names_are_renamed():
     """Where and how the job runs (run.*) is apart from what is learned (train.*): every run key
-    was a train key once, and RENAMED maps each old name to a key that exists."""
+    was a train key once, and RENAMED maps each old name to a key that exists or was removed
+    since (REMOVED says what became of it)."""
     import dataclasses
 
-    from ibpo.config import RENAMED, Config, RunConfig, TrainConfig
+    from ibpo.config import Config, RunConfig, TrainConfig
+    from ibpo.recipe import REMOVED, RENAMED
 
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     assert not run_keys & train_keys
-    assert {k: v for k, v in RENAMED.items() if v.startswith("run.")} == {
-        f"train.{key}": f"run.{key}" for key in run_keys
-    }
+    assert {f"run.{key}" for key in run_keys} <= set(RENAMED.values())
     assert [f.name for f in dataclasses.fields(Config)][-1] == "run"
     for old, new in RENAMED.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         assert not hasattr(getattr(Config(), old_section), old_key), old
-        assert hasattr(getattr(Config(), new_section), new_key), new
+        assert hasattr(getattr(Config(), new_section), new_key) or new in REMOVED, new
 
 
-@pytest.mark.parametrize("key", ["output_dir", "resume_from", "push_to_hub", "progress"])
+@pytest.mark.parametrize("key", ["output_dir", "resume_from", "log_with", "hub_repo_id"])
 def test_a_renamed_key_names_its_new_name(tmp_path, key):
     with pytest.raises(ConfigError, match=rf"'train\.{key}' was renamed to 'run\.{key}'; use that"):
         load_config(None, [f"train.{key}=x"])
@@ -293,3 +289,113 @@ def test_train_output_dir_names_run_output_dir():
         load_config(None, ["train.output_dir=x"])
     assert str(e.value) == f"override 'train.output_dir=x': {message}"
     assert load_config(None, ["run.output_dir=x"]).run.output_dir == "x"
+
+
+# --- keys removed or folded: refused in recipes and overrides, naming what replaced them -------
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("rollout.eval_batch_size", "rollout.generation_batch_size sizes the held-out batches"),
+        ("repair.max_new_tokens", "repairs use rollout.max_new_tokens: set that"),
+        ("repair.temperature", "repairs use rollout.temperature: set that"),
+        ("run.push_to_hub", "set run.hub_repo_id=<user>/<name> to push at the end"),
+        ("run.overwrite", "moved to previous-<time>/, never deleted"),
+        ("train.eval_before", "whenever data.eval_size > 0 (0 skips both)"),
+        ("rollout.top_k", "use rollout.top_p"),
+        ("model.trust_remote_code", "models load without remote code"),
+        ("train.progress", "the progress bar shows when the output is a terminal"),
+    ],
+)
+def test_a_removed_key_is_refused_naming_what_replaced_it(tmp_path, key, message):
+    from ibpo.recipe import REMOVED, RENAMED
+
+    assert RENAMED.get(key, key) in REMOVED
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=1"])
+    assert str(e.value).startswith(f"override '{key}=1': '{key}' was removed: ")
+    assert message in str(e.value)
+    section, name = key.split(".")
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"{section}:\n  {name}: 1\n")
+    with pytest.raises(ConfigError, match=rf"old\.yaml: '{key}' was removed: "):
+        load_config(recipe)
+
+
+def test_every_removed_key_says_what_happens_now():
+    """One message per removed key, and none of them still a field."""
+    import dataclasses
+
+    from ibpo.config import Config
+    from ibpo.recipe import FOLDED, REMOVED
+
+    for key, message in {**REMOVED, **FOLDED}.items():
+        section, name = key.split(".")
+        assert name not in {f.name for f in dataclasses.fields(getattr(Config(), section))}
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}=x"])
+        assert f"'{key}' " in str(e.value) and len(message) > 10
+
+
+@pytest.mark.parametrize(
+    "old, item", [("eval_split", "split"), ("eval_question_column", "question_column")]
+)
+def test_a_folded_eval_key_names_its_item(tmp_path, old, item):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.{old}=x"])
+    assert f"'data.{old}' is now 'data.eval.{item}'; use that" in str(e.value)
+    cfg = load_config(None, [f"data.eval.{item}=x"])
+    assert cfg.data.eval[item] == "x"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"data:\n  eval: {{{item}: y}}\n")
+    assert load_config(recipe).data.eval[item] == "y"
+
+
+def test_the_eval_mapping_keeps_the_items_a_recipe_or_override_does_not_name(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  dataset: a/b\n  subset: main\n  eval: {split: validation}\n")
+    cfg = load_config(recipe, ["data.eval={answer_column: gold}"])
+    ev = cfg.data.eval
+    assert ev["split"] == "validation" and ev["answer_column"] == "gold"
+    assert ev["question_column"] == "question" and ev["subset"] == "main"  # training's
+    assert ev["dataset"] is None  # the training source, not a copy of its name
+    other = load_config(recipe, ["data.eval.dataset=c/d"]).data.eval
+    assert other["subset"] is None  # another dataset: its own default configuration
+
+
+# --- the schema's size, and docs/config.md kept to it ------------------------------------------
+
+
+def _documented() -> tuple[set[str], str]:
+    """("section.key" of every row under a section heading of docs/config.md, its whole text)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    keys, section = set(), None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif section and (m := re.match(r"\| `(\w+)` \|", line)):
+            keys.add(f"{section}.{m.group(1)}")
+    return keys, text
+
+
+def test_the_schema_holds_at_most_80_keys_each_documented():
+    import dataclasses
+
+    from ibpo.config import Config
+    from ibpo.recipe import FOLDED, REMOVED
+
+    schema = {
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(Config)
+        for f in dataclasses.fields(s.default_factory())
+    }
+    assert len(schema) <= 80
+    documented, text = _documented()
+    assert documented == schema  # every key once under its section, and no key the schema lacks
+    for key in {*REMOVED, *FOLDED}:  # the removed keys' table
+        section, name = key.split(".")
+        assert f"`{key}`" in text or f"`{name}`" in text, key

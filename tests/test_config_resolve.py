@@ -1,7 +1,8 @@
-"""What None inherits (recipe.resolve: config.inherit and the objective's registration), that
+"""What None inherits (recipe.resolve: recipe.inherit and the objective's registration), that
 config.py imports nothing from ibpo, and that each registration is one the recipe can set."""
 
 import ast
+import copy
 import dataclasses
 import inspect
 import subprocess
@@ -84,26 +85,53 @@ def test_resolve_fills_every_inherit_field():
     cfg = load_config(
         None,
         [
-            "rollout.max_new_tokens=40",
-            "rollout.temperature=0.7",
             "rollout.generation_batch_size=32",
             "data.question_column=q",
             "data.answer_column=a",
             "data.answer_format=gsm8k",
+            "data.subset=main",
         ],
     )
-    rep, data = cfg.repair, cfg.data
-    assert (rep.max_new_tokens, rep.temperature, rep.batch_size) == (40, 0.7, 32)
-    assert (data.eval_question_column, data.eval_answer_column) == ("q", "a")
-    assert data.eval_answer_format == "gsm8k" and rep.enabled is True
+    rep, ev = cfg.repair, cfg.data.eval
+    assert rep.batch_size == 32 and rep.enabled is True
+    assert (ev["question_column"], ev["answer_column"], ev["answer_format"]) == ("q", "a", "gsm8k")
+    assert ev["subset"] == "main"  # the training source: its configuration
     assert all(getattr(obj, f.name) is not None for obj, f in _inherit_fields(cfg))
     # "the same source" is not a copy: left as it is
-    assert data.eval_dataset is None and data.eval_subset is None
+    assert ev["dataset"] is None
     own = load_config(
-        None, ["repair.max_new_tokens=7", "data.eval_answer_format=boxed", "repair.enabled=false"]
+        None, ["repair.batch_size=7", "data.eval.answer_format=boxed", "repair.enabled=false"]
     )
-    assert own.repair.max_new_tokens == 7 and own.data.eval_answer_format == "boxed"
+    assert own.repair.batch_size == 7 and own.data.eval["answer_format"] == "boxed"
     assert own.repair.enabled is False
+
+
+# what a None may still mean after loading: not "inherit", something of its own
+_NONE_OF_ITS_OWN = {
+    "model.revision", "data.subset", "data.system_prompt", "data.enable_thinking",
+    "data.prompt_template", "rollout.mismatch_stop_kl", "objective.reward_weights",
+    "objective.reward_timeout", "run.resume_from", "run.log_with", "run.hub_repo_id",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_no_inherited_value_is_none_after_loading(name):
+    """Every None-means-inherit value holds what it inherits once the recipe has loaded (so no
+    reader derives it again): the declared ones (an objective's parameters, repair.enabled,
+    rollout.dynamic_sampling), the `inherit=` fields and data.eval's items; a surrogate
+    parameter the objective does not take stays None (setting it is an error)."""
+    cfg = load_config(None, [f"objective.name={name}", "data.dataset=tests/fixtures/x.jsonl"])
+    takes = OBJECTIVES[name].kwargs
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            key, value = f"{section.name}.{f.name}", getattr(getattr(cfg, section.name), f.name)
+            if key in _NONE_OF_ITS_OWN or (f.metadata.get("surrogate") and f.name not in takes):
+                continue
+            assert value is not None, key
+    ev = cfg.data.eval
+    assert all(ev[k] is not None for k in ("split", "question_column", "answer_column"))
+    assert ev["answer_format"] is not None
+    assert load_config().data.prompt_template is not None  # a built-in task's prompt
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -137,7 +165,7 @@ def test_resolve_is_idempotent_and_a_written_config_loads_back_to_itself(tmp_pat
 
 def test_a_config_written_with_nulls_by_an_older_version_loads():
     old = Config().to_dict()  # unresolved: every inherit field null, as older versions wrote it
-    assert old["repair"]["max_new_tokens"] is None and old["objective"]["eps_low"] is None
+    assert old["repair"]["batch_size"] is None and old["objective"]["eps_low"] is None
     assert recipe.from_dict(old) == load_config()
 
 
@@ -158,20 +186,31 @@ def test_ibpo_config_prints_the_resolved_config(capsys):
         printed == load_config(None, ["objective.name=dapo", "rollout.max_new_tokens=30"]).to_dict()
     )
     assert printed["objective"]["overlong_buffer"] == 0.2 and printed["repair"]["enabled"] is False
-    assert printed["repair"]["max_new_tokens"] == 30
+    assert printed["repair"]["batch_size"] == 64
+    assert printed["data"]["eval"]["question_column"] == "question"
 
 
 def test_a_runs_config_yaml_is_its_recipe_and_inherits_afresh(tmp_path):
     """The trainer writes the recipe form (to_dict(recipe=True)): what resolve filled in is null
-    again, so the file rerun with another objective or a shorter rollout inherits anew."""
-    cfg = load_config(None, ["rollout.max_new_tokens=40", "repair.temperature=0.5"])
-    assert cfg.repair.max_new_tokens == 40 and "repair.max_new_tokens" in cfg.inherited
-    assert "repair.temperature" not in cfg.inherited  # set by the user: kept
+    again, so the file rerun with another objective or other settings inherits anew."""
+    cfg = load_config(None, ["rollout.generation_batch_size=40", "data.eval.answer_format=plain"])
+    assert cfg.repair.batch_size == 40 and "repair.batch_size" in cfg.inherited
+    assert "data.eval.question_column" in cfg.inherited
+    assert "data.eval.answer_format" not in cfg.inherited  # set by the user: kept
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False))
     assert load_config(path) == cfg
-    rerun = load_config(path, ["objective.name=grpo", "rollout.max_new_tokens=20"])
-    assert rerun.repair.max_new_tokens == 20 and rerun.repair.temperature == 0.5
+    rerun = load_config(
+        path,
+        [
+            "objective.name=grpo",
+            "rollout.generation_batch_size=20",
+            "data.question_column=q",
+            "data.answer_format=gsm8k",
+        ],
+    )
+    assert rerun.repair.batch_size == 20 and rerun.data.eval["question_column"] == "q"
+    assert rerun.data.eval["answer_format"] == "plain"
     assert rerun.objective.weights is None and rerun.repair.enabled is False
     assert rerun.objective.eps_high == OBJECTIVES["grpo"].kwargs["eps_high"]
 
@@ -206,8 +245,6 @@ def test_a_saved_config_with_the_run_keys_under_train_is_migrated(tmp_path):
     run = [
         "run.output_dir=out/x",
         "run.resume_from=latest",
-        "run.plots=false",
-        "run.push_to_hub=true",
         "run.hub_repo_id=alice/x",
     ]
     cfg = load_config(None, [*run, "train.steps=3"])
@@ -257,3 +294,50 @@ def test_dynamic_sampling_is_dapos_default_and_any_objective_may_set_it(name, tm
     path.write_text(yaml.safe_dump(load_config(None, ["objective.name=dapo"]).to_dict(recipe=True)))
     rerun = load_config(path, [f"objective.name={name}"])
     assert rerun.rollout.dynamic_sampling is (name == "dapo")
+
+
+# --- configs saved before keys were removed or folded ----------------------------------------
+
+
+def test_an_older_saved_config_with_removed_and_folded_keys_loads():
+    """A run's config.yaml from before the pruning (resume, `ibpo report`): each removed key is
+    dropped, data.eval_* moves into data.eval, and push_to_hub=false keeps a recorded repo id
+    from pushing; the result is what the same settings load as today."""
+    from ibpo.recipe import REMOVED
+
+    old = load_config(None, ["data.dataset=a/b", "data.subset=main"]).to_dict()
+    old["data"].pop("eval")
+    old["data"].update(
+        eval_dataset=None, eval_split="validation", eval_subset=None,
+        eval_question_column="question", eval_answer_column="answer", eval_answer_format=None,
+    )  # fmt: skip
+    for key in REMOVED:
+        section, name = key.split(".")
+        old[section][name] = 0  # any value: dropped
+    old["run"].update(push_to_hub=False, hub_repo_id="alice/x")
+    saved = copy.deepcopy(old)
+    cfg = recipe.from_dict(old)
+    assert old == saved  # the input is left as it was
+    want = load_config(None, ["data.dataset=a/b", "data.subset=main", "data.eval.split=validation"])
+    assert cfg.to_dict() == want.to_dict()
+    assert cfg.run.hub_repo_id is None  # it did not push then: it does not now
+    old["run"]["push_to_hub"] = True
+    assert recipe.from_dict(old).run.hub_repo_id == "alice/x"
+    # an older train.* layout of a removed run key is dropped too
+    older = load_config().to_dict()
+    older["train"].update(progress=False, plots=True, keep_checkpoints=3, overwrite=True)
+    assert recipe.from_dict(older) == load_config()
+
+
+def test_an_older_checkpoint_with_removed_keys_resumes_without_spurious_changes(tmp_path):
+    import json
+
+    from ibpo.run.outdir import resume_changes
+
+    cfg = load_config()
+    saved = cfg.to_dict(recipe=True)
+    saved["rollout"].update(eval_batch_size=100, kv_cache="dynamic", top_k=0)
+    saved["repair"].update(max_new_tokens=None, temperature=None)
+    saved["train"].update(weight_decay=0.0, eval_before=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert resume_changes(tmp_path, cfg) == []

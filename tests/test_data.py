@@ -303,25 +303,23 @@ def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
         {"problem": "3 squared?", "answer": "9", "solution": "it is \\boxed{9}"},
     ]
     held = _jsonl(tmp_path / "math500.jsonl", rows)
-    base = dict(
-        dataset=str(train),
-        question_column="prompt",
-        answer_column="solution",
-        eval_dataset=str(held),
-        eval_size=5,
-    )
-    own = dict(
-        eval_question_column="problem", eval_answer_column="solution", eval_answer_format="boxed"
-    )
-    tr, ev = load_splits(DataConfig(**base, **own))
+    from ibpo.recipe import load_config
+
+    base = {
+        "data.dataset": str(train),
+        "data.question_column": "prompt",
+        "data.answer_column": "solution",
+        "data.eval_size": 5,
+    }
+    own = {"question_column": "problem", "answer_column": "solution", "answer_format": "boxed"}
+    cfg = load_config(None, {**base, "data.eval": {"dataset": str(held), **own}})
+    tr, ev = load_splits(cfg.data)
     assert [e.question for e in tr] == [f"{i} + 1?" for i in range(5)]  # nothing carved out
     assert [(e.question, e.answer) for e in ev] == [("Half of 8?", "4"), ("3 squared?", "9")]
     with pytest.raises(ConfigError, match="no column 'prompt'"):  # training's columns by default
-        load_splits(DataConfig(**base))
-    from ibpo.recipe import load_config
-
-    with pytest.raises(ConfigError, match="eval_answer_format"):
-        load_config(None, ["data.eval_answer_format=latex"])
+        load_splits(load_config(None, {**base, "data.eval.dataset": str(held)}).data)
+    with pytest.raises(ConfigError, match="data.eval.answer_format='latex'"):
+        load_config(None, ["data.eval.answer_format=latex"])
 
 
 def test_a_named_eval_dataset_without_the_split_is_an_error(tmp_path, monkeypatch):
@@ -335,8 +333,10 @@ def test_a_named_eval_dataset_without_the_split_is_an_error(tmp_path, monkeypatc
         "_load_rows",
         lambda src, split, subset: None if src == "org/evalset" else real(src, split, subset),
     )
-    cfg = DataConfig(
-        dataset=train, eval_dataset="org/evalset", eval_split="validation", eval_size=2
-    )
+    from ibpo.recipe import load_config
+
+    held_out = {"dataset": "org/evalset", "split": "validation"}
+    cfg = load_config(None, {"data.dataset": train, "data.eval": held_out, "data.eval_size": 2})
+    cfg = cfg.data
     with pytest.raises(ConfigError, match="has no split 'validation'"):
         load_splits(cfg)  # never a silent carve-out of the training rows

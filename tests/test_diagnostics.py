@@ -122,16 +122,18 @@ def _fake_rounds(monkeypatch, reward_rows):
     monkeypatch.setattr(step, "score_round", fake_round)
 
 
-def _cfg(dynamic, rounds, B=3):
+def _cfg(monkeypatch, dynamic, rounds, B=3):
+    """A config with dynamic sampling on or off, refilling for at most `rounds` extra rounds."""
+    import ibpo.step as step_mod
     from ibpo.recipe import load_config
 
+    monkeypatch.setattr(step_mod, "MAX_RESAMPLE_ROUNDS", rounds)
     return load_config(
         None,
         [
             "rollout.group_size=2",
             f"train.prompts_per_step={B}",
             f"rollout.dynamic_sampling={str(dynamic).lower()}",
-            f"rollout.max_resample_rounds={rounds}",
         ],
     )
 
@@ -152,7 +154,7 @@ FLAT, LIVE = [1, 1], [1, 0]
 
 def test_dynamic_sampling_refills_until_full(monkeypatch):
     _fake_rounds(monkeypatch, [[FLAT, LIVE, FLAT], [LIVE, FLAT], [LIVE]])
-    b, stream = _collect(_cfg(True, 5))
+    b, stream = _collect(_cfg(monkeypatch, True, 5))
     assert stream.asked == [3, 2, 1]
     assert b.rewards.shape == (3, 2) and (b.rewards.std(1) > 0).all()
     assert b.stats["dropped_groups"] == 3 and b.stats["resample_rounds"] == 2
@@ -162,20 +164,20 @@ def test_dynamic_sampling_refills_until_full(monkeypatch):
 
 def test_dynamic_sampling_stops_after_max_rounds(monkeypatch):
     _fake_rounds(monkeypatch, [[FLAT, FLAT, LIVE]] + [[FLAT, FLAT]] * 10)
-    b, stream = _collect(_cfg(True, 2))
+    b, stream = _collect(_cfg(monkeypatch, True, 2))
     assert stream.asked == [3, 2, 2]  # the first round plus at most 2 more
     assert b.rewards.shape == (1, 2) and b.stats["dropped_groups"] == 6
 
 
 def test_dynamic_sampling_with_no_signal_trains_the_last_round(monkeypatch):
     _fake_rounds(monkeypatch, [[FLAT, FLAT]] * 3)
-    b, _ = _collect(_cfg(True, 1, B=2))
+    b, _ = _collect(_cfg(monkeypatch, True, 1, B=2))
     assert b.rewards.shape == (2, 2) and (b.adv == 0).all()
 
 
 def test_without_dynamic_sampling_flat_groups_stay(monkeypatch):
     _fake_rounds(monkeypatch, [[FLAT, LIVE, FLAT]])
-    b, stream = _collect(_cfg(False, 3))
+    b, stream = _collect(_cfg(monkeypatch, False, 3))
     assert stream.asked == [3] and b.rewards.shape == (3, 2) and b.stats["dropped_groups"] == 0
 
 
@@ -223,6 +225,7 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     """An all-correct group (no task signal) whose members are 4 and 16 tokens long, with
     max_new_tokens 16: DAPO's default (20% buffer) gives the short one the positive advantage;
     objectives without the penalty, or dapo with it off, leave the group at zero."""
+    import ibpo.step as step_mod
     from ibpo.recipe import load_config
 
     def collect(extra):
@@ -244,7 +247,8 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
         assert b.seq_adv[0] > 0 > b.seq_adv[1]
         assert b.stats["overlong_penalty"] == pytest.approx(-0.25)  # (0 - 0.5) / 2
         # by default dapo samples dynamically, as DAPO does: the flat group is dropped
-        b = collect(["rollout.max_resample_rounds=0"])
+        monkeypatch.setattr(step_mod, "MAX_RESAMPLE_ROUNDS", 0)
+        b = collect([])
         assert b.stats["dropped_groups"] == 1 and (b.seq_adv == 0).all()
     else:
         assert (b.seq_adv == 0).all() and b.stats["overlong_penalty"] == 0
@@ -253,7 +257,8 @@ def test_dapo_penalises_the_longer_of_two_equally_correct_completions(monkeypatc
     b = collect([*on, "rollout.dynamic_sampling=false"])  # any objective can use it
     assert b.seq_adv[0] > 0 > b.seq_adv[1]
     # dynamic sampling judges task rewards: an all-correct group is flat, and dropped
-    dynamic = [*on, "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=0"]
+    monkeypatch.setattr(step_mod, "MAX_RESAMPLE_ROUNDS", 0)
+    dynamic = [*on, "rollout.dynamic_sampling=true"]
     b = collect(dynamic)
     assert b.stats["dropped_groups"] == 1 and (b.seq_adv == 0).all()  # nothing had task signal
     _lengths_round(monkeypatch, [[1.0, 1.0], [1.0, 0.0]], [4, 16, 16, 16])

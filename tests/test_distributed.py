@@ -122,12 +122,10 @@ def test_fsdp_training_resumes_exactly(tiny_model_dir, tmp_path):
         "rollout.max_new_tokens=8",
         "data.eval_size=5",
         "rollout.eval_max_new_tokens=4",
-        "rollout.eval_batch_size=2",
+        "rollout.generation_batch_size=2",
         "objective.reward=parity",
         "run.save_every=1",
         "train.learning_rate=0.01",
-        "run.progress=false",
-        "run.plots=false",
         "repair.max_repairs_per_group=1",
         "repair.template='{question}|{attempt}|{reference}'",
     ]
@@ -182,8 +180,6 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
             # these 2-token-per-member rollouts
             "repair.template='{question}|{attempt}|{reference}'",
             f"run.output_dir={out}",
-            "run.progress=false",
-            "run.plots=false",
         ],
         tmp_path,
     )
@@ -219,7 +215,7 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
     kernels; 4-bit matmuls leave more rounding than fp32: 1e-4)."""
     args = [
         "model.quantization=nf4",
-        "model.cpu_dequantize=false",
+        "--bnb-kernels",
         "train.steps=2",
         "train.prompts_per_step=2",
         "rollout.group_size=4",
@@ -227,8 +223,6 @@ def test_fsdp_qlora_shards_the_4bit_weights_and_trains_as_ddp_does(tiny_model_di
         "data.eval_size=0",
         "objective.reward=parity",
         "train.learning_rate=0.01",
-        "run.progress=false",
-        "run.plots=false",
         "repair.max_repairs_per_group=1",
         "repair.template='{question}|{attempt}|{reference}'",
     ]
@@ -333,8 +327,6 @@ def test_one_process_out_of_memory_ends_the_run_instead_of_hanging(tiny_model_di
             "rollout.max_new_tokens=4",
             "data.eval_size=0",
             f"run.output_dir={out}",
-            "run.progress=false",
-            "run.plots=false",
         ],
         tmp_path,
         ok=False,

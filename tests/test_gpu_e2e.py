@@ -12,7 +12,7 @@ member (Harness), so that each run reaches the paths it is about:
   then a mixed one, with held-out evaluation before, after each step and at the end;
 * dynamic sampling: a flat group dropped and refilled, so that a round without repairs and one
   with them are joined, and a step whose every round is flat (the no-signal fallback);
-* activations offloaded to pinned host memory with a static KV cache;
+* activations offloaded to pinned host memory;
 * a checkpoint every step and an exact resume: 2 steps + 1 resumed against 3 uninterrupted;
 * scripts/eval_gsm8k.py on the saved adapter (4-bit base, the local GSM8K fixture rows).
 
@@ -97,8 +97,6 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         f"objective.reward={REWARD}",
         "data.eval_size=0",
         "run.save_every=0",
-        "run.plots=false",
-        "run.progress=false",
         f"run.output_dir={out}",
         f"train.steps={steps}",
         *extra,
@@ -479,8 +477,8 @@ def test_dynamic_sampling_refills_flat_groups_and_falls_back(tiny_model_dir, tmp
         tmp_path / "run",
         3,
         "rollout.dynamic_sampling=true",
-        "rollout.max_resample_rounds=2",
     )
+    monkeypatch.setattr(step_mod, "MAX_RESAMPLE_ROUNDS", 2)
     summary, metrics, entry = h.run("dynamic_sampling", args)
     assert summary["status"] == "completed" and summary["steps"] == 3, summary["message"]
     refilled, flat = _steps(metrics)[:2]
@@ -496,20 +494,19 @@ def test_dynamic_sampling_refills_flat_groups_and_falls_back(tiny_model_dir, tmp
     assert_memory_within_plan(entry, ("generation", "repair", "training"))
 
 
-def test_offloaded_activations_with_a_static_kv_cache(tiny_model_dir, tmp_path, monkeypatch):
+def test_offloaded_activations(tiny_model_dir, tmp_path, monkeypatch):
     h = Harness(monkeypatch)
     args = base_args(
         tiny_model_dir,
         tmp_path / "run",
         2,
         "model.offload_activations=true",
-        "rollout.kv_cache=static",
         "data.eval_size=4",
         "train.eval_every=1",
     )
-    summary, metrics, entry = h.run("offload_static_kv", args)
+    summary, metrics, entry = h.run("offload_activations", args)
     assert summary["status"] == "completed" and summary["steps"] == 2, summary["message"]
-    assert h.facts["model"]["kv_cache"] == "static"
+    assert h.facts["model"]["kv_cache"] is None  # the dynamic cache, whatever the model names
     assert h.offload and all(h.offload)  # every micro-batch's forward offloaded
     steps = _steps(metrics)
     assert all(m["skipped_nonfinite"] == 0 and math.isfinite(m["loss"]) for m in steps)
@@ -522,11 +519,10 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     =latest) equals that of 3 uninterrupted steps, tensor for tensor. That needs the GPU to
     repeat a run bit for bit, so a second uninterrupted run checks that first."""
     h = Harness(monkeypatch)
+    monkeypatch.setattr(ckpt, "KEEP_CHECKPOINTS", 3)
 
     def args(out, steps, *extra):
-        return base_args(
-            tiny_model_dir, out, steps, "run.save_every=1", "run.keep_checkpoints=3", *extra
-        )
+        return base_args(tiny_model_dir, out, steps, "run.save_every=1", *extra)
 
     ref, again, run = tmp_path / "ref", tmp_path / "again", tmp_path / "run"
     assert h.run("resume_reference", args(ref, 3))[0]["status"] == "completed"

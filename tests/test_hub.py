@@ -48,7 +48,6 @@ def run(tiny_model_dir, tmp_path_factory):
             "run.save_every=1",
             "train.learning_rate=0.05",
             f"run.output_dir={out}",
-            "run.progress=false",
         ],
     )
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
@@ -363,8 +362,9 @@ def test_builtin_and_local_datasets_are_not_listed_as_hub_datasets(run, tmp_path
 
 
 def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, monkeypatch):
-    """A run whose config.yaml a version before the run section wrote (train.output_dir...):
-    the staged ibpo_config.yaml and the card's recipe hold run.*, so the file reruns."""
+    """A run whose config.yaml an older version wrote (train.output_dir..., keys since removed):
+    the staged ibpo_config.yaml and the card's recipe hold run.* and no removed key, so the
+    file reruns."""
     import yaml
 
     from ibpo.recipe import load_config
@@ -373,11 +373,13 @@ def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, mo
     out = _copy(run, tmp_path)
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     monkeypatch.setitem(REWARDS, cfg["objective"]["reward"], lambda text, answer: 0.0)
-    cfg["train"].update(cfg.pop("run"))
+    cfg["train"].update(cfg.pop("run"), plots=True)
+    cfg["rollout"]["eval_batch_size"] = 100
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
     staged = prepare_upload(out, "alice/x", tmp_path / "stage")
     recipe = yaml.safe_load((staged / "ibpo_config.yaml").read_text())
-    assert "output_dir" not in recipe["train"] and recipe["run"]["plots"] is True
+    assert "output_dir" not in recipe["train"] and "output_dir" in recipe["run"]
+    assert "plots" not in recipe["run"] and "eval_batch_size" not in recipe["rollout"]
     load_config(staged / "ibpo_config.yaml", ["run.output_dir=" + str(tmp_path / "again")])
     card = (staged / "README.md").read_text()
     assert "\nrun:\n" in card and "  output_dir:" in card.split("\nrun:\n")[1]

@@ -86,7 +86,6 @@ def test_cli_train_on_the_embedded_model(tmp_path, capsys):
             "rollout.eval_max_new_tokens=8",
             "data.eval_size=4",
             f"run.output_dir={out}",
-            "run.progress=false",
         ]
     )
     assert rc == 0

@@ -1,6 +1,6 @@
 """Train -> evaluate -> push with nothing repeated: `ibpo eval` reads the base model and its
 quantization from the adapter's run, `ibpo push` finds that evaluation at its default place, and
-`run.push_to_hub=true` uploads after the final held-out evaluation, which the card reports.
+`run.hub_repo_id` uploads after the final held-out evaluation, which the card reports.
 
 A real tiny run (tiny Qwen3 from a config, 2 steps) in a folder laid out as a user's: the run in
 outputs/run, evaluations in outputs/eval/. The Hub is mocked (HfApi's three calls)."""
@@ -42,7 +42,7 @@ def _mock_hub(monkeypatch) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def home(tiny_model_dir, tmp_path_factory):
-    """A user's folder after `ibpo train` with run.push_to_hub=true (the uploads it made)."""
+    """A user's folder after `ibpo train` with run.hub_repo_id set (the uploads it made)."""
     home = tmp_path_factory.mktemp("journey")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(home)
@@ -59,9 +59,6 @@ def home(tiny_model_dir, tmp_path_factory):
                 "rollout.eval_max_new_tokens=4",
                 "data.eval_size=2",
                 "run.output_dir=outputs/run",
-                "run.progress=false",
-                "run.plots=false",
-                "run.push_to_hub=true",
                 "run.hub_repo_id=alice/tiny-journey",
             ]
         )

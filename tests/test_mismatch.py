@@ -202,7 +202,6 @@ def _run(tiny_model_dir, tmp_path, *overrides):
             "train.learning_rate=0.05",
             "data.eval_size=0",
             f"run.output_dir={out}",
-            "run.progress=false",
             "train.steps=4",
             *overrides,
         ],

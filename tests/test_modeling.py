@@ -173,16 +173,10 @@ def test_dequantized_base_is_only_for_small_4bit_models_on_cpu(tiny_model_dir, m
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     nf4 = ModelConfig(quantization="nf4")
     assert use_dequantized_base(nf4, cpu, model)
-    assert not use_dequantized_base(
-        ModelConfig(quantization="nf4", cpu_dequantize=False), cpu, model
-    )
     assert not use_dequantized_base(ModelConfig(quantization="none"), cpu, model)
-    assert not use_dequantized_base(
-        ModelConfig(quantization="nf4", cpu_dequantize=True), cuda, model
-    )
+    assert not use_dequantized_base(nf4, cuda, model)
     monkeypatch.setattr(modeling, "AUTO_DEQUANTIZE_MAX_BYTES", size - 1)  # a model too big for it
     assert not use_dequantized_base(nf4, cpu, model)
-    assert use_dequantized_base(ModelConfig(quantization="nf4", cpu_dequantize=True), cpu, model)
     import bitsandbytes as bnb
 
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -433,11 +427,15 @@ def test_qlora_node_gradients_match_autograd_in_float64(monkeypatch):
 
 
 def test_lora_dropout_keeps_peft_forward_under_dequantized_base(tiny_model_dir):
+    from peft import LoraConfig
+
     from ibpo.modeling import dequantized_base
 
     torch.manual_seed(0)
-    model, _ = load_policy(
-        ModelConfig(name=tiny_model_dir, quantization="nf4", lora_dropout=0.1), torch.device("cpu")
+    model, _ = load_policy(  # dropout: only an adapter given as peft_config= has it
+        ModelConfig(name=tiny_model_dir, quantization="nf4"),
+        torch.device("cpu"),
+        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules="all-linear"),
     )
     model.train()
     with dequantized_base(model) as n:

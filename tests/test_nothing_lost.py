@@ -3,7 +3,7 @@ ended (tiny Qwen3, CPU, through `ibpo train`).
 
 * A fresh start into an output_dir holding a run moves that run aside to previous-<time>/, only
   once the data and the model have loaded: a start that fails leaves it whole and in place;
-  run.overwrite=true deletes it instead.
+  nothing deletes it (run.overwrite is refused, naming this).
 * An output_dir that cannot be created is one configuration error (exit 2).
 * Exit codes: completed 0, failed 1, bad input 2, out of memory 3, non-finite 4, SIGINT 130,
   SIGTERM 143; the same code is in summary.json.
@@ -25,6 +25,7 @@ import ibpo.trainer as trainer_mod
 from ibpo.cli import main
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
+from ibpo.run import failures
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 from tests.test_run_lifecycle import full_disk
 
@@ -112,11 +113,16 @@ def test_rerunning_an_interrupted_run_moves_its_checkpoints_aside(
     assert ckpt.latest_checkpoint(prev / "checkpoints").name == "step-1"  # nothing lost
 
 
-def test_overwrite_deletes_the_previous_run(tiny_model_dir, tmp_path):
+def test_a_finished_run_is_never_deleted(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     _finished_run(tiny_model_dir, out)
-    assert _train(tiny_model_dir, out, 2, "run.overwrite=true") == 0
-    assert _previous(out) == [] and not (out / "eval-gsm8k").exists()
+    capsys.readouterr()
+    assert _train(tiny_model_dir, out, 2, "run.overwrite=true") == 2  # the old key: refused
+    assert "'run.overwrite' was removed" in capsys.readouterr().err
+    assert _previous(out) == [] and (out / "eval-gsm8k").exists()  # untouched
+    assert _train(tiny_model_dir, out, 2) == 0
+    (prev,) = _previous(out)
+    assert (prev / "eval-gsm8k").exists()  # moved aside, whole
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
@@ -181,7 +187,7 @@ def test_the_exit_code_says_how_the_run_ended(
         monkeypatch.setattr(
             trainer_mod, "rl_step", lambda *a, **k: {**real_step(*a, **k), "skipped_nonfinite": 1}
         )
-        extra = ["train.max_nonfinite_steps=1"]
+        monkeypatch.setattr(failures, "MAX_NONFINITE_STEPS", 1)
     elif ending.startswith("SIG"):
         monkeypatch.setattr(trainer_mod, "rl_step", _signal_in_step(getattr(signal, ending)))
     out = tmp_path / "run"

@@ -148,7 +148,6 @@ def test_fsdp_recipe_claims_14b_fits_only_with_fsdp():
         "model.name=Qwen/Qwen3-14B",
         "rollout.generation_batch_size=8",
         "repair.batch_size=4",
-        "rollout.eval_batch_size=8",
     ]
     cfg = load_config(path, overrides)
     fsdp = plan.estimate(None, cfg, 2, 24.0, "fsdp")

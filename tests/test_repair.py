@@ -239,7 +239,7 @@ def test_run_repairs_batches_grades_and_masks():
         return _rollout(rows, texts)
 
     rep = RepairConfig(references=1)
-    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
+    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0)
     out = run_repairs(
         fake_generate,
         _Tok(),
@@ -276,7 +276,7 @@ def _reward(text: str, answer: str) -> float:
         ("repair.references=0", "repair.references"),
         ("repair.reference_selection=best", "correct_first"),
         ("repair.template=fix {attempt}", "{question}"),
-        ("repair.temperature=0", "repair.temperature"),
+        ("repair.temperature=0", "repairs use rollout.temperature: set that"),
     ],
 )
 def test_repair_config_errors_name_the_key(override, message):
@@ -315,7 +315,7 @@ def _budgeted(budget: float, seed: int):
         calls.append(list(prompts))
         return _rollout([[7]] * len(prompts), ["7"] * len(prompts))
 
-    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0, top_k=0)
+    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0)
     out = run_repairs(
         fake_generate,
         _CharTok(),

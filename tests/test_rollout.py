@@ -39,9 +39,9 @@ def test_generate_groups_left_padding_and_restores_mode(tiny_model_dir):
 
 
 def test_static_kv_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
-    """rollout.kv_cache=static: the same greedy tokens and, with the same seed, the same samples
-    (left padding, a batch split in slices, early stop at EOS); set once on the model; each call's
-    cache is sized for that call, not for the longest call so far."""
+    """A static cache (set_kv_cache): the same greedy tokens and, with the same seed, the same
+    samples (left padding, a batch split in slices, early stop at EOS); set once on the model;
+    each call's cache is sized for that call, not for the longest call so far."""
     model, tok = load_policy(
         ModelConfig(name=tiny_model_dir, quantization="none"), torch.device("cpu")
     )

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ibpo.trainer as trainer_mod
+from ibpo.config import ConfigError
 from ibpo.recipe import load_config
 from ibpo.rewards import REWARDS
 from ibpo.run import checkpoint as ckpt
@@ -60,11 +61,9 @@ def test_rerunning_an_interrupted_command_moves_its_checkpoints_aside(
     assert not (out / "adapter").exists() and not (out / "checkpoints").exists()
     assert json.loads((out / "summary.json").read_text())["status"] == "out_of_memory"
     assert len([p for p in out.iterdir() if p.name.startswith("previous-")]) == 2
-    # run.overwrite=true deletes instead of moving aside
-    monkeypatch.undo()
-    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
-    assert _run(tiny_model_dir, out, 1, "run.overwrite=true")["status"] == "completed"
-    assert len([p for p in out.iterdir() if p.name.startswith("previous-")]) == 2
+    # run.overwrite is gone: nothing a run does deletes an earlier one
+    with pytest.raises(ConfigError, match="never deleted"):
+        _run(tiny_model_dir, out, 1, "run.overwrite=true")
 
 
 def _oom(*args, **kwargs):
@@ -72,17 +71,11 @@ def _oom(*args, **kwargs):
 
 
 def test_resume_applies_a_new_learning_rate_and_names_other_changes(
-    tiny_model_dir, tmp_path, capsys
+    tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
     out = tmp_path / "run"
-    _run(
-        tiny_model_dir,
-        out,
-        3,
-        "train.learning_rate=1e-3",
-        "train.warmup_steps=2",
-        "run.keep_checkpoints=5",
-    )
+    monkeypatch.setattr(ckpt, "KEEP_CHECKPOINTS", 5)  # step-1 stays to resume from
+    _run(tiny_model_dir, out, 3, "train.learning_rate=1e-3", "train.warmup_steps=2")
     # the logged rate is the one the step used: warmup 1/2, then the full rate
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-4, 1e-3, 1e-3])
     capsys.readouterr()
@@ -92,7 +85,7 @@ def test_resume_applies_a_new_learning_rate_and_names_other_changes(
     old = json.loads((step1 / "config.json").read_text())
     old["train"].update(old.pop("run"))
     (step1 / "config.json").write_text(json.dumps(old))
-    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.3", "run.keep_checkpoints=5"]
+    changed = ["train.learning_rate=1e-5", "objective.kl_coef=0.3", "run.save_every=2"]
     _run(tiny_model_dir, out, 2, "train.warmup_steps=2", f"run.resume_from={step1}", *changed)
     said = capsys.readouterr().out
     assert "train.learning_rate: 0.001 -> 1e-05" in said
@@ -134,7 +127,7 @@ def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
     )
     assert summary["status"] == "out_of_memory" and summary["steps"] == 1
     assert "evaluation after step 1" in summary["message"]
-    assert "rollout.eval_batch_size" in summary["message"]
+    assert "rollout.generation_batch_size" in summary["message"]
     assert summary["checkpoint"] == str(out / "checkpoints" / "step-1")
     live, kept = _lora(out / "adapter"), _lora(out / "checkpoints" / "step-1" / "adapter")
     assert all(torch.equal(live[k], kept[k]) for k in kept)
@@ -143,12 +136,17 @@ def test_out_of_memory_in_a_periodic_evaluation_keeps_the_finished_step(
 def test_a_failed_final_evaluation_still_writes_the_summary(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
-    def evaluate(*args, **kwargs):
-        raise RuntimeError("the grader's worker died")
+    real, calls = trainer_mod.evaluate_accuracy, []
+
+    def evaluate(*args, **kwargs):  # the evaluation before training passes, the final one fails
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the grader's worker died")
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "evaluate_accuracy", evaluate)
     out = tmp_path / "run"
-    summary = _run(tiny_model_dir, out, 1, "data.eval_size=2", "train.eval_before=false")
+    summary = _run(tiny_model_dir, out, 1, "data.eval_size=2")
     assert summary["status"] == "completed" and "worker died" in summary["eval_after"]["error"]
     assert json.loads((out / "summary.json").read_text()) == summary
     assert (

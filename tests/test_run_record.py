@@ -176,11 +176,8 @@ def test_a_run_without_git_trains_and_records_unknown(tiny_model_dir, tmp_path, 
             "rollout.max_new_tokens=4",
             "rollout.eval_max_new_tokens=4",
             "data.eval_size=1",
-            "train.eval_before=false",
             "objective.name=dfpo",  # no repairs: the record is the point, not the step
             f"run.output_dir={out}",
-            "run.progress=false",
-            "run.plots=false",
             "train.steps=1",
         ],
     )

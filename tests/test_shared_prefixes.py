@@ -129,7 +129,7 @@ def test_repairs_with_shared_prefixes_match_repairs_without(tiny_model_dir):
     torch.manual_seed(0)
     rollout = generate(model, tok, [e.question for e in examples], G, 6, 8)
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
-    gen = dict(max_new_tokens=8, batch_size=16, temperature=1.0, top_p=1.0, top_k=0)
+    gen = dict(max_new_tokens=8, batch_size=16, temperature=1.0, top_p=1.0)
     reward_fn = grader_rewards(lambda text, answer: float(answer in text))
     outs = {}
     for share in (False, True):

@@ -37,8 +37,6 @@ def _settings(model_dir, out, steps=2, eval_size=2):
         "train.log_reference_kl": False,
         "run.save_every": 1,
         "run.output_dir": str(out),
-        "run.progress": False,
-        "run.plots": False,
     }
 
 
@@ -307,8 +305,9 @@ def test_a_lora_config_and_held_out_rows_from_python(tiny_model_dir, tmp_path):
     assert saved["modules_to_save"] == ["lm_head"]
     assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
     recorded = yaml.safe_load((out / "config.yaml").read_text())
-    assert recorded["model"]["lora_r"] == 4 and recorded["data"]["eval_dataset"] == "in-memory"
+    assert recorded["model"]["lora_r"] == 4
+    assert recorded["data"]["eval"]["dataset"] == "in-memory"
     with pytest.raises(ConfigError, match="peft_config= is a dict; ibpo trains LoRA adapters"):
         ibpo.train(overrides=settings, dataset=ROWS, peft_config={"r": 4})
     with pytest.raises(ConfigError, match="held-out rows were given in Python"):
-        ibpo.train(overrides={**settings, "data.eval_dataset": "in-memory"}, dataset=ROWS)
+        ibpo.train(overrides={**settings, "data.eval.dataset": "in-memory"}, dataset=ROWS)

@@ -434,14 +434,21 @@ def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
 def test_a_lora_config_is_recorded_and_dora_turns_the_cpu_fold_off():
     from peft import LoraConfig
 
-    from ibpo.api import _take_lora_settings
+    from ibpo.api import _lora_settings
+    from ibpo.config import ModelConfig
+    from ibpo.modeling import use_dequantized_base
 
-    cfg = load_config()  # nf4 by default
-    _take_lora_settings(cfg, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, use_dora=True,
-                                        target_modules={"v_proj", "q_proj"}))  # fmt: skip
-    m = cfg.model
-    assert (m.lora_r, m.lora_alpha, m.lora_dropout) == (8, 16, 0.05)
-    assert m.lora_target_modules == ["q_proj", "v_proj"] and m.cpu_dequantize is False
-    cfg = load_config(None, ["model.cpu_dequantize=true"])
-    with pytest.raises(ConfigError, match="not DoRA's. Fix: set model.cpu_dequantize=false"):
-        _take_lora_settings(cfg, LoraConfig(use_dora=True))
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, use_dora=True,
+                      target_modules={"v_proj", "q_proj"})  # fmt: skip
+    settings = _lora_settings(lora)
+    assert settings == {
+        "model.lora_r": 8, "model.lora_alpha": 16, "model.lora_target_modules": ["q_proj", "v_proj"]
+    }  # fmt: skip
+    m = load_config(None, settings).model
+    assert (m.lora_r, m.lora_alpha, m.lora_target_modules) == (8, 16, ["q_proj", "v_proj"])
+
+    class DoraLayer(torch.nn.Module):  # what PEFT's LoRA layer holds for a DoRA adapter
+        lora_variant = {"default": object()}
+
+    model = torch.nn.Sequential(DoraLayer())
+    assert not use_dequantized_base(ModelConfig(quantization="nf4"), torch.device("cpu"), model)

@@ -224,7 +224,6 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             "rollout.eval_max_new_tokens=4",
             "data.eval_size=4",
             f"run.output_dir={out}",
-            "run.progress=false",
             "train.steps=2",
             "train.learning_rate=0.05",
             "objective.reward=odd_length",
@@ -260,7 +259,7 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(fake_vllm, "LLM", refuse)
-        with pytest.raises(ConfigError, match="rollout.vllm_kv_cache_gb"):
+        with pytest.raises(ConfigError, match="lower rollout.generation_batch_size"):
             VLLMEngine.start(cfg, model, tok)
 
     def broken_step(*args, **kwargs):
@@ -283,7 +282,6 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
             "data.eval_size=0",
             "train.steps=1",
             f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
         ],
     )
     with pytest.raises(RuntimeError, match="a bug"):
@@ -297,8 +295,8 @@ def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
 
     with pytest.raises(ConfigError, match="rollout.backend"):
         load_config(None, ["rollout.backend=sglang"])
-    with pytest.raises(ConfigError, match="vllm_kv_cache_gb"):
-        load_config(None, ["rollout.vllm_kv_cache_gb=0"])
+    with pytest.raises(ConfigError, match="vllm_kv_cache_gb' was removed: .* set that"):
+        load_config(None, ["rollout.vllm_kv_cache_gb=2"])
     with pytest.raises(ConfigError, match="<= 8192"):
         load_config(None, ["rollout.backend=vllm", "rollout.generation_batch_size=9000"])
     from ibpo.plan.fit import estimate

@@ -56,11 +56,8 @@ def _tiny(model_dir, out, *extra) -> list[str]:
         "rollout.max_new_tokens=4",
         "train.prompts_per_step=2",
         "train.steps=2",
-        "train.eval_before=false",
         "data.eval_size=0",
         f"run.output_dir={out}",
-        "run.progress=false",
-        "run.plots=false",
         "run.save_every=0",
         *extra,
     ]

@@ -26,10 +26,11 @@ from pathlib import Path
 import yaml
 
 from ibpo import config
-from ibpo.config import ConfigError, migrate_renamed
+from ibpo.config import ConfigError
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import markdown_row
+from ibpo.recipe import migrate
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded copy was made from
@@ -104,12 +105,11 @@ def run_files(loc: dict) -> dict[str, Path]:
 
 
 def run_config(files: dict[str, Path]) -> dict:
-    """The run's config.yaml (recipe form; {} without one), with keys an older version wrote
-    under names since renamed moved to the new ones, so that the staged ibpo_config.yaml runs
-    with this version."""
+    """The run's config.yaml (recipe form; {} without one), with the keys an older version wrote
+    migrated (recipe.migrate), so that the staged ibpo_config.yaml runs with this version."""
     if "config.yaml" not in files:
         return {}
-    return migrate_renamed(yaml.safe_load(files["config.yaml"].read_text())) or {}
+    return migrate(yaml.safe_load(files["config.yaml"].read_text())) or {}
 
 
 def plot_files(loc: dict) -> list[Path]:
@@ -324,7 +324,8 @@ def _card_data(cfg: dict, base_id: str | None, license, title: str, results: lis
     from huggingface_hub import ModelCardData
 
     data, objective = cfg.get("data", {}), cfg.get("objective", {}).get("name", "ibpo")
-    datasets = [d for d in (data.get("dataset"), data.get("eval_dataset")) if _is_hub_id(d)]
+    held_out = (data.get("eval") or {}).get("dataset")
+    datasets = [d for d in (data.get("dataset"), held_out) if _is_hub_id(d)]
     tags = ["ibpo", objective, "lora", "peft", "reinforcement-learning"]
     if cfg.get("model", {}).get("quantization") == "nf4":
         tags.insert(3, "qlora")
@@ -385,7 +386,7 @@ RECIPE = """
 ## Recipe
 
 The run's resolved configuration, also in `ibpo_config.yaml`;
-`ibpo train ibpo_config.yaml run.output_dir=outputs/again run.push_to_hub=false` runs it again.
+`ibpo train ibpo_config.yaml run.output_dir=outputs/again run.hub_repo_id=null` runs it again.
 
 ```yaml
 {config}```

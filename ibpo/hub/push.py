@@ -1,6 +1,6 @@
 """Push a trained LoRA adapter to the Hugging Face Hub with a model card.
 
-`ibpo push OUTPUT_DIR --repo-id USER/NAME` (and `run.push_to_hub` at the end of a run) uploads
+`ibpo push OUTPUT_DIR --repo-id USER/NAME` (and `run.hub_repo_id` at the end of a run) uploads
 what someone using the adapter needs, assembled first in a staging folder:
 
     adapter_config.json, adapter_model.safetensors  the LoRA adapter (PEFT format)
@@ -209,8 +209,8 @@ def push(
             if private and not api.repo_info(repo_id, token=token).private:
                 raise HubError(
                     f"'{repo_id}' exists and is public; nothing was pushed. Fix: "
-                    "--public (run.hub_private=false) to push to it, or another "
-                    "--repo-id"
+                    "`ibpo push OUTPUT_DIR --public` to push to it, or another "
+                    "--repo-id (run.hub_repo_id)"
                 )
             message = commit_message or "ibpo: LoRA adapter and model card"
             api.upload_folder(

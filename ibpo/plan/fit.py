@@ -68,19 +68,20 @@ def _totals(
 
 # Knobs that shrink a phase without changing what is learnt, tried in order, with their floors.
 _KNOBS = {
-    "training": [("train", "micro_batch_groups", 1), ("train", "logprob_chunk_tokens", 128)],
+    "training": [("train", "micro_batch_groups", 1)],
     "generation": [("rollout", "generation_batch_size", 1)],
-    "repair": [("repair", "batch_size", 1), ("rollout", "generation_batch_size", 1)],
-    "evaluation": [("rollout", "eval_batch_size", 1)],
+    "repair": [("repair", "batch_size", 1)],
+    "evaluation": [("rollout", "generation_batch_size", 1)],
 }
 
 
 def _effective(cfg: Config, key: str, value: int, gpus: int) -> int:
-    """A batch knob above what a step can use changes nothing: clamp it first."""
+    """A batch knob above what a step can use changes nothing: clamp it first (the generation
+    batch serves the rollouts and the held-out answers)."""
+    held_out = math.ceil(cfg.data.eval_size / gpus)
     caps = {
         "micro_batch_groups": cfg.train.prompts_per_step,
-        "generation_batch_size": cfg.train.prompts_per_step * cfg.rollout.group_size,
-        "eval_batch_size": math.ceil(max(cfg.data.eval_size, 1) / gpus),
+        "generation_batch_size": max(cfg.train.prompts_per_step * cfg.rollout.group_size, held_out),
     }
     return min(value, caps.get(key, value))
 
@@ -161,12 +162,7 @@ def estimate(
     if cfg.rollout.backend == "vllm":
         notes.append(
             "rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
-            "not measured"
-            + (
-                "; it sleeps during training (weights in host memory)"
-                if cfg.rollout.vllm_sleep
-                else ""
-            )
+            "not measured; it sleeps during training (weights in host memory)"
         )
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         host = offloaded_bytes(shape, cfg, dtype_bytes(cfg.model)) / GIB

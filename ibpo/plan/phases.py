@@ -37,8 +37,8 @@ Several GPUs (`gpus` > 1), two ways (`sharding`):
     one-process run the same way) is the checkpointed one, not the fused one: FSDP2's hooks on
     lm_head and its DTensor weight fail logprobs.fused_head_supported (`fused_head`).
 
-Options the estimate follows: rollout.kv_cache=static (the cache at full length from the prefill,
-no regrowth), model.offload_activations (layer inputs in host memory during the update).
+Options the estimate follows: model.offload_activations (layer inputs in host memory during the
+update).
 
 Not modelled: mixture-of-experts layers, CPU offload (fsdp_offload_params), DDP/FSDP
 communication buffers beyond the gradient buckets.
@@ -59,6 +59,7 @@ from ibpo.config import Config, ModelConfig
 from ibpo.sizes import (
     ADAMW8_BYTES,
     ADAMW32_BYTES,
+    CHUNK_TOKENS,
     F32,
     HEAD_CHUNK_BYTES,
     HEAD_CHUNK_BYTES_CHECKPOINTED,
@@ -138,11 +139,9 @@ def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
 
 
-def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> dict[str, int]:
+def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]:
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
-    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
-    A static cache (rollout.kv_cache) is allocated at full length before the prefill and never
-    regrown."""
+    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist)."""
     deq = _dequant_bytes(shape, model, b)
     full = kv_cache_bytes(shape, batch, prompt + new, b)
     decode = {
@@ -151,10 +150,8 @@ def _generation(shape, model, b, batch, prompt, new, sampling, static=False) -> 
         "sampling logits": sampling,
         "4-bit dequant buffer": deq,
     }
-    if static:
-        del decode["KV regrowth (one layer)"]
     prefill = {
-        "KV cache": full if static else kv_cache_bytes(shape, batch, prompt, b),
+        "KV cache": kv_cache_bytes(shape, batch, prompt, b),
         "prefill working set": int(batch * prompt * prefill_per_token(shape, b))
         + sum(mask_bytes(batch, prompt, b)),
         "4-bit dequant buffer": deq,
@@ -221,7 +218,7 @@ def _training(shape: ModelShape, cfg: Config, b: int, sharding: str = "ddp") -> 
     if fused:  # the saved gradient directions, [M, hidden] fp32
         head += M * shape.hidden * F32
     per = HEAD_CHUNK_BYTES if fused else HEAD_CHUNK_BYTES_CHECKPOINTED
-    head += int(per * min(tr.logprob_chunk_tokens, M) * shape.vocab)
+    head += int(per * min(CHUNK_TOKENS, M) * shape.vocab)
     top = ("log-prob head chunk", head) if head >= layer else ("one layer in backward", layer)
     return {
         "LoRA grads (fp32)": F32 * lora_parameter_count(shape, mc.lora_r, mc.lora_target_modules),
@@ -242,24 +239,21 @@ def phase_bytes(
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-    static = ro.kv_cache != "dynamic"
-    phases = {
-        "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, static)
-    }
+    phases = {"generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling)}
     repair = repair_generation(cfg)
     if repair:
         n, p, t = repair
         sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling, static)
+        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling)
     train = phases["training"] = _training(shape, cfg, b, sharding)
     train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
     if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
         train["DDP grad buckets"] = train["LoRA grads (fp32)"]
     if cfg.data.eval_size > 0:
-        n = min(ro.eval_batch_size, math.ceil(cfg.data.eval_size / gpus))
+        n = min(ro.generation_batch_size, math.ceil(cfg.data.eval_size / gpus))
         sampling = sampling_bytes(n, V, b, 1.0, sample=False)
         phases["evaluation"] = _generation(
-            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling, static
+            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling
         )
     base = _persistent(shape, cfg, b, shards, fsdp=sharding == "fsdp")
     out = {name: {**base, **parts} for name, parts in phases.items()}
@@ -268,8 +262,6 @@ def phase_bytes(
         for name in out:
             if name != "training":
                 out[name] = {**base, **engine}
-            elif not ro.vllm_sleep:  # awake throughout: weights and KV budget stay
-                out[name].update({k: v for k, v in engine.items() if "workspace" not in k})
             else:  # asleep: weights in host memory, KV cache released
                 out[name]["vLLM CUDA graphs, buffers (estimate)"] = VLLM_OVERHEAD_BYTES
     if shards > 1:  # generation on a gathered copy of everything (distributed.gathered)

@@ -38,11 +38,10 @@ repair, a preferred repair reference), <= `failed` a failed one (IBPO repairs it
 weighted reward outside [failed, correct] gets one warning saying so.
 
 `async def` functions are awaited together on an event loop of their own while the others run
-(rewards/calls.py); `reward_workers` > 1 runs the synchronous ones on a thread pool, each
-one's completions split into that many chunks (for remote verifiers, compilers and other slow
-rewards that wait rather than compute). `reward_timeout` bounds every call: one that runs out
-of time scores 0 for its completions, counted (`reward_timeouts`, one warning naming it),
-and the run goes on.
+(rewards/calls.py); `workers` > 1 (a RewardSet built in Python; a run uses one) runs the
+synchronous ones on a thread pool, each one's completions split into that many chunks.
+`reward_timeout` bounds every call: one that runs out of time scores 0 for its completions,
+counted (`reward_timeouts`, one warning naming it), and the run goes on.
 
 A grading returns `Grades`: the weighted totals, each function's values, the columns and
 metrics the functions logged, the calls that ran out of time and the built-in graders' own
@@ -701,13 +700,13 @@ def _check_signature(name: str, fn: RewardFn) -> None:
 
 def run_reward_set(objective, reward_funcs=None) -> RewardSet:
     """The run's reward functions: `reward_funcs` (given in Python) or those objective.reward
-    names, with objective.reward_weights, reward_workers, reward_timeout, correct_threshold and
-    failed_threshold (an ObjectiveConfig)."""
+    names, with objective.reward_weights, reward_timeout, correct_threshold and failed_threshold
+    (an ObjectiveConfig), one worker."""
     spec = objective.reward if reward_funcs is None else reward_funcs
     return reward_set(
         spec,
         objective.reward_weights,
-        objective.reward_workers,
+        1,
         objective.reward_timeout,
         objective.correct_threshold,
         objective.failed_threshold,

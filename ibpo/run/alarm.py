@@ -2,7 +2,7 @@
 come from the policy being trained, and a stop above a second threshold.
 
 Each step measures the KL between the backend's sampling distribution and the trainer's
-(mismatch.py). Above rollout.mismatch_warn_kl this prints one warning naming the backend and the
+(mismatch.py). Above WARN_KL this prints one warning naming the backend and the
 likely causes, then again only when the mismatch has doubled since the last warning (so a run
 that drifts keeps being told, without a line per step). Above rollout.mismatch_stop_kl the loop
 saves a checkpoint and ends with status "mismatch" (exit code 5).
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 from ibpo.config import Config
 
+# The mismatch KL that warns: an honest rollout path stays well below it (docs/objectives.md).
+WARN_KL = 0.005
+
 
 def describe_backend(cfg: Config, device_type: str, folded: bool) -> str:
     """The generation path in words, as a warning names it."""
@@ -24,7 +27,7 @@ def describe_backend(cfg: Config, device_type: str, folded: bool) -> str:
         return "rollout.backend=vllm (a vLLM engine serving the adapter as a LoRA request)"
     base = "4-bit NF4" if cfg.model.quantization == "nf4" else "unquantised"
     if folded:
-        how = "generate() on the dequantised base with the adapter folded in (model.cpu_dequantize)"
+        how = "generate() on the dequantised base with the adapter folded in (CPU, 4-bit base)"
     else:
         how = f"generate() on the {base} base with the adapter on {device_type}"
     return f"rollout.backend=hf ({how})"
@@ -34,7 +37,7 @@ def _causes(backend: str) -> str:
     return (
         "the generation path may not apply the adapter (or applies another one), may serve "
         "stale weights from an earlier step, or samples in another dtype or with other kernels. "
-        f"Backend: {backend}. rollout.top_p < 1 or top_k > 0 also show here, as a steady gap"
+        f"Backend: {backend}. rollout.top_p < 1 also shows here, as a steady gap"
     )
 
 
@@ -49,7 +52,7 @@ class MismatchAlarm:
     def for_run(cls, cfg: Config, device_type: str, folded: bool) -> MismatchAlarm:
         ro = cfg.rollout
         backend = describe_backend(cfg, device_type, folded)
-        return cls(ro.mismatch_warn_kl, ro.mismatch_stop_kl, backend)
+        return cls(WARN_KL, ro.mismatch_stop_kl, backend)
 
     def check(self, metrics: dict[str, float], step: int, main: bool = True) -> str | None:
         """Warn (main process) when this step's mismatch calls for it; -> the stop message when
@@ -75,7 +78,7 @@ class MismatchAlarm:
             if main:
                 print(
                     f"ibpo: warning: step {step}: rollout-vs-trainer mismatch above "
-                    f"rollout.mismatch_warn_kl={self.warn_kl:g} ({figures}). Likely causes: "
+                    f"KL {self.warn_kl:g} ({figures}). Likely causes: "
                     f"{_causes(self.backend)}.",
                     file=sys.stderr,
                 )

@@ -19,7 +19,7 @@ Writes are atomic: a checkpoint is written into `.tmp-step-<N>`, every file is f
 folder is renamed; then the `latest` pointer file is replaced (write a temporary file, os.replace).
 A crash while saving leaves a stale temporary folder, which loading ignores and the next save
 removes, and the previous checkpoint intact; a missing or dangling `latest` falls back to the
-newest complete step-<N>. Only the newest `keep` checkpoints are kept.
+newest complete step-<N>. Only the newest KEEP_CHECKPOINTS checkpoints are kept.
 
 Several processes (DDP, FSDP): each writes its own process-<rank>.pt into the temporary folder (one
 file system shared by all processes is assumed, as Accelerate does); the main process writes the
@@ -65,6 +65,7 @@ from ibpo.distributed import (
 from ibpo.step import StepParts
 
 CHECKPOINTS = "checkpoints"  # sub-folder of output_dir
+KEEP_CHECKPOINTS = 2  # the newest kept: resuming needs one, and one more survives a bad save
 LATEST = "latest"  # pointer file: the folder name of the newest checkpoint
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP = ".tmp-"  # prefix of folders being written (or left by a crash)
@@ -305,12 +306,12 @@ def _restore_cuda(state: dict, device: torch.device | None) -> None:
 
 def _cuda_rng_not_restored(why: str) -> None:
     # a warning (shown once per process): sampling is unaffected (each step seeds its own
-    # streams, rollout.SamplingStreams); GPU draws outside it (LoRA dropout, when on) differ
-    # from an uninterrupted run, everything else resumes exactly
+    # streams, rollout.SamplingStreams); GPU draws outside it (the dropout of an adapter given
+    # as peft_config=, when on) differ from an uninterrupted run, everything else resumes exactly
     warnings.warn(
         f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): sampling resumes "
-        "exactly, but random draws on the GPU outside it (LoRA dropout, when "
-        "model.lora_dropout > 0) continue from the run's seed instead",
+        "exactly, but random draws on the GPU outside it (the dropout of a peft_config= "
+        "adapter, when on) continue from the run's seed instead",
         RuntimeWarning,
         stacklevel=3,
     )

@@ -29,6 +29,10 @@ import torch
 from ibpo.config import Config
 from ibpo.run.checkpoint import TrainerState
 
+# Consecutive steps with a non-finite loss or gradient (each skipped, no update) that stop a run
+# with a checkpoint: one is an accident, three are a diverging run.
+MAX_NONFINITE_STEPS = 3
+
 EXIT_CODES = {
     "completed": 0,
     "stopped": 0,
@@ -127,16 +131,16 @@ def oom_message(
     if in_eval:
         return (
             f"out of memory in the held-out evaluation after step {step} ({first[:200]})\n"
-            f"  Fix: lower rollout.eval_batch_size (now {ro.eval_batch_size}) or "
+            f"  Fix: lower rollout.generation_batch_size (now {ro.generation_batch_size}) or "
             f"rollout.eval_max_new_tokens (now {ro.eval_max_new_tokens}). Step {step} is "
             f"saved. {resume}"
         )
     return (
         f"out of memory in step {step} ({first[:200]})\n"
         f"  Fix: lower train.micro_batch_groups (now {tr.micro_batch_groups}; whole groups per "
-        f"forward/backward), train.logprob_chunk_tokens (now {tr.logprob_chunk_tokens}), "
+        f"forward/backward), "
         f"rollout.generation_batch_size (now {ro.generation_batch_size}; repair.batch_size, now "
-        f"{rep.batch_size or ro.generation_batch_size}, for repairs) or rollout.max_new_tokens "
+        f"{rep.batch_size}, for repairs) or rollout.max_new_tokens "
         f"(now {ro.max_new_tokens}). "
         "`ibpo plan <recipe> --gpu-memory-gb <GiB>` estimates the peak memory and suggests "
         f"settings that fit.\n  {resume}"
@@ -218,6 +222,6 @@ def nonfinite_message(state: TrainerState, last: Path | None) -> str:
         f"stopped: {state.nonfinite_streak} consecutive steps ({first}-{state.step}) had a "
         "non-finite loss or gradient and were skipped.\n  Likely causes: a learning rate too "
         "high, float16 overflow (use model.dtype=bfloat16 or float32); a NaN or inf reward is "
-        f"an error of its own (reward_failed). Checkpoint: {last}. Raise "
-        "train.max_nonfinite_steps (0 = never stop) to carry on skipping."
+        f"an error of its own (reward_failed). Checkpoint: {last}. Fix the cause, then resume "
+        "with run.resume_from=latest."
     )

@@ -4,10 +4,10 @@
 * A fresh start moves what an earlier run left (finished or not: checkpoints, adapter, summary,
   metrics, config, plots, evaluations) to <output_dir>/previous-<UTC time>/, once its own data
   and model have loaded: its adapter or summary is never taken for the new run's, a start that
-  fails leaves it in place, and nothing is lost unasked (run.overwrite=true deletes it instead).
+  fails leaves it in place, and nothing is ever deleted (removing it is the user's to do).
 * A run cut short mid-step gets its last checkpoint's adapter as <output_dir>/adapter.
-* Resuming applies a changed train.learning_rate or weight_decay on purpose (the restored
-  optimizer and scheduler would keep the old ones) and names every other setting that differs
+* Resuming applies a changed train.learning_rate on purpose (the restored optimizer and
+  scheduler would keep the old one) and names every other setting that differs
   from the checkpoint's run (its config.json) and changes what a step computes.
 
 Not here: writing or loading checkpoints (checkpoint.py).
@@ -66,24 +66,17 @@ def _status(output_dir: Path) -> str:
         return "no summary"
 
 
-def set_aside_previous_run(output_dir: Path, overwrite: bool) -> str | None:
+def set_aside_previous_run(output_dir: Path) -> str | None:
     """A fresh start, once its data and model have loaded: the earlier run in output_dir (its
     checkpoints, adapter, summary, metrics, config, plots, evaluations: every entry but the
-    previous-* folders) moves to <output_dir>/previous-<UTC time>/, or is deleted with
-    run.overwrite=true, so that nothing of it is taken for the new run's and nothing is lost
-    unasked; -> the line saying what happened (None: nothing was there)."""
+    previous-* folders) moves to <output_dir>/previous-<UTC time>/, so that nothing of it is
+    taken for the new run's and nothing is lost; -> the line saying what happened (None:
+    nothing was there)."""
     out = Path(output_dir)
     entries = previous_run(out)
     if not entries:
         return None
     status, last = _status(out), latest_checkpoint(out / CHECKPOINTS)
-    if overwrite:
-        for path in entries:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        return f"ibpo: starting afresh: deleted the earlier run ({status}) in {out} (run.overwrite)"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     prev = out / f"{PREVIOUS}{stamp}"
     for n in itertools.count(2):
@@ -121,13 +114,10 @@ def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
 # settings that change memory, speed, logging or the run's length, not what a step computes;
 # the whole run section (where and how the job runs) is among them
 _RESUMABLE_CHANGES = {
-    "train": {"steps", "eval_every", "micro_batch_groups", "micro_batch_tokens",
-              "logprob_chunk_tokens", "max_nonfinite_steps", "eval_before", "learning_rate",
-              "weight_decay"},
+    "train": {"steps", "eval_every", "micro_batch_groups", "learning_rate"},
     "run": {f.name for f in dataclasses.fields(RunConfig)},
-    "rollout": {"generation_batch_size", "eval_batch_size", "kv_cache", "backend",
-                "vllm_kv_cache_gb", "vllm_sleep"},
-    "model": {"offload_activations", "cpu_dequantize", "attn_implementation"},
+    "rollout": {"generation_batch_size", "backend"},
+    "model": {"offload_activations"},
     "repair": {"batch_size"},
 }  # fmt: skip
 
@@ -156,9 +146,9 @@ def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
     ]
 
 
-def apply_optimizer_settings(parts: StepParts, lr: float, weight_decay: float) -> list[str]:
-    """After loading: the configured learning rate and weight decay replace the checkpoint's
-    (its optimizer and scheduler state carry the old ones); -> what changed."""
+def apply_optimizer_settings(parts: StepParts, lr: float) -> list[str]:
+    """After loading: the configured learning rate replaces the checkpoint's (its optimizer and
+    scheduler state carry the old one); -> what changed."""
     sched, changed = getattr(parts.scheduler, "scheduler", parts.scheduler), []  # Accelerate's
     groups = parts.optimizer.param_groups
     if any(base != lr for base in sched.base_lrs):
@@ -168,8 +158,4 @@ def apply_optimizer_settings(parts: StepParts, lr: float, weight_decay: float) -
         for group, factor in zip(groups, factors):
             group["initial_lr"], group["lr"] = lr, lr * factor
         sched._last_lr = [g["lr"] for g in groups]
-    if any(g.get("weight_decay") != weight_decay for g in groups):
-        changed.append(f"train.weight_decay: {groups[0].get('weight_decay')!r} -> {weight_decay!r}")
-        for group in groups:
-            group["weight_decay"] = weight_decay
     return changed

@@ -5,7 +5,7 @@ periodic held-out evaluations as `eval_accuracy`/`eval_n` at some steps) and `su
 (written at the end; absent while a run goes on or after a crash, and then the report says so);
 the code the run ran (commit, dirty tree) from summary.json, else from config.yaml's first line.
 `ibpo report OUTPUT_DIR` prints `summary_table` and writes `plots/training.png`; the trainer does
-the same at the end of a run when run.plots is on.
+the same at the end of every run.
 
 Reading is forgiving because the file may come from a run that was killed or resumed: a torn
 last line (killed mid-write) is dropped, and a step logged twice (a resume that replays steps)
