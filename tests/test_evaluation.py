@@ -448,29 +448,37 @@ def test_missing_vllm_is_a_clear_error(tmp_path, capsys):
     assert "needs vLLM" in capsys.readouterr().err
 
 
-def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypatch):
-    """A grader that fails on one sample scores it 0 and says why; the run goes on."""
-    from ibpo.evaluation.benchmarks import Problem
-    from ibpo.evaluation.evaluate import run_benchmark
+class Plain:
+    """A tokenizer whose chat template is the last message's text."""
+
+    chat_template = "(any)"
+
+    def apply_chat_template(self, messages, **kwargs):
+        return messages[-1]["content"]
+
+
+def _grader_fails_on(text: str, monkeypatch) -> None:
+    """The math grader raises (as on a pathological expression) on any answer holding `text`."""
     from ibpo.rewards import math as grader
-    from ibpo.rewards.functions import reward_set
-    from ibpo.rewards.math import extract_answer
 
     real = grader._normalize
 
     def flaky(s):
-        if "13" in s:
+        if text in s:
             raise RecursionError("deep")
         return real(s)
 
     monkeypatch.setattr(grader, "_normalize", flaky)
 
-    class Plain:
-        chat_template = "(any)"
 
-        def apply_chat_template(self, messages, **kwargs):
-            return messages[-1]["content"]
+def test_a_grader_failure_is_recorded_per_sample_and_counted(tmp_path, monkeypatch):
+    """A grader that fails on one sample scores it 0 and says why; the run goes on."""
+    from ibpo.evaluation.benchmarks import Problem
+    from ibpo.evaluation.evaluate import run_benchmark
+    from ibpo.rewards.functions import reward_set
+    from ibpo.rewards.math import extract_answer
 
+    _grader_fails_on("13", monkeypatch)
     problems = [Problem("a", "6 + 7?", "13"), Problem("b", "2 + 2?", "4")]
     answers = {"6 + 7?": "\\boxed{13}", "2 + 2?": "\\boxed{4}"}
     sampler = lambda prompts, seeds: [(answers[p], 5, False) for p in prompts]  # noqa: E731
@@ -491,12 +499,6 @@ def test_a_benchmark_problems_options_reach_the_math_grader(tmp_path):
     from ibpo.evaluation.evaluate import run_benchmark
     from ibpo.rewards.functions import reward_set
     from ibpo.rewards.math import extract_answer
-
-    class Plain:
-        chat_template = "(any)"
-
-        def apply_chat_template(self, messages, **kwargs):
-            return messages[-1]["content"]
 
     amc = r"How many? $\textbf{(A)}\ 8 \qquad\textbf{(B)}\ 10 \qquad\textbf{(C)}\ 12$"
     prompt = amc + "\n\nPlease reason step by step."
@@ -519,25 +521,10 @@ def test_benchmarks_and_the_held_out_evaluation_give_the_same_verdicts(tmp_path,
 
     from ibpo.evaluation.benchmarks import Problem, reward_fns
     from ibpo.evaluation.evaluate import as_example, evaluate_accuracy, run_benchmark
-    from ibpo.rewards import math as grader
     from ibpo.rewards.math import extract_answer
     from ibpo.run.log import log_eval
 
-    real = grader._normalize
-
-    def flaky(s):
-        if "77" in s:
-            raise RecursionError("deep")
-        return real(s)
-
-    monkeypatch.setattr(grader, "_normalize", flaky)
-
-    class Plain:
-        chat_template = "(any)"
-
-        def apply_chat_template(self, messages, **kwargs):
-            return messages[-1]["content"]
-
+    _grader_fails_on("77", monkeypatch)
     answers = {  # problem -> (gold, completion)
         "6 + 7?": ("13", "6 + 7 = 13, so \\boxed{13}"),
         "2 + 2?": ("4", "\\boxed{5}"),
