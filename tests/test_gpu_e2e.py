@@ -541,9 +541,10 @@ def test_checkpoints_and_an_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     root = run / "checkpoints"
     assert ckpt.latest_checkpoint(root) == root / "step-2"
     saved = torch.load(root / "step-2" / "optimizer.pt", weights_only=True)["state"]
-    # bitsandbytes keeps its quantized moments one dict further down (hidden from FSDP)
+    # paged 8-bit AdamW's moments went to disk as such; bitsandbytes keeps them one dict further
+    # down (hidden from FSDP)
     dtypes = {t.dtype for t in _tensors(saved)}
-    assert dtypes and (torch.uint8 in dtypes or not CUDA)  # paged 8-bit AdamW's moments went to disk as such
+    assert dtypes and (torch.uint8 in dtypes or not CUDA)
     resumed, resumed_metrics, entry = h.run(
         "resume_last_step", args(run, 3, "run.resume_from=latest")
     )
