@@ -196,21 +196,12 @@ def test_training_activations_track_live_tensors(policy, hidden, inter, vocab):
     "shape, P, T, decode",
     [(SHAPES[0], 96, 4, False), (SHAPES[1], 96, 4, False), (SHAPES[1], 8, 8, True)],
 )
-def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
+def test_generation_estimate_of_distinct_prompts_tracks_live_tensors(policy, shape, P, T, decode):
+    """N distinct prompts in one generate() call (as repairs and evaluation make them): every
+    row is prefilled."""
     hidden, inter, vocab = shape
     N = 16
-    model, cfg, dims = policy(
-        hidden,
-        inter,
-        vocab,
-        [
-            f"rollout.group_size={N}",
-            f"rollout.generation_batch_size={N}",
-            f"data.max_prompt_tokens={P}",
-            f"rollout.max_new_tokens={T}",
-            "repair.enabled=false",
-        ],
-    )
+    model, cfg, dims = policy(hidden, inter, vocab, [f"data.max_prompt_tokens={P}"])
     model.eval()
     ids = torch.randint(3, 54, (N, P))
     att = torch.ones_like(ids)
@@ -226,6 +217,46 @@ def test_generation_estimate_tracks_live_tensors(policy, shape, P, T, decode):
             eos_token_id=1,
             pad_token_id=0,
         )
+    b = phases.dtype_bytes(cfg.model)
+    sampling = sizes.sampling_bytes(N, dims.vocab, b, 1.0, sample=True)
+    parts = phases._generation(dims, cfg.model, b, N, P, T, sampling)
+    assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
+    predicted = _transient(parts)
+    assert 0.9 <= predicted / mem.peak <= 1.3
+
+
+@pytest.mark.parametrize(  # prefill-bound, then bound by the last step's logits
+    "shape, P, T, decode", [(SHAPES[0], 200, 2, False), (SHAPES[1], 8, 8, True)]
+)
+def test_rollout_estimate_tracks_live_tensors(policy, shape, P, T, decode):
+    """A rollout's generate() call of whole groups, as the trainer makes it: each group's prompt
+    is prefilled once and its cache repeated to the group's rows (rollout.prefill), so the
+    prefill's working set is the prompts', not the rows'."""
+    from ibpo.rollout import generate
+    from tests.conftest import make_tokenizer
+
+    hidden, inter, vocab = shape
+    G, prompts = 8, 2
+    model, cfg, dims = policy(
+        hidden,
+        inter,
+        vocab,
+        [
+            f"rollout.group_size={G}",
+            f"train.prompts_per_step={prompts}",
+            f"rollout.generation_batch_size={G * prompts}",
+            f"data.max_prompt_tokens={P}",
+            f"rollout.max_new_tokens={T}",
+            "repair.enabled=false",
+        ],
+    )
+    tok = make_tokenizer()
+    texts = [("12+34=" * P)[:P], ("9*8-7=" * P)[:P]]
+    assert [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts] == [P, P]
+    torch.manual_seed(0)
+    with torch.no_grad(), LiveTensorBytes() as mem:
+        out = generate(model, tok, texts, G, T, G * prompts)
+    assert out.prefill_tokens < G * prompts * P  # the group prefill ran
     parts = phases.phase_bytes(dims, cfg)["generation"]
     assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
     predicted = _transient(parts)

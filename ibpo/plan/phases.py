@@ -4,7 +4,7 @@ From the model's shape (sizes.py) and a recipe, the peak of each phase of a step
 counting the tensors the package's own code path holds:
   * generation (and repair generation, evaluation): 4-bit weights + LoRA + optimizer state + the
     KV cache of one `generate` call at full length + one step's sampling logits, or the prompt
-    prefill if that is larger;
+    prefill if that is larger (a rollout prefills each group's prompt once, rollout.prefill);
   * training: the same persistent state + LoRA grads + one micro-batch under gradient
     checkpointing: every layer's input, then either the log-prob head chunk (logprobs.py) or one
     layer recomputed in backward, whichever is larger.
@@ -139,10 +139,15 @@ def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
 
 
-def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]:
+def _generation(shape, model, b, batch, prompt, new, sampling, groups=None) -> dict[str, int]:
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
-    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist)."""
+    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
+    `groups`: the call's distinct prompts when its rows are groups of one prompt each: the
+    rollout runs each prompt once and repeats its cache to the group's rows (rollout.prefill),
+    so the prefill holds the cache and working set of `groups` rows; the repeated cache is the
+    decoding steps' (counted there at full length)."""
     deq = _dequant_bytes(shape, model, b)
+    rows = batch if groups is None else groups
     full = kv_cache_bytes(shape, batch, prompt + new, b)
     decode = {
         "KV cache": full,
@@ -151,9 +156,9 @@ def _generation(shape, model, b, batch, prompt, new, sampling) -> dict[str, int]
         "4-bit dequant buffer": deq,
     }
     prefill = {
-        "KV cache": kv_cache_bytes(shape, batch, prompt, b),
-        "prefill working set": int(batch * prompt * prefill_per_token(shape, b))
-        + sum(mask_bytes(batch, prompt, b)),
+        "KV cache": kv_cache_bytes(shape, rows, prompt, b),
+        "prefill working set": int(rows * prompt * prefill_per_token(shape, b))
+        + sum(mask_bytes(rows, prompt, b)),
         "4-bit dequant buffer": deq,
     }
     return decode if sum(decode.values()) >= sum(prefill.values()) else prefill
@@ -239,7 +244,11 @@ def phase_bytes(
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
     sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-    phases = {"generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling)}
+    G = ro.group_size  # a generate() call of whole groups prefills each group's prompt once
+    groups = n // G if n % G == 0 else None
+    phases = {
+        "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, groups)
+    }
     repair = repair_generation(cfg)
     if repair:
         n, p, t = repair
