@@ -26,11 +26,15 @@ the same phase; after the update, the rollout-vs-trainer mismatch (mismatch_kl,
 mismatch_abs_max).
 
 Time: --budget-s counts from the start. A row starts only if its required phases (build to
-update) fit in what is left by their plan (plan_seconds: assumed rates until a device has
-measured them, scaled by the measured / planned ratio of the phases run so far); otherwise it is
-skipped and says why. A required phase that no longer fits stops its row before it starts; an
-optional phase (evaluation, update_offload) that does not fit is left out, saying so. Nothing is
-cut mid-phase by the bench itself.
+update) fit in what is left by their plan (plan_seconds: the rates an H200 measured, scaled by
+the measured / planned ratio of the phases run so far); otherwise it is skipped and says why.
+The recipe row first decodes fewer new tokens if the recipe's would not fit: the longest
+halving of max_new_tokens that does (not below 128), every other shape the recipe's, recorded
+in its `new_tokens_capped` (HF generate decodes about 5 ms per step per layer, so the 8B
+recipe's 1024 tokens plan about 450 s of required phases: a call of its own,
+`--configs recipe --budget-s 560`). A required phase that no longer fits stops its row before
+it starts; an optional phase (evaluation, update_offload) that does not fit is left out, saying
+so. Nothing is cut mid-phase by the bench itself.
 
 Status: each row's status is ok, failed (with the error's type, message and phase), skipped or
 stopped (with the reason); the JSON has `rows` (one line each), `status` (the headline row's)
@@ -304,14 +308,20 @@ def plan_row(row: dict, arch: dict, cfg, cap_gb: float) -> None:
 
 # --- the time plan ---------------------------------------------------------------------------
 
-# Seconds per phase before the device has measured any: assumptions, not measurements. Each
-# phase records its plan beside what it took (plan_s), and every check after the first phase
-# scales the plan by the run's measured / planned ratio so far (Deadline.scale).
-DECODE_S_PER_LAYER_STEP = 1.5e-3  # one decoding step through one layer: HF generate, PEFT, 4-bit
-MATMUL_FLOPS = 100e12  # what the prefill's and the update's matmuls sustain (bf16, H200-class)
-BUILD_S_PER_BILLION = 4.0  # random initialisation on the device and NF4 packing, per 1e9 params
-LOAD_S = 10.0  # LoRA, the optimizer, Accelerate's prepare
-HOST_BYTES_PER_S = 10e9  # offloaded activations, to the host and back
+# Seconds per phase, from the rates measured on an H200 (qwen3-8b, NF4 + LoRA r32, bf16; two
+# runs, docs/gpu.md), rounded to the slow side. Each phase records its plan beside what it took
+# (plan_s), and every check after the first phase scales the plan by the run's measured / planned
+# ratio so far (Deadline.scale).
+# One decoding step through one layer: HF generate with PEFT over 4-bit weights; 4.2-5.5 ms
+# measured at batches of 8 and 32 (bound by kernel launches, nearly independent of the batch).
+DECODE_S_PER_LAYER_STEP = 5.5e-3
+MATMUL_FLOPS = 150e12  # the prefill's and the update's matmuls: the update sustained 180e12
+BUILD_S_PER_BILLION = 2.0  # random initialisation on the device and NF4 packing: 1.1-1.7 s
+LOAD_S = 5.0  # LoRA, the optimizer, Accelerate's prepare: 1.2-1.9 s
+HOST_BYTES_PER_S = 10e9  # offloaded activations, to the host and back (not yet separated)
+# The recipe row decodes the recipe's max_new_tokens when its required phases fit the time left,
+# else the longest halving of it that does, down to this (fit_new_tokens).
+MIN_NEW_TOKENS = 128
 # A row starts only if these phases fit before --budget-s; an optional phase (evaluation,
 # update_offload) starts only if it still fits when its turn comes, else it is left out, saying so.
 REQUIRED = ("build", "load", "rollout", "repairs", "update")
@@ -356,6 +366,28 @@ def plan_seconds(arch: dict, cfg) -> dict[str, float]:
         host = 2 * micro * offloaded_bytes(shape, cfg, 2) / HOST_BYTES_PER_S
         out["update_offload"] = out["update"] + host
     return {k: round(v, 1) for k, v in out.items()}
+
+
+def fit_new_tokens(arch: dict, cfg, seconds: float, scale: float = 1.0) -> int | None:
+    """rollout.max_new_tokens, else the longest halving of it (not below MIN_NEW_TOKENS) whose
+    required phases' planned seconds, times `scale`, fit in `seconds`; None when none does.
+    Every other shape stays the recipe's (prompts, batch sizes, LoRA rank, micro-batch)."""
+    n = full = cfg.rollout.max_new_tokens
+    while n >= min(MIN_NEW_TOKENS, full):
+        trial = with_new_tokens(cfg, n)
+        planned = plan_seconds(arch, trial)
+        if scale * sum(v for k, v in planned.items() if k in REQUIRED) <= seconds:
+            return n
+        n //= 2
+    return None
+
+
+def with_new_tokens(cfg, n: int):
+    """`cfg` decoding at most `n` new tokens (the rollout, its repairs and the evaluation)."""
+    out = copy.deepcopy(cfg)
+    out.rollout.max_new_tokens = n
+    out.rollout.eval_max_new_tokens = min(cfg.rollout.eval_max_new_tokens, n)
+    return out
 
 
 class OutOfTime(Exception):
@@ -414,7 +446,9 @@ def planned_schedule(rows: list[dict], budget_s: float) -> None:
                 left_out.append(name)
             else:
                 now[0] += plan[name]
-        row["schedule"] = "runs" + (f", without {', '.join(left_out)}" if left_out else "")
+        capped = row.get("new_tokens_capped")
+        runs = f"runs at {capped['measured']} new tokens" if capped else "runs"
+        row["schedule"] = runs + (f", without {', '.join(left_out)}" if left_out else "")
     return None
 
 
@@ -458,7 +492,8 @@ def bench_config(
     out, saying so)."""
     meter = Meter(row, device, save, deadline)
     try:
-        cfg, arch_name, question = _setup(item, args, row)
+        seconds = (deadline.left(), deadline.scale) if deadline is not None else None
+        cfg, arch_name, question = _setup(item, args, row, seconds)
         if cfg is None:
             return
         if deadline is not None:
@@ -492,9 +527,11 @@ def bench_config(
         save()
 
 
-def _setup(item: str, args, row: dict):
+def _setup(item: str, args, row: dict, seconds: tuple[float, float] | None = None):
     """(config, size, question) for `item`, with the planner's figures (memory and seconds) in
-    the row; (None, ..) when nothing fits (the row says so)."""
+    the row; (None, ..) when nothing fits (the row says so). `seconds`: (time left, the
+    measured / planned ratio so far); the recipe row then decodes fewer new tokens when the
+    recipe's do not fit (fit_new_tokens), saying so in `new_tokens_capped`."""
     if item == "recipe":
         arch_name = "tiny" if args.smoke else "8b"
         cfg = recipe_config(args, arch_name)
@@ -515,6 +552,20 @@ def _setup(item: str, args, row: dict):
         question_chars = args.prompt_chars
     tok = make_tokenizer(ARCHS[arch_name]["vocab_size"])
     question = prompt_for(tok, cfg, question_chars)
+    if item == "recipe" and seconds is not None and not args.smoke:
+        left, scale = seconds
+        n, full = fit_new_tokens(ARCHS[arch_name], cfg, left, scale), cfg.rollout.max_new_tokens
+        if n is not None and n < full:
+            required = sum(
+                v for k, v in plan_seconds(ARCHS[arch_name], cfg).items() if k in REQUIRED
+            )
+            row["new_tokens_capped"] = {
+                "recipe": full,
+                "measured": n,
+                "why": f"the recipe's {full} new tokens plan {required * scale:.0f} s of "
+                f"required phases, {left:.0f} s left",
+            }
+            cfg = with_new_tokens(cfg, n)
     row.update(
         model=f"qwen3-{arch_name}",
         quantization=cfg.model.quantization,
@@ -784,8 +835,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--configs",
-        default="recipe,4b:2048,1.7b:4096",
-        help="comma-separated: recipe, or SIZE:NEW_TOKENS with sizes " + ", ".join(ARCHS),
+        default=None,
+        help="comma-separated: recipe, or SIZE:NEW_TOKENS with sizes "
+        + ", ".join(ARCHS)
+        + " (default: recipe; with --smoke, recipe,tiny:8)",
     )
     ap.add_argument("--recipe", default=str(RECIPE), help="the recipe `recipe` measures")
     ap.add_argument("--quantization", choices=("nf4", "none"), default="nf4")
@@ -814,6 +867,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="recipe overrides for every configuration, e.g. train.micro_batch_groups=1",
     )
     args = ap.parse_args(argv)
+    if args.configs is None:
+        args.configs = "recipe,tiny:8" if args.smoke else "recipe"
     for item in args.configs.split(","):
         if item != "recipe" and (item.count(":") != 1 or item.split(":")[0] not in ARCHS):
             ap.error(f"--configs: {item!r} is neither recipe nor SIZE:TOKENS ({', '.join(ARCHS)})")
@@ -825,7 +880,6 @@ def main(argv=None) -> dict:
     if args.learn:
         return learn_main(args)
     if args.smoke:
-        args.configs = "recipe,tiny:8" if args.configs == parse_args([]).configs else args.configs
         args.group_size, args.prompt_chars = 4, 24
         torch.set_num_threads(1)  # a tiny model gains nothing from threads that a busy CPU stalls
     elif not torch.cuda.is_available():

@@ -409,19 +409,19 @@ def bench_plan_rows(args, quantization: str, budgets: dict[str, int]) -> list[di
     bargs = bench.parse_args(
         ["--configs", configs, "--cap-gb", f"{args.cap_gb:g}", "--quantization", quantization]
     )
-    rows = []
-    for item in configs.split(","):
-        row = {"config": item, "phases": {}}
-        cfg, arch, _ = bench._setup(item, bargs, row)
-        row.update(planned=cfg is not None, model=row.get("model", f"qwen3-{arch}"))
-        rows.append(row)
-    schedules = {}
-    for when, budget in budgets.items():
-        trial = [dict(r) for r in rows]
-        bench.planned_schedule(trial, budget)
-        schedules[when] = [r["schedule"] for r in trial]
+    planned = {}
+    for when, budget in budgets.items():  # the recipe row's decode length follows the budget
+        rows = []
+        for item in configs.split(","):
+            row = {"config": item, "phases": {}}
+            cfg, arch, _ = bench._setup(item, bargs, row, (budget, 1.0))
+            row.update(planned=cfg is not None, model=row.get("model", f"qwen3-{arch}"))
+            rows.append(row)
+        bench.planned_schedule(rows, budget)
+        planned[when] = rows
+    rows = planned[list(budgets)[-1]]  # the rows as the whole timeout plans them
     for i, row in enumerate(rows):
-        row["schedule"] = {when: s[i] for when, s in schedules.items()}
+        row["schedule"] = {when: trial[i]["schedule"] for when, trial in planned.items()}
     return rows
 
 
@@ -490,7 +490,7 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
         "at its full timeout": bench_budget(TIMEOUTS["bench_gpu"]),
     }
     print(
-        "bench time plan (assumed rates until a device measures them: "
+        "bench time plan (the rates an H200 measured: "
         f"bench_gpu.plan_seconds): --budget-s {budgets['at worst']} at worst, "
         f"{budgets['at its full timeout']} at its full timeout; a row starts only if its "
         "required phases fit, an optional phase only if it still fits"
@@ -932,7 +932,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bench-configs",
         default=None,
         metavar="recipe,SIZE:TOKENS,...",
-        help="bench_gpu's --configs (default: its own: recipe,4b:2048,1.7b:4096)",
+        help="bench_gpu's --configs (default: its own: recipe)",
     )
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels")
     ap.add_argument(

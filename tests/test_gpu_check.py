@@ -257,7 +257,8 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     said = proc.stdout
     assert "fake device: RTX 4090, 23.6 GiB; torch capped at 23.5 GiB" in said
     row = next(x for x in said.splitlines() if x.startswith("bench rows (plan): recipe:"))
-    assert "qwen3-8b, 32 completions x 512+1024 tokens, LoRA r32" in row and ": fits" in row
+    # the 8B recipe's own shapes, decoding as many new tokens as the bench's time allows
+    assert "qwen3-8b, 32 completions x 512+512 tokens, LoRA r32" in row and ": fits" in row
     for phase in ("generation", "repair", "training", "evaluation"):
         assert f" {phase} " in row, phase
     fallback = next(x for x in said.splitlines() if x.startswith("fallback bench rows (plan): rec"))
@@ -273,11 +274,13 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     assert set(recipe["plan_seconds"]) == {
         "build", "load", "rollout", "repairs", "update", "evaluation", "update_offload"
     }  # fmt: skip
-    assert recipe["schedule"]["at worst"].startswith("runs")
-    assert recipe["schedule"]["at its full timeout"] == "runs"
-    assert "; at worst: runs" in row and "seconds build " in row
+    assert recipe["schedule"]["at worst"] == "runs at 256 new tokens"
+    assert recipe["schedule"]["at its full timeout"] == "runs at 512 new tokens, without evaluation"
+    capped = recipe["new_tokens_capped"]
+    assert capped["recipe"] == 1024 and capped["measured"] == 512, capped
+    assert "; at worst: runs at 256 new tokens" in row and "seconds build " in row
     assert "bench_gpu's status is its headline row's" in said
-    assert "bench time plan (assumed rates" in said
+    assert "bench time plan (the rates an H200 measured" in said
     for r in report["bench_plan"]["none"]:  # the fallback's rows have theirs too
         assert r["planned"] and r["schedule"]["at worst"]
 
