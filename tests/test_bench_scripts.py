@@ -149,6 +149,23 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def test_bench_decode_smoke_times_each_variant(tmp_path, one_thread):
+    """bench_decode on CPU (tiny Qwen3): every variant measured with seconds per decoding step
+    from its two calls, the ratio against the first, and the file written."""
+    bench = _script("bench_decode")
+    out = tmp_path / "decode.json"
+    summary = bench.main(["--smoke", "--out", str(out)])
+    names = [v["name"] for v in summary["variants"]]
+    assert names == [v["name"] for v in bench.variants(16)] and len(names) == 5
+    for v in summary["variants"]:
+        assert v["status"] == "ok", v["status"]
+        assert v["long_s"] > 0 and v["short_s"] > 0 and v["step_s"] > 0
+        assert v["rows"] == v["batch"]
+        assert v["tokens_per_s"] == pytest.approx(v["rows"] / v["step_s"], rel=1e-3)
+    assert summary["variants"][0]["vs_first"] == 1.0
+    assert json.loads(out.read_text()) == summary
+
+
 def test_bench_gpu_smoke_measures_the_recipe_phase_by_phase(tmp_path, one_thread):
     """The recipe row on CPU (tiny Qwen3, 8 tokens): every phase with its time, tokens/s and the
     planner's figure, the mismatch, and the file rewritten with each phase."""
