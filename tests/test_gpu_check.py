@@ -13,6 +13,7 @@ Not here: anything on CUDA, which is what the check is for.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -274,11 +275,18 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     assert set(recipe["plan_seconds"]) == {
         "build", "load", "rollout", "repairs", "update", "evaluation", "update_offload"
     }  # fmt: skip
-    assert recipe["schedule"]["at worst"] == "runs at 256 new tokens"
-    assert recipe["schedule"]["at its full timeout"] == "runs at 512 new tokens, without evaluation"
+    # the bench's budget at worst depends on the stages before it (no carried wheels: no install)
+    decoded = {}
+    for when, schedule in recipe["schedule"].items():
+        found = re.match(r"runs at (\d+) new tokens", schedule)
+        assert found, (when, schedule)
+        decoded[when] = int(found[1])
+    assert decoded["at worst"] <= decoded["at its full timeout"] < 1024
+    assert set(decoded.values()) <= {128, 256, 512}
     capped = recipe["new_tokens_capped"]
-    assert capped["recipe"] == 1024 and capped["measured"] == 512, capped
-    assert "; at worst: runs at 256 new tokens" in row and "seconds build " in row
+    assert capped["recipe"] == 1024 and capped["measured"] == decoded["at its full timeout"]
+    assert f"; at worst: runs at {decoded['at worst']} new tokens" in row
+    assert "seconds build " in row
     assert "bench_gpu's status is its headline row's" in said
     assert "bench time plan (the rates an H200 measured" in said
     for r in report["bench_plan"]["none"]:  # the fallback's rows have theirs too
