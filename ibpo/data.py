@@ -28,7 +28,7 @@ but with TRL's `prompt` reads `prompt`. Every column of a row travels with its e
 verifiable-coding-problems kind ({"language", "test_cases": [{"input", "output", "type":
 stdin_stdout | function_call, "fn_name"}]}) into the code reward's JSON test spec.
 
-Not here: tokenisation for the model (rollout.py) and grading (rewards/).
+Not here: tokenisation for the model (generation/) and grading (rewards/).
 """
 
 from __future__ import annotations
