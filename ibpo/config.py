@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.behaviour_policy
 IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # algo.objectives.importance_weights
-ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data/rows.py: gold_answer
 
 
 # The prompt of the built-in tasks (data.dataset=builtin:*; their answers are numbers).
