@@ -11,8 +11,8 @@ import torch
 
 from ibpo.config import DataConfig, ModelConfig
 from ibpo.data import builtin_examples, render_prompt
+from ibpo.generation import generate
 from ibpo.modeling import load_policy
-from ibpo.rollout import generate
 
 
 def main() -> None:

@@ -79,13 +79,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from ibpo import sizes, step, trainer  # noqa: E402
 from ibpo.data import Example, PromptStream, render_prompt  # noqa: E402
+from ibpo.generation import set_kv_cache  # noqa: E402
 from ibpo.logprobs import unwrap  # noqa: E402
 from ibpo.modeling import compute_dtype, load_policy, quantize_nf4  # noqa: E402
 from ibpo.plan import fit as plan  # noqa: E402
 from ibpo.plan.phases import offloaded_bytes  # noqa: E402
 from ibpo.recipe import load_config, resolve_params  # noqa: E402
 from ibpo.rewards import REWARDS  # noqa: E402
-from ibpo.rollout import set_kv_cache  # noqa: E402
 
 # The published Qwen3 architectures by size (ibpo.plan.fit's table), and a tiny one for --smoke.
 ARCHS = {name.split("-")[-1].lower(): arch for name, arch in sizes.KNOWN_ARCHITECTURES.items()}

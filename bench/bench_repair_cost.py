@@ -108,7 +108,7 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
     """Wrap ibpo.step.run_repairs: each call runs every variant on the same inputs and returns the
     outcome of `train_on`, leaving the planner's rng as that variant left it."""
     import ibpo.step as step
-    from ibpo.rollout import hf_generator
+    from ibpo.generation import hf_generator
 
     real = step.run_repairs
     turn = itertools.count()

@@ -57,9 +57,9 @@ import torch
 from ibpo.algo.spending import SKIP, SpendingState, decide, observe
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
 from ibpo.data import builtin_examples, render_prompt
+from ibpo.generation import hf_generator
 from ibpo.repair import run_repairs
 from ibpo.rewards.functions import grade_completions, reward_set
-from ibpo.rollout import hf_generator
 
 TEMPLATES = {
     "default": DEFAULT_REPAIR_TEMPLATE,

@@ -87,9 +87,9 @@ def build(cfg, cpu: bool = False) -> Run:
     from accelerate.utils import set_seed
 
     from ibpo.data import PromptStream, load_splits
+    from ibpo.generation import set_kv_cache
     from ibpo.modeling import load_policy
     from ibpo.recipe import resolve_params
-    from ibpo.rollout import set_kv_cache
     from ibpo.trainer import build_optimizer, lr_lambda
 
     accelerator = Accelerator(cpu=cpu)

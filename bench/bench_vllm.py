@@ -40,11 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import ARCHS, build_base  # noqa: E402
 
 from ibpo.data import render_prompt  # noqa: E402
+from ibpo.generation import VLLMEngine, generate  # noqa: E402
 from ibpo.modeling import load_policy  # noqa: E402
 from ibpo.plan import fit as plan  # noqa: E402
 from ibpo.recipe import load_config  # noqa: E402
-from ibpo.rollout import generate  # noqa: E402
-from ibpo.vllm_rollout import VLLMEngine  # noqa: E402
 
 
 def build_model_dir(arch: dict, root: Path, device: torch.device) -> Path:

@@ -29,8 +29,8 @@ from pathlib import Path
 def rebuilt_counts(command: str, tokenizer) -> dict[int, int]:
     """{step: prompt tokens the rollout ran} for the run of this `ibpo train` command line."""
     from ibpo.data import PromptStream, drop_long_prompts, load_splits, render_example
+    from ibpo.generation.rollout import encode_prompts
     from ibpo.recipe import load_config
-    from ibpo.rollout import encode_prompts
 
     overrides = [a for a in command.split() if "=" in a and "." in a.split("=")[0]]
     cfg = load_config(None, overrides)

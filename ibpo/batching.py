@@ -19,7 +19,7 @@ normaliser taken from the whole step (objectives.step_normaliser).
 Plans and widths come from the rollout's host copies of its lengths: cutting a micro-batch
 reads no value from the device.
 
-Not here: the loss itself (algo/objectives.py) or how rows were generated (rollout.py).
+Not here: the loss itself (algo/objectives.py) or how rows were generated (generation/).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ibpo.rollout import Rollout
+from ibpo.generation import Rollout
 
 
 def plan_micro_batches(

@@ -32,12 +32,12 @@ class ConfigError(ValueError):
 
 BEHAVIOR_POLICIES = ("trainer", "rollout")  # step.behaviour_policy
 IMPORTANCE_SAMPLING = ("none", "truncate", "mask")  # algo.objectives.importance_weights
-ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data.gold_answer
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "code_tests")  # data/rows.py: gold_answer
 
 
 # The prompt of the built-in tasks (data.dataset=builtin:*; their answers are numbers).
 BUILTIN_PROMPT_TEMPLATE = "{question}\nAnswer with just the number."
-# The vLLM rollout engine's prompt tokens per step (chunked prefill; vllm_rollout.py starts the
+# The vLLM rollout engine's prompt tokens per step (chunked prefill; generation/vllm.py starts the
 # engine with it): bounds its activation workspace (plan/) and the sequences it decodes at once.
 VLLM_BATCHED_TOKENS = 8192
 
@@ -246,7 +246,7 @@ class RolloutConfig:
     dynamic_sampling: bool | None = None
     # Who generates rollouts, repairs and held-out answers: hf (the policy's own generate()) |
     # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
-    # with the adapter as a LoRA request re-sent each step; one process; ibpo/vllm_rollout.py)
+    # with the adapter as a LoRA request re-sent each step; one process; ibpo/generation/vllm.py)
     backend: str = choice("hf", "vllm")
     # Rollout-vs-trainer mismatch, measured every step on the trained tokens (step.py): the KL
     # between the log-probs the backend sampled with and the trainer's. Above 0.005 a warning

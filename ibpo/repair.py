@@ -38,8 +38,8 @@ from ibpo.algo.counterfactual import (
 from ibpo.algo.spending import SpendingState, affordable, repair_cost
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
+from ibpo.generation import Generator, Rollout
 from ibpo.rewards.functions import Grades, RewardSet, grade_completions
-from ibpo.rollout import Generator, Rollout
 
 
 @dataclass

@@ -48,8 +48,8 @@ HEAD_CHUNK_BYTES_CHECKPOINTED = 5 * F32 + 1
 # The repair prompt wraps question, failed attempt and a reference completion in repair.template
 # (repair_template_tokens below counts what it adds besides them).
 REPAIR_PLACEHOLDERS = ("{question}", "{attempt}", "{reference}")
-# The vLLM rollout engine (vllm_rollout.py). LoRA ranks it has adapter slots for, in every release
-# the vllm extra admits (an adapter is served by the next one up):
+# The vLLM rollout engine (generation/vllm.py). LoRA ranks it has adapter slots for, in every
+# release the vllm extra admits (an adapter is served by the next one up):
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # The most prompt tokens it runs per step, VLLM_BATCHED_TOKENS (config.py, which checks the batch
 # against it), is imported above.
@@ -317,7 +317,7 @@ def vllm_slot_rank(r: int) -> int:
 def vllm_budget(
     shape: ModelShape, cfg, b: int, max_positions: int | None = None
 ) -> tuple[int, int]:
-    """(max_model_len, KV-cache bytes) of the vLLM rollout engine (vllm_rollout.py). The KV
+    """(max_model_len, KV-cache bytes) of the vLLM rollout engine (generation/vllm.py). The KV
     budget holds one generation_batch_size batch at full length; vLLM schedules within it. It
     is raised, if need be, to hold the longest request this run makes (a repair prompt carries
     two completions) and rounded up to whole KV blocks. max_model_len is the most a single

@@ -84,6 +84,7 @@ from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, render_example
 from ibpo.distributed import agreed_count, gather_metrics, gathered, summed
+from ibpo.generation import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import (
     dequantized_base,
@@ -100,7 +101,6 @@ from ibpo.rewards.functions import (
     reward_stats,
     run_reward_set,
 )
-from ibpo.rollout import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 from ibpo.sizes import CHUNK_TOKENS
 
 # --- what the stages hand each other ------------------------------------------------------------
@@ -193,7 +193,7 @@ def rl_step(
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
-    before this one, which seeds this step's sampling streams (rollout.SamplingStreams).
+    before this one, which seeds this step's sampling streams (generation.SamplingStreams).
     `reward_fns`: the run's reward functions (rewards/functions.py; None: objective.reward's);
     the metrics they logged (log_metric) join the step's. `table`: this process's completions
     of the step are appended to it (ScoredBatch.table)."""
@@ -256,9 +256,9 @@ def rl_step(
 
 @contextmanager
 def generating(model, cfg: Config, device: torch.device, engine=None):
-    """A Generator (rollout.py) for one generation phase: the vLLM engine serving the current
-    adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on gathered
-    weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
+    """A Generator (generation/rollout.py) for one generation phase: the vLLM engine serving the
+    current adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on
+    gathered weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
     if engine is not None:
         with engine.serving(model) as generator:
             yield generator

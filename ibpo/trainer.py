@@ -49,6 +49,7 @@ from ibpo.distributed import (
     save_adapter,
 )
 from ibpo.evaluation.evaluate import evaluate_accuracy
+from ibpo.generation import VLLMEngine, set_kv_cache
 from ibpo.hub import push as hub_push
 from ibpo.modeling import (
     load_policy,
@@ -57,7 +58,6 @@ from ibpo.modeling import (
 from ibpo.recipe import resolve_params
 from ibpo.rewards import code as code_grader
 from ibpo.rewards.functions import RewardError, RewardSet, run_reward_set
-from ibpo.rollout import set_kv_cache
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures, outdir, report
 from ibpo.run.alarm import MismatchAlarm
@@ -66,7 +66,6 @@ from ibpo.run.log import COMPLETIONS, log_completions, log_eval, log_step, trim_
 from ibpo.run.version import code_version, header
 from ibpo.sandbox import policy as sandbox_policy
 from ibpo.step import StepParts, generating, rl_step
-from ibpo.vllm_rollout import VLLMEngine
 
 
 def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False):
@@ -285,7 +284,7 @@ def train(
         # The same seed built the same LoRA init on every process; from here each process has
         # its own random streams (torch, CUDA, numpy, random seeded with seed + process index).
         # What it samples comes from the step's streams, which also hold the process index
-        # (rollout.SamplingStreams), so ranks never draw correlated groups.
+        # (generation.SamplingStreams), so ranks never draw correlated groups.
         set_seed(tr.seed, device_specific=True)
     with sandbox_policy.enforced(policy) as sandbox:  # until the run has ended
         engine = None

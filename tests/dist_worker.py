@@ -31,7 +31,7 @@ OBJECTIVES = ("ibpo", "dapo", "grpo")  # group transform, token_mean, seq_mean
 def fixed_batch(tok, rows_of_groups: list[int]):
     """Deterministic prompts, completions of varied lengths and rewards; the chosen groups."""
     from ibpo.algo.advantages import group_advantages, token_advantages
-    from ibpo.rollout import Rollout
+    from ibpo.generation import Rollout
     from ibpo.step import ScoredBatch
 
     rng = random.Random(7)
@@ -159,7 +159,7 @@ def check_gathering(model_dir: str, accelerator) -> dict:
     from torch.distributed.tensor import DTensor
 
     from ibpo.distributed import gathered
-    from ibpo.rollout import generate
+    from ibpo.generation import generate
     from ibpo.trainer import build_optimizer
 
     cfg, model, tok = make_policy(model_dir, "ibpo", accelerator.device)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ibpo.batching import cut, micro_batches, plan_micro_batches
+from ibpo.generation import Rollout
 from ibpo.logprobs import completion_logprobs
-from ibpo.rollout import Rollout
 
 
 def _cost(rows, prompt, completion):
@@ -65,7 +65,7 @@ def test_bad_input():
 
 
 def _rollout(tok, prompts, completions):
-    """Left-padded prompts + right-padded completions, as rollout.generate lays them out."""
+    """Left-padded prompts + right-padded completions, as generation.generate lays them out."""
     pad = tok.pad_token_id
     p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     c_ids = [tok(c, add_special_tokens=False)["input_ids"] for c in completions]

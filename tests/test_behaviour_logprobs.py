@@ -1,5 +1,5 @@
 """Behaviour log-probs: each backend reports, per sampled token, its log-prob under the
-distribution it sampled from (rollout.SampledLogprobs for HF generate)."""
+distribution it sampled from (generation.sampling.SampledLogprobs for HF generate)."""
 
 import math
 
@@ -7,15 +7,10 @@ import pytest
 import torch
 
 from ibpo.config import ModelConfig
+from ibpo.generation import concat_rollouts, generate
+from ibpo.generation.sampling import SampledLogprobs, top_k_filter, top_p_filter
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
-from ibpo.rollout import (
-    SampledLogprobs,
-    concat_rollouts,
-    generate,
-    top_k_filter,
-    top_p_filter,
-)
 
 
 def test_top_k_and_top_p_filters_keep_the_expected_tokens():
@@ -120,7 +115,7 @@ def test_recorder_refuses_a_processor_that_ran_after_it():
 
 
 def test_draw_samples_the_processed_distribution_and_never_a_zero_probability_token():
-    from ibpo.rollout import draw
+    from ibpo.generation.sampling import draw
 
     torch.manual_seed(0)
     scores = torch.tensor([[0.0, 1.0, float("-inf"), 2.0, float("-inf")]]).repeat(20000, 1)

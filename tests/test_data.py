@@ -109,9 +109,9 @@ def test_unusable_rows_are_an_error_unless_skipped_and_counted(tmp_path, capsys)
 
 
 def test_a_missing_training_split_is_named(tmp_path, monkeypatch):
-    import ibpo.data as data
+    import ibpo.data.splits as splits
 
-    monkeypatch.setattr(data, "_load_rows", lambda src, split, subset: None)
+    monkeypatch.setattr(splits, "_load_rows", lambda src, split, subset: None)
     with pytest.raises(ConfigError, match="has no split 'trian'.*data.split"):
         load_splits(DataConfig(dataset="org/set", split="trian", eval_size=0))
 
@@ -323,13 +323,13 @@ def test_eval_dataset_with_its_own_columns_and_answer_format(tmp_path):
 
 
 def test_a_named_eval_dataset_without_the_split_is_an_error(tmp_path, monkeypatch):
-    import ibpo.data as data
+    import ibpo.data.splits as splits
 
     train = _jsonl(tmp_path / "train.jsonl", [{"question": "1+1?", "answer": "2"}] * 3)
-    real = data._load_rows
+    real = splits._load_rows
     # a Hub dataset without the requested split (what _load_rows reports as None)
     monkeypatch.setattr(
-        data,
+        splits,
         "_load_rows",
         lambda src, split, subset: None if src == "org/evalset" else real(src, split, subset),
     )

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from ibpo.algo.objectives import KL_ESTIMATORS, OBJECTIVES, aggregate, token_weights
+from ibpo.generation import Rollout
 from ibpo.recipe import load_config, resolve_params
-from ibpo.rollout import Rollout
 from tests.conftest import grader_rewards
 
 DEVICE = torch.device("meta")
@@ -34,7 +34,7 @@ G, P, EOS = 4, 3, 1
 
 def device_rollout(rows: list[list[int]], texts: list[str], width: int | None = None) -> Rollout:
     """A rollout whose tensors are on the stand-in device and whose host copies are real, as
-    rollout.assemble leaves them (prompts of P tokens, completions right-padded)."""
+    generation.rollout.assemble leaves them (prompts of P tokens, completions right-padded)."""
     n, T = len(rows), width or max(len(r) for r in rows)
     return Rollout(
         input_ids=torch.zeros(n, P + T, dtype=torch.long, device=DEVICE),

@@ -107,7 +107,7 @@ def _fake_rounds(monkeypatch, reward_rows):
         r = torch.tensor(next(rows)[: len(examples)], dtype=torch.float32)
         n, g = r.shape
         mask = torch.ones(n * g, 3)
-        from ibpo.rollout import Rollout
+        from ibpo.generation import Rollout
 
         ro = Rollout(
             input_ids=torch.ones(n * g, 5, dtype=torch.long),
@@ -198,7 +198,7 @@ def test_overlong_penalty_is_zero_before_the_buffer_then_linear_to_the_maximum()
 def _lengths_round(monkeypatch, rewards, lengths, width=16):
     """One round of `collect_batch` whose completions have the given lengths (tokens)."""
     import ibpo.step as step
-    from ibpo.rollout import Rollout
+    from ibpo.generation import Rollout
     from ibpo.step import Round
 
     def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng, *streams):

@@ -99,7 +99,7 @@ def test_two_processes_match_one_process_on_the_combined_batch(tiny_model_dir, t
 
 
 def _check_fsdp_generation(model_dir: str, tmp_path: Path) -> None:
-    from ibpo.rollout import generate
+    from ibpo.generation import generate
 
     found = [torch.load(tmp_path / f"gather-rank{r}.pt") for r in (0, 1)]
     for f in found:

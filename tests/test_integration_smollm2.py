@@ -8,10 +8,10 @@ import torch
 
 from ibpo.cli import main
 from ibpo.data import PromptStream, builtin_examples
+from ibpo.generation import generate
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
-from ibpo.rollout import generate
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer
 

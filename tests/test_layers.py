@@ -4,12 +4,12 @@ Layers, bottom to top (a module imports only from its own layer or below):
   config                      the schema: imports nothing of the package
   algo/                       the algorithm: nothing of the package outside algo/, and of the
                               rest only torch, rapidfuzz (edit alignments) and the standard library
-  core                        recipe (a recipe checked against the registries and resolved), data,
-                              embedded, modeling, rollout, vllm_rollout, logprobs, batching,
-                              distributed, repair (a step's repairs, run), sizes (shapes and byte
-                              counts, which the planner and the vLLM engine share), quiet
-                              (third-party noise filters), catalog (the packaged recipes),
-                              rewards/, sandbox/
+  core                        recipe (a recipe checked against the registries and resolved),
+                              data/, embedded, modeling, generation/ (rollouts on the hf and vLLM
+                              backends), logprobs, batching, distributed, repair (a step's
+                              repairs, run), sizes (shapes and byte counts, which the planner and
+                              the vLLM engine share), quiet (third-party noise filters), catalog
+                              (the packaged recipes), rewards/, sandbox/
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), api (ibpo.train), cli
@@ -35,9 +35,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ibpo"
 LAYERS = {
     "config": 0,
     "algo": 1,
-    "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "rollout": 2, "vllm_rollout": 2,
-    "logprobs": 2, "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2,
-    "sizes": 2, "quiet": 2, "catalog": 2,
+    "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "generation": 2, "logprobs": 2,
+    "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
+    "quiet": 2, "catalog": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ibpo.config import ModelConfig
+from ibpo.generation import generate
 from ibpo.logprobs import (
     ROW_BLOCKS,
     checkpointed_head_logprobs,
@@ -20,7 +21,6 @@ from ibpo.logprobs import (
     unwrap,
 )
 from ibpo.modeling import load_policy
-from ibpo.rollout import generate
 from tests.conftest import make_tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ibpo.config import ModelConfig
+from ibpo.generation import generate
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import compute_dtype, load_policy, reference_mode
-from ibpo.rollout import generate
 
 
 def _rollout(model, tok, seed=0):

@@ -229,10 +229,10 @@ def test_generation_estimate_of_distinct_prompts_tracks_live_tensors(policy, sha
     "shape, P, T, decode", [(SHAPES[0], 200, 2, False), (SHAPES[1], 8, 8, True)]
 )
 def test_rollout_estimate_tracks_live_tensors(policy, shape, P, T, decode):
-    """A rollout's generate() call of whole groups, as the trainer makes it: each group's prompt
-    is prefilled once and its cache repeated to the group's rows (rollout.prefill), so the
+    """A rollout's generate() call of whole groups, as the trainer makes it: each group's prompt is
+    prefilled once and its cache repeated to the group's rows (generation.prefixes.prefill), so the
     prefill's working set is the prompts', not the rows'."""
-    from ibpo.rollout import generate
+    from ibpo.generation import generate
     from tests.conftest import make_tokenizer
 
     hidden, inter, vocab = shape

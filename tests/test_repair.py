@@ -22,8 +22,8 @@ from ibpo.algo.counterfactual import (
 )
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example
+from ibpo.generation import Rollout
 from ibpo.repair import run_repairs
-from ibpo.rollout import Rollout
 from tests.conftest import grader_rewards
 
 # --- shaping ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Reward functions in TRL's convention (ibpo/rewards/functions.py): the built-ins wrapped, the
 weighted sum with None ignored, the columns and prompts they receive, one named error per bad
-reward, concurrency; conversational prompts rendered whole (ibpo/data.py)."""
+reward, concurrency; conversational prompts rendered whole (ibpo/data/)."""
 
 import math
 import threading

@@ -3,14 +3,9 @@ import dataclasses
 import torch
 
 from ibpo.config import ModelConfig
+from ibpo.generation import Rollout, concat_rollouts, generate, set_kv_cache
+from ibpo.generation.rollout import completion_mask_from
 from ibpo.modeling import load_policy
-from ibpo.rollout import (
-    Rollout,
-    completion_mask_from,
-    concat_rollouts,
-    generate,
-    set_kv_cache,
-)
 
 
 def test_completion_mask_up_to_first_eos():

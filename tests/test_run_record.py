@@ -16,8 +16,8 @@ import yaml
 
 import ibpo
 from ibpo.data import Example
+from ibpo.generation import Rollout
 from ibpo.recipe import load_config
-from ibpo.rollout import Rollout
 from ibpo.run import report, version
 from ibpo.step import score_round
 from tests.conftest import grader_rewards, make_tokenizer

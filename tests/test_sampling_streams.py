@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ibpo.data import PromptStream, builtin_examples
+from ibpo.generation import SamplingStreams, hf_generator
+from ibpo.generation.streams import sampling_stream, stream_seed
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
-from ibpo.rollout import SamplingStreams, hf_generator, sampling_stream, stream_seed
 from ibpo.step import collect_batch
 from tests.conftest import grader_rewards
 
@@ -136,8 +137,8 @@ def test_the_trainer_keys_each_step_by_the_steps_done_before_it(
 
 
 def test_a_later_slice_samples_the_same_however_long_the_first_decoded(tiny_model_dir, monkeypatch):
-    from ibpo import rollout
     from ibpo.config import ModelConfig
+    from ibpo.generation import hf
 
     model, tok = load_policy(ModelConfig(name=tiny_model_dir, quantization="none"), CPU)
     stop = tok.convert_tokens_to_ids("z")
@@ -150,12 +151,12 @@ def test_a_later_slice_samples_the_same_however_long_the_first_decoded(tiny_mode
 
     def samples(first: str) -> tuple[list[int], list[list[int]]]:
         torch.manual_seed(7)  # the same generators at the call's start
-        ro = rollout.generate(model, tok, [first, "bbbb"], 2, 8, batch_size=2,
-                              logits_processor=[end_marked_rows])  # fmt: skip
+        ro = hf.generate(model, tok, [first, "bbbb"], 2, 8, batch_size=2,
+                         logits_processor=[end_marked_rows])  # fmt: skip
         return ro.lengths[:2], ro.tokens[2:]  # the first slice's lengths, the second's tokens
 
     (short, a), (long, b) = samples("zzzz"), samples("aaaa")
     assert short == [1, 1] and min(long) > 1  # the first slices decoded 1 and several positions
     assert a == b  # the second slice drew from its own stream
-    monkeypatch.setattr(rollout, "stream_position", lambda device: None)  # one stream per call
+    monkeypatch.setattr(hf, "stream_position", lambda device: None)  # one stream per call
     assert samples("zzzz")[1] != samples("aaaa")[1]

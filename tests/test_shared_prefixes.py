@@ -1,7 +1,7 @@
 """Prompts of one generate() call that begin alike run their common prefix once
-(rollout.plan_shared_prefixes / shared_prefix_inputs): the same samples and log-probs as the plain
-left-padded batch, fewer prompt tokens through the model, and the plain batch wherever sharing
-would not pay or the model cannot take it."""
+(generation.prefixes: plan_shared_prefixes, shared_prefix_inputs): the same samples and log-probs as
+the plain left-padded batch, fewer prompt tokens through the model, and the plain batch wherever
+sharing would not pay or the model cannot take it."""
 
 import random
 
@@ -10,17 +10,11 @@ import torch
 
 from ibpo.config import DataConfig, ModelConfig, RepairConfig
 from ibpo.data import Example
+from ibpo.generation import generate, hf_generator, set_kv_cache
+from ibpo.generation.prefixes import padded_cost, plan_shared_prefixes, shares_prefixes
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 from ibpo.repair import run_repairs
-from ibpo.rollout import (
-    generate,
-    hf_generator,
-    padded_cost,
-    plan_shared_prefixes,
-    set_kv_cache,
-    shares_prefixes,
-)
 from tests.conftest import grader_rewards, make_tiny_qwen3, make_tokenizer
 
 # Repair-like prompts: two groups, each a long shared question then per-row attempts of several

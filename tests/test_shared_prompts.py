@@ -122,23 +122,23 @@ def test_packing_only_where_cheaper_safe_and_sdpa():
 def test_generation_prefills_each_prompt_once_with_the_same_result(
     tiny_model_dir, monkeypatch, do_sample
 ):
-    import ibpo.rollout as rollout
+    import ibpo.generation.hf as hf
     from ibpo.config import ModelConfig
     from ibpo.modeling import load_policy
 
     model, tok = load_policy(ModelConfig(name=tiny_model_dir), torch.device("cpu"))
     prompts = ["What is 3+4?", "7*2=?"]  # different lengths: left padding
     calls = []
-    real_prefill = rollout.prefill
-    monkeypatch.setattr(rollout, "prefill", lambda *a: calls.append(a[1].shape) or real_prefill(*a))
+    real_prefill = hf.prefill
+    monkeypatch.setattr(hf, "prefill", lambda *a: calls.append(a[1].shape) or real_prefill(*a))
 
     def run():
         torch.manual_seed(5)
-        return rollout.generate(model, tok, prompts, 3, 8, 6, do_sample=do_sample)
+        return hf.generate(model, tok, prompts, 3, 8, 6, do_sample=do_sample)
 
     shared = run()
     assert calls and calls[0][0] == 6  # one call over the slice's 6 rows ...
-    monkeypatch.setattr(rollout, "shares_prefill", lambda *a: False)
+    monkeypatch.setattr(hf, "shares_prefill", lambda *a: False)
     separate = run()
     assert len(calls) == 1  # ... and none with sharing off
     assert torch.equal(shared.input_ids, separate.input_ids)
@@ -149,8 +149,9 @@ def test_generation_prefills_each_prompt_once_with_the_same_result(
 
 def test_prefill_sharing_needs_whole_groups_and_the_dynamic_cache(tiny_model_dir):
     from ibpo.config import ModelConfig
+    from ibpo.generation import set_kv_cache
+    from ibpo.generation.prefixes import shares_prefill
     from ibpo.modeling import load_policy
-    from ibpo.rollout import set_kv_cache, shares_prefill
 
     model, _ = load_policy(ModelConfig(name=tiny_model_dir), torch.device("cpu"))
     assert shares_prefill(model, torch.Size([6, 9]), 3)

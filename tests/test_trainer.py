@@ -157,7 +157,7 @@ def test_old_logprobs_are_the_rollout_policy_s_even_with_lora_dropout(tiny_model
     from peft import LoraConfig
 
     from ibpo.batching import cut
-    from ibpo.rollout import generate
+    from ibpo.generation import generate
     from ibpo.step import frozen_logprobs, sequence_logprobs
 
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.5, target_modules="all-linear")

@@ -1,5 +1,5 @@
-"""The vllm rollout backend (ibpo/vllm_rollout.py), driven through tests/fake_vllm: a stand-in for
-vLLM's offline API run by transformers + PEFT on CPU (vLLM itself needs CUDA). What is tested is
+"""The vllm rollout backend (ibpo/generation/vllm.py), driven through tests/fake_vllm: a stand-in
+for vLLM's offline API run by transformers + PEFT on CPU (vLLM itself needs CUDA). What is tested is
 ibpo's side: the Rollout it builds, the adapter it sends every phase, sleeping between phases,
 the KV budget, the trainer on this backend, and the errors a user can hit."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ibpo.config import ConfigError
+from ibpo.generation import generate
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config
-from ibpo.rollout import generate
 
 FAKE = str(Path(__file__).parent / "fake_vllm")
 
@@ -62,9 +62,9 @@ PROMPTS = ["What is 12+30?", "a", "hello there"]
 
 
 def test_greedy_rollout_equals_the_policys_own(fake_vllm, tiny_model_dir):
-    """Same tokens, same padded tensors, masks and texts as rollout.generate; the adapter is what
+    """Same tokens, same padded tensors, masks and texts as generation.generate; the adapter is what
     the engine served (the base alone answers differently)."""
-    from ibpo.vllm_rollout import VLLMEngine
+    from ibpo.generation import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
     engine = VLLMEngine.start(cfg, model, tok)
@@ -84,7 +84,7 @@ def test_greedy_rollout_equals_the_policys_own(fake_vllm, tiny_model_dir):
 def test_every_phase_serves_the_adapter_as_it_is_now(fake_vllm, tiny_model_dir):
     """A new LoRA id and directory per phase (the engine caches by id), the previous directory
     removed; asleep outside a phase; the saved adapters go with the engine."""
-    from ibpo.vllm_rollout import VLLMEngine
+    from ibpo.generation import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
     engine = VLLMEngine.start(cfg, model, tok)
@@ -112,7 +112,7 @@ def test_every_phase_serves_the_adapter_as_it_is_now(fake_vllm, tiny_model_dir):
 def test_sampling_seeds_follow_torch_rng(fake_vllm, tiny_model_dir):
     """Seeds come from torch's RNG (restored on resume): same RNG state, same samples; each
     prompt gets its own seed."""
-    from ibpo.vllm_rollout import VLLMEngine
+    from ibpo.generation import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
     engine = VLLMEngine.start(cfg, model, tok)
@@ -136,7 +136,7 @@ def test_sampling_seeds_follow_torch_rng(fake_vllm, tiny_model_dir):
 def test_sampled_rows_are_grouped_prompt_major(fake_vllm, tiny_model_dir):
     """Row b * G + j is sample j of prompt b: at a temperature near 0 every sample of a prompt
     is that prompt's greedy completion, and the prompts' completions differ."""
-    from ibpo.vllm_rollout import VLLMEngine
+    from ibpo.generation import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
     engine = VLLMEngine.start(cfg, model, tok)
@@ -151,8 +151,8 @@ def test_sampled_rollouts_carry_the_engines_log_probs(fake_vllm, tiny_model_dir)
     """The engine's per-token log-probs (processed: at the sampling temperature) become the
     rollout's behaviour log-probs; here the stand-in runs the policy's own fp32 weights, so they
     equal the trainer's log-probs. Greedy requests ask for none."""
+    from ibpo.generation import VLLMEngine
     from ibpo.logprobs import completion_logprobs
-    from ibpo.vllm_rollout import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
     engine = VLLMEngine.start(cfg, model, tok)
@@ -175,8 +175,8 @@ def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
     a vLLM without bitsandbytes is refused with the fix."""
     import types
 
+    from ibpo.generation import VLLMEngine, engine_kwargs
     from ibpo.sizes import ModelShape, kv_cache_bytes, vllm_budget
-    from ibpo.vllm_rollout import VLLMEngine, engine_kwargs
 
     kw = engine_kwargs(fake_vllm, "nf4", 12)
     processed = {"logprobs_mode": "processed_logprobs"}
@@ -250,7 +250,7 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
     """vLLM refusing to start is a ConfigError naming the knobs; an error in the middle of a run
     still shuts the engine down and removes its files."""
     import ibpo.trainer as trainer
-    from ibpo.vllm_rollout import VLLMEngine
+    from ibpo.generation import VLLMEngine
 
     cfg, model, tok = _policy(tiny_model_dir)
 
@@ -291,7 +291,7 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_vllm_backend_errors(tiny_model_dir, monkeypatch):
-    from ibpo.vllm_rollout import import_vllm
+    from ibpo.generation import import_vllm
 
     with pytest.raises(ConfigError, match="rollout.backend"):
         load_config(None, ["rollout.backend=sglang"])

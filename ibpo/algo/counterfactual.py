@@ -67,7 +67,7 @@ def plan_repairs(
     first. Which failed members are repaired when the cap binds is random, not positional. A
     NaN reward (no reward applies) is neither. Ordered by group, then reference: repairs that
     show the same reference are neighbours, so a template that puts the reference before the
-    attempt gives them one shared prefix (rollout.generate runs it once)."""
+    attempt gives them one shared prefix (generation.generate runs it once)."""
     jobs = []
     for b, row in enumerate(rewards.tolist()):
         correct = [r >= correct_at for r in row]

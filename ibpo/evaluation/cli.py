@@ -30,10 +30,9 @@ from ibpo.evaluation.evaluate import (
     run_benchmark,
     summarize,
 )
+from ibpo.generation import engine_kwargs, generate, import_vllm
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.quiet import quiet_third_party
-from ibpo.rollout import generate
-from ibpo.vllm_rollout import engine_kwargs, import_vllm
 
 
 class SeededSampling:
@@ -63,7 +62,7 @@ class SeededSampling:
 
 
 def hf_sampler(args) -> tuple[Sampler, object]:
-    """rollout.generate, one call per chunk (run_benchmark's chunks hold --batch-size prompts):
+    """generation.generate, one call per chunk (run_benchmark's chunks hold --batch-size prompts):
     greedy decoding over SeededSampling's noisy logits, so that each completion is a sample that
     depends on its own seed only (greedy proper at temperature 0)."""
 

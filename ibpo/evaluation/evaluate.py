@@ -11,7 +11,8 @@ Two entry points:
   problem. Every graded sample is appended to <output-dir>/samples.jsonl as soon as
   its batch finishes, so a killed run resumes where it stopped (a half-written last line is
   dropped). summary.json and results.md (one markdown row) are rewritten at the end. Generation
-  uses HF `generate` (rollout.py) or, with --backend vllm, vLLM with the adapter as a LoRA request.
+  uses HF `generate` (generation/hf.py) or, with --backend vllm, vLLM with the adapter as a LoRA
+  request.
 
 Sampling seeds: sample i of problem p is drawn with its own seed, `sample_seed(--seed, p, i)` (a
 SHA-256 of the three, never Python's salted hash), whatever else shares its batch: vLLM gets it
@@ -53,9 +54,9 @@ import torch
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
+from ibpo.generation import Generator
 from ibpo.rewards.functions import RewardSet, grade_completions, logged_metrics
 from ibpo.rewards.math import answers_match, text_to_grade
-from ibpo.rollout import Generator
 
 # (prompts, one sampling seed per prompt) -> (completion text, length in tokens, hit
 # max_new_tokens) per prompt; the completion for a prompt must depend only on it and its seed

@@ -4,7 +4,8 @@ From the model's shape (sizes.py) and a recipe, the peak of each phase of a step
 counting the tensors the package's own code path holds:
   * generation (and repair generation, evaluation): 4-bit weights + LoRA + optimizer state + the
     KV cache of one `generate` call at full length + one step's sampling logits, or the prompt
-    prefill if that is larger (a rollout prefills each group's prompt once, rollout.prefill);
+    prefill if that is larger (a rollout prefills each group's prompt once,
+    generation.prefixes.prefill);
   * training: the same persistent state + LoRA grads + one micro-batch under gradient
     checkpointing: every layer's input, then either the log-prob head chunk (logprobs.py) or one
     layer recomputed in backward, whichever is larger.
@@ -44,7 +45,7 @@ Not modelled: mixture-of-experts layers, CPU offload (fsdp_offload_params), DDP/
 communication buffers beyond the gradient buckets.
 
 With rollout.backend=vllm the generation phases hold the policy's state plus the engine's own
-(vllm_rollout.py): its copy of the base, a LoRA slot, its KV budget, a workspace and an estimate
+(generation/vllm.py): its copy of the base, a LoRA slot, its KV budget, a workspace and an estimate
 for its CUDA graphs and buffers; while it sleeps, training adds only that estimate.
 
 Not here: whether it fits, suggestions, or printing (fit.py); the byte counts themselves
@@ -143,9 +144,9 @@ def _generation(shape, model, b, batch, prompt, new, sampling, groups=None) -> d
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
     last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
     `groups`: the call's distinct prompts when its rows are groups of one prompt each: the
-    rollout runs each prompt once and repeats its cache to the group's rows (rollout.prefill),
-    so the prefill holds the cache and working set of `groups` rows; the repeated cache is the
-    decoding steps' (counted there at full length)."""
+    rollout runs each prompt once and repeats its cache to the group's rows
+    (generation.prefixes.prefill), so the prefill holds the cache and working set of `groups`
+    rows; the repeated cache is the decoding steps' (counted there at full length)."""
     deq = _dequant_bytes(shape, model, b)
     rows = batch if groups is None else groups
     full = kv_cache_bytes(shape, batch, prompt + new, b)
@@ -165,7 +166,7 @@ def _generation(shape, model, b, batch, prompt, new, sampling, groups=None) -> d
 
 
 def _vllm_engine(shape: ModelShape, cfg: Config, b: int) -> dict[str, int]:
-    """What the vLLM engine (vllm_rollout.py) holds while it generates: its own copy of the base,
+    """What the vLLM engine (generation/vllm.py) holds while it generates: its own copy of the base,
     quantised as the policy's; one LoRA slot at vLLM's rank (every linear, compute dtype); its
     fixed KV budget; a prefill chunk's activations and the sampler's logits (as HF's); and, outside
     torch, its CUDA graphs and buffers (an estimate, sizes.VLLM_OVERHEAD_BYTES)."""

@@ -76,7 +76,7 @@ timeouts included, so a repeated pathological answer costs one kill. Where no wo
 A failure of the grader itself (any exception) is no match, counted (ibpo.rewards.errors).
 
 Not here: partial credit, tolerance beyond the rules above, unit conversion (5 m vs 500 cm), code
-execution (sandbox), format rewards, dataset-specific gold parsing (data.py).
+execution (sandbox), format rewards, dataset-specific gold parsing (data/rows.py).
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def _restore_cuda(state: dict, device: torch.device | None) -> None:
 
 def _cuda_rng_not_restored(why: str) -> None:
     # a warning (shown once per process): sampling is unaffected (each step seeds its own
-    # streams, rollout.SamplingStreams); GPU draws outside it (the dropout of an adapter given
+    # streams, generation.SamplingStreams); GPU draws outside it (the dropout of an adapter given
     # as peft_config=, when on) differ from an uninterrupted run, everything else resumes exactly
     warnings.warn(
         f"ibpo: the checkpoint's CUDA RNG state is not restored ({why}): sampling resumes "

@@ -15,18 +15,18 @@ engine beside the policy, which keeps training with HF + PEFT exactly as with th
 * It runs in the training process, not in vLLM's default child process, which would exit on the
   first Ctrl-C or SIGTERM instead of letting the trainer finish the step and save.
 * Token ids in, token ids out: the Rollout is built from the same left-padded prompt tensors as
-  rollout.generate's (rollout.assemble), the completion ending at its first EOS. Sampling seeds are
-  drawn from torch's RNG inside the step's sampling stream (rollout.SamplingStreams), so a
-  resumed run draws the same seeds; only the sampling settings asked for apply (as in
-  rollout.generate, not the model's own defaults).
+  the hf backend's (rollout.encode_prompts, rollout.assemble), the completion ending at its first
+  EOS. Sampling seeds are drawn from torch's RNG inside the step's sampling stream
+  (streams.SamplingStreams), so a resumed run draws the same seeds; only the sampling settings
+  asked for apply (as in hf.generate, not the model's own defaults).
 
 vLLM samples with its own kernels, so its sampling distribution differs slightly from the
 policy's in the update (the usual mismatch of vLLM rollouts). Behaviour log-probs: the engine is
 started with logprobs_mode="processed_logprobs" and each sampled request asks for logprobs=0, so
 every completion token comes with its log-prob after temperature, top-k and top-p, the
-distribution vLLM drew it from (the hf backend's `Rollout.logprobs`, rollout.py). The step measures
-the mismatch against the trainer's log-probs and can correct for it (objective.behavior_policy,
-objective.importance_sampling).
+distribution vLLM drew it from (the hf backend's `Rollout.logprobs`, sampling.py). The step
+measures the mismatch against the trainer's log-probs and can correct for it
+(objective.behavior_policy, objective.importance_sampling).
 
 Not here: several processes (one engine per GPU beside DDP/FSDP replicas is refused by
 distributed.check_launch: use the hf backend there), or full fine-tuning (the policy is always a
@@ -51,8 +51,8 @@ import torch
 from torch import nn
 
 from ibpo.config import Config, ConfigError
+from ibpo.generation.rollout import Generator, Rollout, assemble, encode_prompts, eos_ids
 from ibpo.modeling import compute_dtype, resolve_model_path
-from ibpo.rollout import Generator, Rollout, assemble, encode_prompts, eos_ids
 from ibpo.sizes import (
     VLLM_BATCHED_TOKENS,
     VLLM_OVERHEAD_BYTES,
@@ -224,8 +224,8 @@ class VLLMEngine:
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> Rollout:
-        """rollout.generate's contract. `batch_size` is not used: vLLM schedules sequences
-        within its KV-cache budget."""
+        """hf.generate's contract (rollout.Generator). `batch_size` is not used: vLLM schedules
+        sequences within its KV-cache budget."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: generate inside engine.serving(model)")
         vllm, _ = import_vllm()

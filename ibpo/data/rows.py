@@ -1,0 +1,204 @@
+"""A dataset's rows read as examples (`rows_to_examples`), the same for a local file, a Hub
+dataset and rows given in Python (`RowList`).
+
+Columns as RL datasets store them: `question_column` / `answer_column` may be dotted paths into
+struct columns (`reward_model.ground_truth`). A question column holding a chat (a list of
+{"role", "content"} messages: TRL's conversational `prompt`, verl-format sets' prompt) is a
+conversation: rendered whole through the chat template (system message and earlier turns
+kept), its last user message the question repairs quote; a chat in the answer column gives
+its last user message. With question_column left at "question", a dataset without that column
+but with TRL's `prompt` reads `prompt`. Every column of a row travels with its example
+(`Example.columns`) to the reward functions (rewards/functions.py). A row without a question or
+answer is an error that names the row (or, with data.skip_unusable, is left out).
+
+Gold answers (`gold_answer`) as data.answer_format reads them: as given, after gsm8k's `####`, the
+last \\boxed{}; `answer_format: code_tests` turns a test-case column of the PrimeIntellect /
+open-r1 verifiable-coding-problems kind ({"language", "test_cases": [{"input", "output", "type":
+stdin_stdout | function_call, "fn_name"}]}) into the code reward's JSON test spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from ibpo.config import ConfigError, DataConfig
+from ibpo.data.example import Example
+from ibpo.rewards.code import livecodebench_spec
+from ibpo.rewards.math import last_boxed
+
+
+def gold_answer(value: Any, answer_format: str) -> str | None:
+    if value is None:
+        return None
+    if answer_format == "code_tests":
+        return code_tests_spec(value)
+    text = str(value).strip()
+    if answer_format == "gsm8k":
+        if "####" not in text:
+            return None
+        text = text.split("####")[-1].strip().replace(",", "")
+    elif answer_format == "boxed":
+        text = last_boxed(text) or ""
+    return text or None
+
+
+def code_tests_spec(info: Any) -> str | None:
+    """A verifiable-coding-problems test column (a dict, or its JSON text) -> the code reward's
+    JSON spec; None when there is nothing to run (no tests, not Python, mixed test kinds).
+    function_call inputs hold the argument list as JSON, outputs the returned value as JSON."""
+    if isinstance(info, str):
+        try:
+            info = json.loads(info)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(info, dict) or str(info.get("language", "python")).lower() != "python":
+        return None
+    cases = info.get("test_cases") or []
+    if isinstance(cases, dict):  # a Sequence-of-struct feature reads as a dict of lists
+        cases = [dict(zip(cases, values)) for values in zip(*cases.values())]
+    kinds = {c.get("type") or "stdin_stdout" for c in cases}
+    if not cases or len(kinds) > 1 or not kinds <= {"stdin_stdout", "function_call"}:
+        return None
+    fn_name = cases[0].get("fn_name") if kinds == {"function_call"} else None
+    if kinds == {"function_call"} and not fn_name:
+        return None
+    return livecodebench_spec([_code_test(c, fn_name) for c in cases], fn_name=fn_name)
+
+
+def _code_test(case: dict, fn_name: str | None) -> dict:
+    """One {"input", "output"} test; a function call's JSON argument list becomes the list the
+    code reward calls fn_name(*args) with (other text stays one JSON value per line)."""
+    given = case["input"]
+    if fn_name and isinstance(given, str):
+        try:
+            parsed = json.loads(given)
+            given = parsed if isinstance(parsed, list) else given
+        except json.JSONDecodeError:
+            pass
+    return {"input": given, "output": case["output"]}
+
+
+def column_value(row: dict, path: str, chat_as_text: bool = True) -> Any:
+    """row[path], where 'a.b' reads field b of struct column a; a chat (list of role/content
+    messages) gives the content of its last user message (`chat_as_text`, else the chat).
+    KeyError names a missing field."""
+    value: Any = row
+    for key in [path] if path in row else path.split("."):  # a column named "a.b" wins
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(key)
+        value = value[key]
+    if chat_as_text and is_chat(value):
+        return last_user_message(value)
+    return value
+
+
+def is_chat(value: Any) -> bool:
+    """A conversational prompt: a non-empty list of {"role", "content"} messages."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def last_user_message(messages: list) -> str | None:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return users[-1] if users else None
+
+
+class RowList:
+    """A list of row dicts read as rows_to_examples reads a `datasets.Dataset` (no Arrow: the
+    rows keep their Python values, whatever their types)."""
+
+    def __init__(self, rows: list[dict]):
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"the dataset's row {i} is a {type(row).__name__}, not a dict. Fix: pass a "
+                    "datasets.Dataset or a list of dicts (one per row, column -> value)"
+                )
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(k for row in rows for k in row))
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = True) -> list[Example]:
+    """Rows -> examples. `need_answer=False` (no built-in grader reads the gold answer): a row
+    without one keeps an empty answer. A question_column left at "question" reads TRL's
+    `prompt` column in a dataset that has no `question`."""
+    cols = list(rows.column_names)
+    if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
+        cfg = dataclasses.replace(cfg, question_column="prompt")
+    needed = (cfg.question_column, cfg.answer_column) if need_answer else (cfg.question_column,)
+    for col in needed:
+        if col not in cols and col.split(".")[0] not in cols:
+            raise ConfigError(
+                f"dataset '{source}' has no column '{col.split('.')[0]}'; its columns are: "
+                f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
+                "path reads a field of a struct column)."
+            )
+    out, skipped = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(_example(row, cfg, source, i, need_answer))
+        except ConfigError as e:
+            if not cfg.skip_unusable:
+                raise ConfigError(
+                    f"{e}\n  (data.skip_unusable=true leaves such rows out)"
+                ) from None
+            skipped.append(str(e))
+    if skipped and not out:
+        first = skipped[0].removeprefix(f"dataset '{source}', ")
+        raise ConfigError(
+            f"dataset '{source}': none of its {len(skipped)} rows is usable; the first: {first}. "
+            "Fix: check data.question_column, data.answer_column and data.answer_format "
+            "against the file's rows."
+        )
+    if skipped:
+        print(
+            f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
+            f"(data.skip_unusable); the first: {skipped[0]}",
+            file=sys.stderr,
+        )
+    return out
+
+
+def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool) -> Example:
+    prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
+    messages = None
+    if is_chat(prompt):  # a conversation: rendered whole; its last user message is the question
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+        q = last_user_message(prompt)
+    else:
+        q = prompt
+    try:
+        raw = _field(row, cfg.answer_column, source, i)
+    except ConfigError:
+        if need_answer:
+            raise
+        raw = None
+    a = gold_answer(raw, cfg.answer_format)
+    if q is None or not str(q).strip():
+        raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
+    if a is None and need_answer:
+        raise ConfigError(
+            f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
+            f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
+        )
+    given = q if isinstance(q, str) and messages is None and q != q.strip() else None
+    return Example(str(q).strip(), a or "", dict(row), messages, given)
+
+
+def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:
+    try:
+        return column_value(row, path, chat_as_text)
+    except KeyError as e:
+        raise ConfigError(f"dataset '{source}', row {i}: '{path}' has no field {e}") from None

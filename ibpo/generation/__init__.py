@@ -1,0 +1,34 @@
+"""Generating completions (rollouts, repairs, held-out answers), on either backend.
+
+  rollout.py   the Rollout (prompts and completions in the tensors the loss needs),
+               concat_rollouts, the Generator contract every backend keeps, and what a backend
+               builds a Rollout from (encode_prompts, eos_ids, assemble)
+  hf.py        the policy's own HF generate (rollout.backend=hf): generate, hf_generator,
+               set_kv_cache
+  prefixes.py  the prompt forwards rows share: a group's prompt run once (prefill), a prefix that
+               distinct prompts share (plan_shared_prefixes, shared_prefix_inputs), CACHE_KWARG
+  sampling.py  how the hf backend samples: temperature, top-k, top-p, the draw, the behaviour
+               log-probs (SampledLogprobs)
+  streams.py   the random streams a step samples from (SamplingStreams)
+  vllm.py      the vLLM backend (rollout.backend=vllm): VLLMEngine
+
+Not here: grading, advantages, or any gradient computation.
+"""
+
+from ibpo.generation.hf import generate, hf_generator, set_kv_cache
+from ibpo.generation.rollout import Generator, Rollout, concat_rollouts
+from ibpo.generation.streams import SamplingStreams
+from ibpo.generation.vllm import VLLMEngine, engine_kwargs, import_vllm
+
+__all__ = [
+    "Generator",
+    "Rollout",
+    "SamplingStreams",
+    "VLLMEngine",
+    "concat_rollouts",
+    "engine_kwargs",
+    "generate",
+    "hf_generator",
+    "import_vllm",
+    "set_kv_cache",
+]
