@@ -85,7 +85,7 @@ from ibpo.modeling import compute_dtype, load_policy, quantize_nf4  # noqa: E402
 from ibpo.plan import fit as plan  # noqa: E402
 from ibpo.plan.phases import offloaded_bytes  # noqa: E402
 from ibpo.recipe import load_config, resolve_params  # noqa: E402
-from ibpo.rewards import REWARDS  # noqa: E402
+from ibpo.rewards import GRADERS  # noqa: E402
 
 # The published Qwen3 architectures by size (ibpo.plan.fit's table), and a tiny one for --smoke.
 ARCHS = {name.split("-")[-1].lower(): arch for name, arch in sizes.KNOWN_ARCHITECTURES.items()}
@@ -788,7 +788,7 @@ def learning_run(args, device: torch.device) -> dict:
     accelerator = Accelerator(cpu=device.type == "cpu")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     threshold, initial_share = calibrate_threshold(model, tok, cfg, device)
-    REWARDS[LEARN_REWARD] = characters_reward(threshold)
+    GRADERS[LEARN_REWARD] = characters_reward(threshold)
     examples = [Example("write", "")] * cfg.train.prompts_per_step
     parts = step.StepParts(
         model, optimizer, scheduler, PromptStream(examples, 0, True), random.Random(0)
@@ -826,7 +826,7 @@ def learning_run(args, device: torch.device) -> dict:
     }
 
 
-REWARDS[BENCH_REWARD], REWARDS[LEARN_REWARD] = one_in_four, mostly_characters
+GRADERS[BENCH_REWARD], GRADERS[LEARN_REWARD] = one_in_four, mostly_characters
 
 # --- command line ----------------------------------------------------------------------------
 

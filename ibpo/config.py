@@ -302,7 +302,7 @@ class ObjectiveConfig:
     # member masked drops its whole group).
     importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
     is_cap: float = positive(2.0)
-    # The reward: a built-in grader's name (ibpo.rewards.REWARDS), an import
+    # The reward: a built-in grader's name (ibpo.rewards.GRADERS), an import
     # path 'package.module:function' of a reward function in TRL's convention
     # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), a
     # sequence-classification reward model's Hub id or folder (org/name), or a list of them,
@@ -488,7 +488,7 @@ def reward_list(obj: ObjectiveConfig) -> list[str]:
 
 def _check_reward(obj: ObjectiveConfig) -> None:
     """At least one reward, and one finite weight per reward. That each is a built-in name or an
-    import path is ibpo.recipe's check (the names are ibpo.rewards.REWARDS)."""
+    import path is ibpo.recipe's check (the names are ibpo.rewards.GRADERS)."""
     names = reward_list(obj)
     if not names:
         raise ConfigError("objective.reward is an empty list; name at least one reward")

@@ -8,7 +8,7 @@ Both entry points go the same way: the defaults, then the YAML tree (its values 
 fields' types), then the overrides; each field's own rule and the values a registry backs (the
 objective's name against ibpo.algo.objectives.OBJECTIVES, objective.weights, gate, aggregation
 and kl_estimator against the algorithm's tables, the surrogate parameters the objective takes,
-each reward against ibpo.rewards.REWARDS or as an import path); then resolution, once: what the
+each reward against ibpo.rewards.GRADERS or as an import path); then resolution, once: what the
 objective's registration declares (its parameters, repair.enabled, rollout.dynamic_sampling)
 and what each None-means-inherit field inherits are filled in, so that every later reader, the
 saved config.yaml and `ibpo config` see the values the run uses; last, the rules between fields
@@ -44,7 +44,7 @@ from ibpo.algo.objectives import (
     ResolvedObjective,
 )
 from ibpo.config import BUILTIN_PROMPT_TEMPLATE, Config, ConfigError, ObjectiveConfig
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 
 # objective field -> the algorithm's names it takes
 CHOICES: dict[str, Collection[str]] = {
@@ -342,9 +342,9 @@ def validate(cfg: Config) -> Config:
             config.check_fields(getattr(cfg, f.name), f.name)
     check_objective(cfg.objective)
     for name in config.reward_list(cfg.objective):
-        if name not in REWARDS and ":" not in name and "/" not in name:
+        if name not in GRADERS and ":" not in name and "/" not in name:
             raise ConfigError(
-                f"objective.reward={name!r}; choose one of: {', '.join(REWARDS)}, or an "
+                f"objective.reward={name!r}; choose one of: {', '.join(GRADERS)}, or an "
                 "import path 'package.module:function', or a reward model's Hub id or folder "
                 "(org/name)"
             )

@@ -237,10 +237,10 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
     import ibpo.trainer as trainer
     from ibpo.distributed import is_fsdp
     from ibpo.recipe import load_config
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
     # deterministic in the text and about half right on the random tiny model: real advantages
-    REWARDS["parity"] = lambda text, answer: float(sum(map(ord, text)) % 2)
+    GRADERS["parity"] = lambda text, answer: float(sum(map(ord, text)) % 2)
     seen = {}
     real_step = trainer.rl_step
 

@@ -28,7 +28,7 @@ from ibpo.config import ConfigError
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
 from ibpo.step import StepParts
@@ -44,8 +44,8 @@ DRIVER = f"""
 import os, sys, time
 import accelerate, peft, transformers.models.qwen3, ibpo.trainer
 from ibpo.cli import main
-from ibpo.rewards import REWARDS
-REWARDS[{REWARD!r}] = {REWARD_SRC}
+from ibpo.rewards import GRADERS
+GRADERS[{REWARD!r}] = {REWARD_SRC}
 while not os.path.exists(os.environ["CKPT_TEST_GO"]):
     time.sleep(0.01)
 sys.exit(main(["train", *sys.argv[1:]]))
@@ -73,7 +73,7 @@ def _args(model_dir, out, steps, *extra):
 
 @pytest.fixture
 def reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    monkeypatch.setitem(GRADERS, REWARD, eval(REWARD_SRC))
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.rewards.code import (
     MAX_CODE_CHARS,
     code_reward,
@@ -235,7 +235,7 @@ def test_bad_specs_are_clear_errors():
 
 
 def test_registered():
-    assert REWARDS["code"] is code_reward
+    assert GRADERS["code"] is code_reward
 
 
 # ---- HumanEval's harness: strict (training) and compatible (the official harness's semantics).

@@ -240,11 +240,11 @@ def test_values_at_the_edges_are_accepted():
 
 
 def test_a_reward_registered_at_run_time_is_accepted(monkeypatch):
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
-    monkeypatch.setitem(REWARDS, "parity", lambda text, answer: float(len(text) % 2))
+    monkeypatch.setitem(GRADERS, "parity", lambda text, answer: float(len(text) % 2))
     assert load_config(None, ["objective.reward=parity"]).objective.reward == "parity"
-    monkeypatch.delitem(REWARDS, "parity")
+    monkeypatch.delitem(GRADERS, "parity")
     with pytest.raises(ConfigError, match="choose one of: math, code"):
         load_config(None, ["objective.reward=parity"])
 

@@ -213,7 +213,7 @@ def _code_row(problem: str, cases: list[dict]) -> dict:
 
 
 def test_code_tests_answers_grade_end_to_end(tmp_path):
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
     stdin = [
         {"fn_name": None, "input": f"{a} {b}\n", "output": f"{a + b}\n", "type": "stdin_stdout"}
@@ -244,7 +244,7 @@ def test_code_tests_answers_grade_end_to_end(tmp_path):
         by_question["Read a and b; print a + b."],
         by_question["Write add(a, b)."],
     )
-    reward = REWARDS["code"]
+    reward = GRADERS["code"]
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     wrong = "```python\na, b = map(int, input().split())\nprint(a * b)\n```"
     assert (reward(right, stdin_spec), reward(wrong, stdin_spec)) == (1.0, 0.0)

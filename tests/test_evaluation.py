@@ -222,12 +222,12 @@ def test_math_fixtures_load_with_boxed_prompt(name):
 
 
 def test_math_answers_grade_with_the_training_grader():
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
     for name, golds in EXPECTED_GOLD.items():
         for p, gold in zip(load_problems(BENCHMARKS[name], data=fixture(name)), golds):
-            assert REWARDS["math"](f"So the answer is \\boxed{{{gold}}}.", p.gold) == 1.0
-            assert REWARDS["math"]("So the answer is \\boxed{1000003}.", p.gold) == 0.0
+            assert GRADERS["math"](f"So the answer is \\boxed{{{gold}}}.", p.gold) == 1.0
+            assert GRADERS["math"]("So the answer is \\boxed{1000003}.", p.gold) == 0.0
 
 
 def test_livecodebench_rows_decode_public_and_compressed_private_tests():
@@ -270,11 +270,11 @@ def test_wrong_schema_and_unreachable_hub_are_clear_errors(monkeypatch):
 
 
 def _code_reward():
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
-    if "code" not in REWARDS:
+    if "code" not in GRADERS:
         pytest.skip("ibpo.rewards has no code grader")
-    return REWARDS["code"]
+    return GRADERS["code"]
 
 
 def test_canonical_code_solutions_score_one():

@@ -47,7 +47,7 @@ import ibpo.trainer as trainer_mod
 from ibpo.logprobs import unwrap
 from ibpo.plan import fit as plan
 from ibpo.recipe import load_config
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 
 CUDA = torch.cuda.is_available()
@@ -133,7 +133,7 @@ class Harness:
         self.phase_calls: dict[str, int] = {}
         self.facts: dict = {}
         self.offload: list[bool] = []
-        monkeypatch.setitem(REWARDS, REWARD, self.reward)
+        monkeypatch.setitem(GRADERS, REWARD, self.reward)
         _wrap(monkeypatch, trainer_mod, "rl_step", self._rl_step)
         _wrap(monkeypatch, step_mod, "score_round", self._score_round)
         _wrap(monkeypatch, step_mod, "hf_generator", self._generator)

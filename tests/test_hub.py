@@ -19,7 +19,7 @@ from ibpo.cli import main as cli_main
 from ibpo.hub import push as hub
 from ibpo.hub.card import license_for
 from ibpo.hub.push import HubError, build_model_card, check_repo_id, prepare_upload, push
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 FAKE_TOKEN = "hf_" + "FakeTokenForTests" * 2  # the shape of a real token, 37 characters
@@ -51,12 +51,12 @@ def run(tiny_model_dir, tmp_path_factory):
         ],
     )
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
-    REWARDS["alternating"] = lambda text, answer: float(next(calls) % 2)
+    GRADERS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
         cfg.objective.reward = "alternating"
         trainer.train(cfg)
     finally:
-        del REWARDS["alternating"]
+        del GRADERS["alternating"]
     if not list(out.glob("plots/*.png")):  # the trainer may write plots itself
         (out / "plots").mkdir(exist_ok=True)
         (out / "plots" / "reward.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
@@ -368,11 +368,11 @@ def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, mo
     import yaml
 
     from ibpo.recipe import load_config
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
 
     out = _copy(run, tmp_path)
     cfg = yaml.safe_load((out / "config.yaml").read_text())
-    monkeypatch.setitem(REWARDS, cfg["objective"]["reward"], lambda text, answer: 0.0)
+    monkeypatch.setitem(GRADERS, cfg["objective"]["reward"], lambda text, answer: 0.0)
     cfg["train"].update(cfg.pop("run"), plots=True)
     cfg["rollout"]["eval_batch_size"] = 100
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))

@@ -15,7 +15,7 @@ from ibpo.algo.mismatch import mismatch_stats
 from ibpo.algo.objectives import OBJECTIVES, importance_ratio, importance_weights, token_weights
 from ibpo.config import ConfigError
 from ibpo.recipe import load_config
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.run.alarm import MismatchAlarm
 from ibpo.run.failures import exit_code
 
@@ -181,9 +181,9 @@ def test_alarm_warns_once_then_on_doubling_and_stops_above_its_threshold(capsys)
 @pytest.fixture
 def parity_reward():
     """A reward with signal on the tiny random model, so that the adapter moves."""
-    REWARDS["parity"] = lambda text, answer: float(len(text) % 2)
+    GRADERS["parity"] = lambda text, answer: float(len(text) % 2)
     yield "parity"
-    del REWARDS["parity"]
+    del GRADERS["parity"]
 
 
 def _run(tiny_model_dir, tmp_path, *overrides):

@@ -23,7 +23,7 @@ import torch
 
 import ibpo.trainer as trainer_mod
 from ibpo.cli import main
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
@@ -32,7 +32,7 @@ from tests.test_run_lifecycle import full_disk
 
 @pytest.fixture(autouse=True)
 def reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    monkeypatch.setitem(GRADERS, REWARD, eval(REWARD_SRC))
 
 
 def _train(model_dir, out, steps, *extra) -> int:

@@ -11,7 +11,7 @@ from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, load_splits, render_example, rows_to_examples
 from ibpo.recipe import load_config
 from ibpo.repair import repair_prompt
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.rewards.functions import RewardError, grade_completions, reward_set, reward_stats
 from ibpo.rewards.math import math_reward
 from tests.conftest import make_tokenizer
@@ -217,7 +217,7 @@ def test_a_conversation_is_rendered_whole_through_the_chat_template():
 
 def test_a_registered_grader_is_looked_up_when_called(monkeypatch):
     rs = reward_set("math")
-    monkeypatch.setitem(REWARDS, "math", lambda text, answer: 0.5)
+    monkeypatch.setitem(GRADERS, "math", lambda text, answer: 0.5)
     assert rs.score(["x"], {"answer": ["1"]}, ["p"]).totals == [0.5]
 
 
@@ -245,7 +245,7 @@ def test_the_math_reward_reads_a_problems_options_from_its_column_or_text(monkey
     assert grade_completions(reward_set("math"), [row], ["P"], [r"\boxed{C}"]).totals == [1.0]
     # a grader without a `choices` parameter is called as before
     seen = []
-    monkeypatch.setitem(REWARDS, "math", lambda text, answer: seen.append((text, answer)) or 0.0)
+    monkeypatch.setitem(GRADERS, "math", lambda text, answer: seen.append((text, answer)) or 0.0)
     reward_set("math").score(["x"], {"answer": ["1"], "choices": [["8", "10"]]}, ["p"])
     assert seen == [("x", "1")]
 

@@ -18,7 +18,7 @@ import torch
 import ibpo.trainer as trainer_mod
 from ibpo.config import ConfigError
 from ibpo.recipe import load_config
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
 from ibpo.trainer import train
@@ -27,7 +27,7 @@ from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 
 @pytest.fixture(autouse=True)
 def reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    monkeypatch.setitem(GRADERS, REWARD, eval(REWARD_SRC))
 
 
 def _run(model_dir, out, steps, *extra):
@@ -47,7 +47,7 @@ def test_rerunning_an_interrupted_command_moves_its_checkpoints_aside(
     assert summary["status"] == "interrupted" and summary["steps"] == 1
     assert "run.resume_from=latest" in summary["message"]
     monkeypatch.undo()
-    monkeypatch.setitem(REWARDS, REWARD, eval(REWARD_SRC))
+    monkeypatch.setitem(GRADERS, REWARD, eval(REWARD_SRC))
     # a plain rerun starts afresh: the interrupted run moves aside whole, resumable from there
     assert _run(tiny_model_dir, out, 2)["status"] == "completed"
     (prev,) = [p for p in out.iterdir() if p.name.startswith("previous-")]

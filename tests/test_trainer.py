@@ -11,7 +11,7 @@ import torch
 from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer, train
 
@@ -70,12 +70,12 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     # force a learning signal: rewards from the grader are mostly 0 on a random model
 
     calls = iter(range(10_000))
-    REWARDS["alternating"] = lambda text, ans: float(next(calls) % 2)
+    GRADERS["alternating"] = lambda text, ans: float(next(calls) % 2)
     try:
         cfg.objective.reward = "alternating"
         m = _step(model, tok, opt, sched, acc, cfg)
     finally:
-        del REWARDS["alternating"]
+        del GRADERS["alternating"]
     after = model.state_dict()
     # compare bytes: packed 4-bit weights stored as float32 may contain NaN bit patterns
     changed = [n for n in before if not torch.equal(_bytes(before[n]), _bytes(after[n]))]
@@ -101,7 +101,7 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[Gra
         opt = GradRecorder([p for p in model.parameters() if p.requires_grad], lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         counter = iter(range(10_000))
-        REWARDS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
+        GRADERS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
         cfg.objective.reward = "alternating"
         try:
             torch.manual_seed(5)
@@ -109,7 +109,7 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[Gra
             if metrics is not None:
                 metrics.append(m)
         finally:
-            del REWARDS["alternating"]
+            del GRADERS["alternating"]
         recorders.append(opt)
     return recorders
 

@@ -206,11 +206,11 @@ def test_engine_arguments(fake_vllm, tiny_model_dir, monkeypatch):
 def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
     """A whole run: held-out answers, rollouts and IBPO's repairs come from the engine, each
     phase (eval before, 2 steps, eval after) with the adapter as it is then; the adapter trains."""
-    from ibpo.rewards import REWARDS
+    from ibpo.rewards import GRADERS
     from ibpo.trainer import train
 
     # a random tiny model never answers right: reward odd-length answers, so groups differ
-    monkeypatch.setitem(REWARDS, "odd_length", lambda text, answer: float(len(text) % 2))
+    monkeypatch.setitem(GRADERS, "odd_length", lambda text, answer: float(len(text) % 2))
     out = tmp_path / "run"
     cfg = load_config(
         None,

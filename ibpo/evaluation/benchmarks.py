@@ -2,7 +2,7 @@ r"""Evaluation benchmarks by name: Hub location, row schema, prompt and grader o
 
 Every benchmark turns its rows into `Problem`s: an id, the user message (math asks for the final
 answer in \boxed{}; code asks for a Python solution in a ```python block) and the gold value the
-training grader compares against (`ibpo.rewards.REWARDS[benchmark.reward]`): the answer for math,
+training grader compares against (`ibpo.rewards.GRADERS[benchmark.reward]`): the answer for math,
 a JSON test specification for code (see ibpo/rewards/code.py).
 
 Rows come from the Hub (`datasets.load_dataset` with the benchmark's id, configs, split and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ibpo.config import ConfigError
 from ibpo.data import gold_answer, read_json_records, read_parquet_file
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.rewards.code import extract_code, humaneval_spec, livecodebench_spec
 from ibpo.rewards.functions import RewardSet, reward_set
 from ibpo.rewards.math import extract_answer
@@ -60,7 +60,7 @@ class Problem:
 @dataclass(frozen=True)
 class Benchmark:
     name: str
-    reward: str  # grader name in ibpo.rewards.REWARDS
+    reward: str  # grader name in ibpo.rewards.GRADERS
     dataset: str  # Hub id
     split: str
     columns: tuple[str, ...]  # required row keys (checked with a clear error)
@@ -223,10 +223,10 @@ BENCHMARKS: dict[str, Benchmark] = {
 def grader(bench: Benchmark) -> tuple[Callable[[str, str], float], Callable[[str], str | None]]:
     """(the training grader, what a completion answered: final answer for math, program for
     code)."""
-    if bench.reward not in REWARDS:
+    if bench.reward not in GRADERS:
         raise ConfigError(f"{bench.name} needs the '{bench.reward}' grader in ibpo.rewards")
     extract = extract_code if bench.reward == "code" else extract_answer
-    return REWARDS[bench.reward], extract
+    return GRADERS[bench.reward], extract
 
 
 def reward_fns(bench: Benchmark) -> RewardSet:

@@ -1,4 +1,4 @@
-"""The built-in graders by name (`REWARDS`). Training rewards and evaluation use the same graders.
+"""The built-in graders by name (`GRADERS`). Training rewards and evaluation use the same graders.
 
 A grader takes (completion text, gold answer) and returns a float in [0, 1] (one with a
 `choices` parameter also gets the problem's multiple-choice options); functions.py wraps each
@@ -11,6 +11,6 @@ from collections.abc import Callable
 from ibpo.rewards.code import code_reward
 from ibpo.rewards.math import extract_answer, math_reward
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward, "code": code_reward}
+GRADERS: dict[str, Callable[[str, str], float]] = {"math": math_reward, "code": code_reward}
 
-__all__ = ["REWARDS", "code_reward", "extract_answer", "math_reward"]
+__all__ = ["GRADERS", "code_reward", "extract_answer", "math_reward"]

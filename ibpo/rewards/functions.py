@@ -51,7 +51,7 @@ held-out evaluation, the benchmarks): problems, rendered prompts and completion 
 `Grades` out.
 
 `objective.reward` names the functions: a built-in (`math`, `code`: the graders of
-ibpo.rewards.REWARDS, each `(text, gold) -> float`, wrapped here), an import path
+ibpo.rewards.GRADERS, each `(text, gold) -> float`, wrapped here), an import path
 `package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
 them; `objective.reward_weights` gives one weight per
 function (default 1 each). The Python API passes callables directly (ibpo.train), and a
@@ -81,7 +81,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ibpo.config import ConfigError
-from ibpo.rewards import REWARDS
+from ibpo.rewards import GRADERS
 from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
 from ibpo.rewards.errors import GraderFailure
@@ -89,7 +89,9 @@ from ibpo.rewards.math import text_to_grade
 from ibpo.rewards.models import hub_reward_model, reward_model
 from ibpo.sandbox.policy import Refused
 
-RewardFn = Callable[..., list]
+# A reward function as its author writes it, in TRL's convention: called with the batch's
+# prompts, completions and columns by name, returns one reward (or None) per completion.
+RewardCallable = Callable[..., list]
 
 # What every reward function is passed besides the dataset's columns (TRL's names).
 ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -149,13 +151,13 @@ def _problem_text(prompt) -> str | None:
     return str(users[-1]) if users else None
 
 
-def builtin(name: str) -> RewardFn:
-    """The grader REWARDS[name] (`(text, gold) -> float`) as a reward function reading the
+def builtin(name: str) -> RewardCallable:
+    """The grader GRADERS[name] (`(text, gold) -> float`) as a reward function reading the
     `answer` column, and the problem's options (problem_choices) for a grader that takes
     `choices`. Looked up when called, so that a grader registered later is the one used."""
 
     def reward(completions: list, answer: list | None = None, prompts=None, **columns):
-        grader = REWARDS[name]
+        grader = GRADERS[name]
         gold = answer if answer is not None else [None] * len(completions)
         options = {}
         if takes_choices(grader):
@@ -170,7 +172,7 @@ def builtin(name: str) -> RewardFn:
     return reward
 
 
-def import_reward(path: str) -> RewardFn:
+def import_reward(path: str) -> RewardCallable:
     """`package.module:function` -> the function; ConfigError naming the fix when it is not
     there or not callable."""
     module_name, _, attr = path.partition(":")
@@ -193,12 +195,12 @@ def import_reward(path: str) -> RewardFn:
     return fn
 
 
-def reward_name(fn: RewardFn) -> str:
+def reward_name(fn: RewardCallable) -> str:
     """The name a function's metric is logged under (TRL's: the function's __name__)."""
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def import_path(fn: RewardFn) -> str:
+def import_path(fn: RewardCallable) -> str:
     """`module:qualname` of a function (what objective.reward records for one given in
     Python; a lambda or a nested function cannot be imported back, and says so in its name)."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', reward_name(fn))}"
@@ -226,7 +228,7 @@ class RewardFunction:
     weight in the total."""
 
     name: str
-    fn: RewardFn
+    fn: RewardCallable
     weight: float = 1.0
     builtin: bool = False  # a built-in grader: reads the gold `answer`
 
@@ -618,7 +620,7 @@ def _checked(r: RewardFunction, out, n: int, offset: int) -> list[float]:
 
 
 def reward_set(
-    spec: str | list[str] | RewardFn | Sequence,
+    spec: str | list[str] | RewardCallable | Sequence,
     weights: Sequence[float] | None = None,
     workers: int = 1,
     timeout: float | None = None,
@@ -642,7 +644,7 @@ def reward_set(
             )
         if callable(item):
             fns.append((reward_name(item), item, False))
-        elif item in REWARDS:
+        elif item in GRADERS:
             fns.append((item, builtin(item), True))
         elif isinstance(item, str) and ":" in item:
             fn = import_reward(item)
@@ -652,7 +654,7 @@ def reward_set(
             fns.append((reward_name(fn), fn, False))
         else:
             raise ConfigError(
-                f"objective.reward={item!r}; choose a built-in ({', '.join(REWARDS)}), an "
+                f"objective.reward={item!r}; choose a built-in ({', '.join(GRADERS)}), an "
                 "import path 'package.module:function' or a reward model's Hub id or folder"
             )
     if weights is not None and len(weights) != len(fns):
@@ -674,7 +676,7 @@ def _is_module(item) -> bool:
     )
 
 
-def _check_signature(name: str, fn: RewardFn) -> None:
+def _check_signature(name: str, fn: RewardCallable) -> None:
     """What fails now rather than at the first step: a function that cannot be called by
     keyword, or that refuses one of TRL's arguments (no **kwargs to take it)."""
     sig = _signature(fn)
