@@ -4,10 +4,7 @@ A micro-batch is made of whole groups: the group transforms of `ibpo`/`dfpo` (th
 the sequence ratio) and the cancellation diagnostic need every member of a group in the same
 forward. Groups are sorted by their longest completion, longest first, so that groups of similar
 length share a micro-batch and little compute goes to padding. A micro-batch holds at most
-`train.micro_batch_groups` groups and, when a caller gives `max_tokens` > 0 (the trainer does
-not), at most that many padded tokens (rows x (longest prompt + longest completion) of the
-micro-batch); a group that alone exceeds the budget is a micro-batch by itself (groups are never
-split).
+`train.micro_batch_groups` groups (groups are never split).
 
 Each micro-batch is then cut to its own width: the left-padding columns that none of its prompts
 uses and the completion columns past its longest completion. Position ids come from the attention
@@ -37,13 +34,11 @@ def plan_micro_batches(
     completion_lengths: list[int],
     group_size: int,
     max_groups: int,
-    max_tokens: int = 0,
 ) -> list[list[int]]:
     """Row indices of each micro-batch: whole groups (rows g*G .. g*G+G-1), sorted by length.
 
     prompt_lengths/completion_lengths: real (unpadded) lengths of the N = B * G rows.
-    Every row appears exactly once; each micro-batch has <= max_groups groups and, if
-    max_tokens > 0, <= max_tokens padded tokens unless it is a single group.
+    Every row appears exactly once; each micro-batch has <= max_groups groups.
     """
     n = len(completion_lengths)
     if n % group_size or len(prompt_lengths) != n:
@@ -58,20 +53,8 @@ def plan_micro_batches(
         )
     # longest first; ties by prompt length, then by position (a stable, deterministic order)
     groups.sort(key=lambda x: (-x[0], -x[1]))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width_p = width_t = count = 0
-    for t, p, rows in groups:
-        wp, wt = max(width_p, p), max(width_t, t)
-        cost = (len(current) + len(rows)) * (wp + wt)
-        if current and (count == max_groups or (max_tokens > 0 and cost > max_tokens)):
-            batches.append(current)
-            current, wp, wt, count = [], p, t, 0
-        current = current + rows
-        width_p, width_t, count = wp, wt, count + 1
-    if current:
-        batches.append(current)
-    return batches
+    rows = [g[2] for g in groups]
+    return [sum(rows[k : k + max_groups], []) for k in range(0, len(rows), max_groups)]
 
 
 @dataclass
@@ -119,9 +102,7 @@ def cut(rollout: Rollout, rows: list[int], group_size: int = 1) -> MicroBatch:
     )
 
 
-def micro_batches(
-    rollout: Rollout, group_size: int, max_groups: int, max_tokens: int = 0
-) -> list[MicroBatch]:
+def micro_batches(rollout: Rollout, group_size: int, max_groups: int) -> list[MicroBatch]:
     prompt, completion = rollout.host_prompt_lengths(), rollout.lengths
-    plan = plan_micro_batches(prompt, completion, group_size, max_groups, max_tokens)
+    plan = plan_micro_batches(prompt, completion, group_size, max_groups)
     return [cut(rollout, rows, group_size) for rows in plan]
