@@ -27,9 +27,10 @@ even if every earlier stage runs to its timeout:
                   bf16 base without 4-bit and torch AdamW (bench_gpu --quantization none at the
                   sizes the planner fits, IBPO_GPU_QUANTIZATION=none for the suite) and the
                   report's "fallback" says why;
-  4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: first the 8B recipe's own
-                  shapes, phase by phase, beside the planner (see its docstring), then smaller
-                  models, each row only if its planned seconds fit its --budget-s. The stage
+  4. bench_gpu    bench/bench_gpu.py under a 23.5 GiB allocator cap: the 8B recipe's own
+                  shapes, phase by phase, beside the planner (see its docstring), decoding the
+                  longest halving of the recipe's new tokens that fits its --budget-s (any
+                  --bench-configs rows after it only if their planned seconds fit). The stage
                   fails when its headline row (the recipe) is not ok; each row's status is in
                   the report and the summary line;
   5. learning     bench_gpu.py --learn: 20 steps of ibpo with its repairs on a tiny Qwen3 whose
