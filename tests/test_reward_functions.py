@@ -294,3 +294,38 @@ def test_two_concurrent_gradings_each_keep_exactly_their_own_grader_failures(mon
     assert a.failure_reasons()[1:] == ["", "", ""] and b.failure_reasons()[:2] == ["", ""]
     assert "deep 91" in a.failure_reasons()[0] and "deep 94" in b.failure_reasons()[3]
     assert fns.score(["\\boxed{3}"], {"answer": ["3"]}, ["p"]).failures == []  # none left over
+
+
+def test_a_user_function_that_calls_a_grader_names_its_failures_with_errors_sample(monkeypatch):
+    """docs/rewards.md's pattern: a function of the user's calls math_reward inside
+    errors.sample(i); the grader's own failure scores 0 and is reported at completion i, under
+    the user's function; without sample(i) the failure is still reported, its index unsaid."""
+    from ibpo.rewards import errors
+    from ibpo.rewards import math as grader
+
+    real = grader._normalize
+
+    def flaky(s):
+        if s.startswith("9"):
+            raise RecursionError(f"deep {s}")
+        return real(s)
+
+    def boxed(completions, answer, **kwargs):
+        scores = []
+        for i, (text, gold) in enumerate(zip(completions, answer)):
+            with errors.sample(i):
+                scores.append(grader.math_reward(text, gold))
+        return scores
+
+    def unnamed(completions, answer, **kwargs):
+        return [grader.math_reward(t, g) for t, g in zip(completions, answer)]
+
+    monkeypatch.setattr(grader, "_normalize", flaky)
+    texts, gold = ["\\boxed{1}", "\\boxed{95}", "\\boxed{3}"], ["1", "95", "3"]
+    got = reward_set(boxed).score(texts, {"answer": gold}, ["p"] * 3)
+    assert got.totals == [1.0, 0.0, 1.0]
+    assert [(f.index, f.function, f.kind) for f in got.failures] == [(1, "boxed", "math")]
+    assert "deep 95" in got.failure_reasons()[1]
+    plain = reward_set(unnamed).score(texts, {"answer": gold}, ["p"] * 3)
+    assert plain.totals == [1.0, 0.0, 1.0]
+    assert [(f.index, f.function) for f in plain.failures] == [(None, "unnamed")]
