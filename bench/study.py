@@ -487,6 +487,8 @@ STEP_KEYS = (
     "repairs_skipped",  # the repair spending rule's (later versions); None where absent
     "repair_cost_share",
     "repair_probe",
+    "time_repair",  # seconds of the repair phase and of the whole step, measured in one
+    "step_time",  # process: their ratio holds on a busy machine where the seconds do not
 )
 
 
@@ -959,11 +961,14 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
     """Per run of an arm that repairs: repair success (pooled), locality (the share of an
     attempt's tokens its most local successful repair kept, mean over the steps with a success)
     and the mask's action (steps where it lowered some blame; the share of completion tokens
-    whose blame it lowered, mean over steps)."""
+    whose blame it lowered, mean over steps); what the repairs cost: their share of the step's
+    generated tokens (mean over steps) and of its seconds (the run's repair seconds over its
+    step seconds)."""
     lines = [
         "| arm | seed | repairs | skipped | success | steps with a success | locality (kept) "
-        "| steps the mask acted | lifted blame (mean share) | cost share | final acc. |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| steps the mask acted | lifted blame (mean share) | cost share | seconds share "
+        "| final acc. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         for r in runs:
@@ -977,6 +982,12 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
             acted = sum(1 for x in lifted if x > 0)
             skipped = [x for x in r.get("repairs_skipped") or [] if x is not None]
             share = [x for x in r.get("repair_cost_share") or [] if x is not None]
+            timed = [
+                (rep, step)
+                for rep, step in zip(r.get("time_repair") or [], r.get("step_time") or [])
+                if rep is not None and step
+            ]
+            seconds = sum(t[0] for t in timed) / sum(t[1] for t in timed) if timed else None
             lines.append(
                 f"| {name} | {r['seed']} | {attempted:.0f} "
                 f"| {f'{sum(skipped):.0f}' if skipped else 'n/a'} | {_f(r['repair_success'])} "
@@ -985,6 +996,7 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
                 f"| {acted if lifted else 'n/a'} of {len(lifted) if lifted else len(rates)} "
                 f"| {_f(statistics.fmean(lifted), '.4f') if lifted else 'n/a'} "
                 f"| {_f(statistics.fmean(share), '.2f') if share else 'n/a'} "
+                f"| {'n/a' if seconds is None else _f(seconds, '.2f')} "
                 f"| {_f(r['after'])} |"
             )
     if len(lines) == 2:
