@@ -30,11 +30,14 @@ budget is command-line options passed as overrides, and trailing `section.key=va
 apply to every run; `--arms` picks some arms. `--workers N` starts N worker threads, each of
 which claims the next unclaimed run (a `.claimed` file with this process's pid; a claim whose
 process has died is taken over) and runs it in its own process; several invocations may share
-one --out the same way. A run is done when its summary.json holds the final
-held-out evaluation; a run started again resumes from its last checkpoint (run.resume_from=
-latest). Each run's folder <out>/runs/<arm>-s<seed> (<out>/sweep/... for the sweep) holds
-study_run.json (arm, regime, seed, command line), the claim, train.log and train/ (the trainer's
-output_dir), so the report is built from the folders alone.
+one --out the same way. Each run gets OMP_NUM_THREADS = cores / workers (`--threads`): with
+several invocations on one machine, give each `--threads` so that all runs' threads together are
+at most the cores (two runs of 2 threads on 2 cores ran several times slower than two of 1). A
+run is done when its summary.json holds the final held-out evaluation; a run started again
+resumes from its last checkpoint (run.resume_from=latest). Each run's folder
+<out>/runs/<arm>-s<seed> (<out>/sweep/... for the sweep) holds study_run.json (arm, regime,
+seed, command line), the claim, train.log and train/ (the trainer's output_dir), so the report
+is built from the folders alone.
 
 Writes <out>/study.json (every finished run's curves and figures), <out>/study.md (per arm:
 mean and 95% t-interval over seeds of the final held-out accuracy and of its gain; paired
@@ -1305,7 +1308,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--model", default=None, help="model.name (default: the embedded SmolLM2-135M)")
     add("--arms", default=None, help="only these arms (comma-separated names; default all)")
     add("--workers", type=int, default=1, help="runs at once, each in its own process")
-    add("--threads", type=int, default=None, help="OMP_NUM_THREADS per run (cores / workers)")
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS per run (default cores / workers; with several invocations on "
+        "one machine, all runs' threads together at most the cores)",
+    )
     add("--sweep", action="store_true", help="the learning-rate sweep instead of the grid")
     add("--lrs", default="1e-4,2e-4,5e-4,1e-3")
     add("--sweep-seed", type=int, default=0)
