@@ -1022,14 +1022,35 @@ def commands_md(records: list[dict]) -> str:
         "run.output_dir=<out>/<runs|sweep>/<arm>-s<seed>/train run.resume_from=latest"
     )
     lines += ["```\n", "| arm | its overrides |", "|---|---|"]
-    seen = set()
+    by_arm: dict[str, list[tuple[int, list[str]]]] = {}
     for r, tokens in zip(records, split):
-        if r["arm"] in seen:
-            continue
-        seen.add(r["arm"])
         own = [t for t in tokens if t not in shared and not t.startswith(per_run)]
-        lines.append(f"| {r['arm']} | `{shlex.join(own)}` |")
+        by_arm.setdefault(r["arm"], []).append((r["seed"], own))
+    for arm, runs in by_arm.items():
+        common = [t for t in runs[0][1] if all(t in own for _, own in runs[1:])]
+        varying: dict[str, list[int]] = {}  # an override some of the arm's runs had
+        for seed, own in runs:
+            for t in own:
+                if t not in common:
+                    varying.setdefault(t, []).append(seed)
+        cell = f"`{shlex.join(common)}`"
+        if varying:
+            cell += "; by seed: " + ", ".join(
+                f"`{t}` (seeds {seed_ranges(seeds)})" for t, seeds in sorted(varying.items())
+            )
+        lines.append(f"| {arm} | {cell} |")
     return "\n".join(lines) + "\n"
+
+
+def seed_ranges(seeds: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: list[str] = []
+    for seed in sorted(set(seeds)):
+        if out and seed == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{seed}"
+        else:
+            out.append(str(seed))
+    return ", ".join(out)
 
 
 def spread_md(arms: dict[str, list[dict]], comps: list[tuple[str, dict]]) -> str:

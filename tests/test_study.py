@@ -454,3 +454,21 @@ def test_the_headline_pair_at_sixteen_seeds_is_one_command(study, tmp_path):
     assert {r.arm.name for r in runs} == {"on-ibpo", "on-dfpo"}
     with pytest.raises(SystemExit, match="numbers or ranges"):
         study.seed_list("0-x")
+
+
+def test_the_command_lines_name_every_override_an_arm_ran_with(study):
+    """An override some of an arm's runs had (the thread count of runs started by another
+    invocation) is listed with its seeds, never hidden behind the first run's."""
+    runs = []
+    for seed in range(5):
+        r = _record("on-ibpo", study.ON, seed, 0.5)
+        threads = 2 if seed in (2, 3) else 1
+        runs.append({**r, "command": f"OMP_NUM_THREADS={threads} {r['command']}"})
+    runs.append(_record("on-dfpo", study.ON, 0, 0.5))
+    md = study.commands_md(runs)
+    assert (
+        "| on-ibpo | `objective.name=on-ibpo`; by seed: `OMP_NUM_THREADS=1` (seeds 0-1, 4), "
+        "`OMP_NUM_THREADS=2` (seeds 2-3) |" in md
+    )
+    assert "| on-dfpo | `objective.name=on-dfpo` |" in md
+    assert study.seed_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
