@@ -591,12 +591,42 @@ def pooled_repair_success(repairs: list, rates: list) -> float | None:
     return sum((n or 0.0) * (r or 0.0) for n, r in zip(repairs, rates)) / attempted
 
 
-def collect(out: Path) -> tuple[list[dict], list[str]]:
-    """(every finished run under <out>, the folders not finished) from the folders alone."""
+def take_seconds(record: dict, rerun: Path) -> None:
+    """A run's step seconds from its rerun (a finished run folder, e.g. one rerun with one thread
+    on an idle machine and no periodic evaluations) when the rerun took the same steps: the same
+    number, the same loss and the same reward at every one (equal floats: the run reproduced).
+    Otherwise the run has no step seconds (None), and is left out of comparisons on them."""
+    record["seconds_from"] = None
+    same = False
+    if is_done(rerun):
+        steps = _rows(rerun / "train")[0]
+        same = [r.get("loss") for r in steps] == record["loss"] and [
+            r.get("reward") for r in steps
+        ] == record["reward"]
+    if not same:
+        record["compute"]["seconds"] = None
+        record["compute_curves"]["seconds"] = None
+        record["step_time"] = record["time_repair"] = None
+        return
+    spent = compute_at(steps, "seconds")
+    curve = record["curve"]
+    record["compute_curves"]["seconds"] = [(spent_by(spent, st), acc) for st, acc in curve]
+    record["compute"]["seconds"] = spent_by(spent, record["curve"][-1][0])
+    record["step_time"] = [r.get("step_time") for r in steps]
+    record["time_repair"] = [r.get("time_repair") for r in steps]
+    record["seconds_from"] = str(rerun)
+
+
+def collect(out: Path, seconds_from: Path | None = None) -> tuple[list[dict], list[str]]:
+    """(every finished run under <out>, the folders not finished) from the folders alone; with
+    `seconds_from`, each run's step seconds are its rerun's there (take_seconds)."""
     done, pending = [], []
     for meta in sorted(out.glob("*/*/study_run.json")):
         (done if is_done(meta.parent) else pending).append(meta.parent)
     records = [read_run(d) for d in done]
+    if seconds_from is not None:
+        for record, d in zip(records, done):
+            take_seconds(record, seconds_from / d.relative_to(out))
     order = {r: i for i, r in enumerate(REGIME_ORDER)}
     records.sort(key=lambda r: (order.get(r["regime"], 99), r["arm"], r["seed"]))
     return records, [str(d) for d in pending]
@@ -710,7 +740,11 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
     if a not in arms or b not in arms:
         return None
     left, right = ({r["seed"]: r for r in arms[x]} for x in (a, b))
-    seeds = sorted(set(left) & set(right))
+
+    def has(run: dict) -> bool:  # None: step seconds taken from no rerun (take_seconds)
+        return (run.get("compute") or {}).get(axis) is not None
+
+    seeds = sorted(s for s in set(left) & set(right) if has(left[s]) and has(right[s]))
     pairs = [(left[s], right[s]) for s in seeds]
     runs = [r for p in pairs for r in p]
     if not runs or any(not r.get("compute_curves") or not r["compute"][axis] > 0 for r in runs):
@@ -865,8 +899,12 @@ def compute_md(arms: dict[str, list[dict]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(values: list[float], fmt: str = ",.0f") -> str:
-        return f"{statistics.fmean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+    def cell(values: list, fmt: str = ",.0f") -> str:
+        known = [v for v in values if v is not None]  # step seconds from no rerun: None
+        if not known:
+            return "n/a"
+        text = f"{statistics.fmean(known):{fmt}} ({min(known):{fmt}}-{max(known):{fmt}})"
+        return text if len(known) == len(values) else f"{text}, {len(known)} runs"
 
     for name, runs in arms.items():
         if not all(r.get("compute") for r in runs):
@@ -1106,6 +1144,20 @@ EQUAL_COMPUTE_NOTE = (
 )
 
 
+def _seconds_note(runs: list[dict]) -> str:
+    """Where the step seconds come from, when they come from reruns (take_seconds)."""
+    if not any("seconds_from" in r for r in runs):
+        return ""
+    taken = [r for r in runs if r.get("seconds_from")]
+    folders = sorted({str(Path(r["seconds_from"]).parent.parent) for r in taken})
+    return (
+        f"\nStep seconds here are those of reruns ({', '.join(folders) or 'none found'}): "
+        f"{len(taken)} of {len(runs)} runs were rerun and took the same steps (the same loss "
+        "and reward at every step), and their reruns' step seconds replace their own; the other "
+        "runs are left out of the comparisons at equal step seconds and of the seconds figures.\n"
+    )
+
+
 def _at_each_axis(arms: dict[str, list[dict]], a: str, b: str) -> dict[str, dict]:
     return {axis: c for axis in AXES if (c := compare_at(arms, a, b, axis))}
 
@@ -1146,7 +1198,8 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
             _wall_line(main_runs),
         ]
         md += ["## Paired differences\n", comparisons_md(comps)]
-        md += ["## At equal compute\n", EQUAL_COMPUTE_NOTE, equal_compute_md(equal)]
+        md += ["## At equal compute\n", EQUAL_COMPUTE_NOTE + _seconds_note(main_runs)]
+        md += [equal_compute_md(equal)]
         md += ["## Compute per run\n", compute_md(arms)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
         md += ["## Repairs per run\n", repairs_md(arms)]
@@ -1276,10 +1329,11 @@ def against_md(here: list[dict], there: list[dict], name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(out: Path, against: Path | None = None) -> str:
+def report(out: Path, against: Path | None = None, seconds_from: Path | None = None) -> str:
     """Rebuild study.json, study.md and the plots from the finished run folders under `out`
-    (and, with `against`, a section comparing its paired spreads with that study's)."""
-    records, pending = collect(out)
+    (and, with `against`, a section comparing its paired spreads with that study's; with
+    `seconds_from`, the step seconds of the runs' reruns there)."""
+    records, pending = collect(out, seconds_from)
     data, md = build_report(records, pending)
     if against is not None:
         other = build_report(*collect(against))[0]["comparisons"]
@@ -1342,6 +1396,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--report-only", action="store_true", help="rebuild the report from finished runs")
     add("--against", type=Path, help="another study's --out: compare the paired spreads")
     add(
+        "--seconds-from",
+        type=Path,
+        help="the --out of a rerun of these runs (e.g. one thread each, no periodic evaluation): "
+        "step seconds from the runs it reproduced step for step",
+    )
+    add(
         "--smoke",
         action="store_true",
         help="tiny: 2 steps, 2 seeds, 3 arms, in this process (CI; pass --model)",
@@ -1379,7 +1439,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"--against {ns.against}: no study runs there (give another study's --out)"
         )
-    md = report(out, ns.against)
+    if ns.seconds_from is not None and not any(ns.seconds_from.glob("*/*/study_run.json")):
+        raise SystemExit(
+            f"--seconds-from {ns.seconds_from}: no study runs there (give the --out of a rerun)"
+        )
+    md = report(out, ns.against, ns.seconds_from)
     print(md)
     return 0
 

@@ -355,7 +355,7 @@ def test_seed_counts_from_the_t_interval_and_the_t_test_power(study):
 
 
 def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repair_prompts=0.0,
-               rollout_prompts=50.0, steps=4):  # fmt: skip
+               rollout_prompts=50.0, steps=4, reward=0.5):  # fmt: skip
     """A finished study run folder: study_run.json, train/summary.json, train/metrics.jsonl
     (per step: decoded tokens, prompt tokens the rollout and the repairs ran, step time;
     held-out evaluations at the steps of `evals`)."""
@@ -369,7 +369,7 @@ def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repai
     (run / "train" / "summary.json").write_text(json.dumps(summary))
     lines = []
     for step in range(1, steps + 1):
-        row = {"step": step, "reward": 0.5, "generated_tokens": step_tokens,
+        row = {"step": step, "reward": reward, "generated_tokens": step_tokens,
                "repairs": 4.0 if arm == "on-ibpo" else 0.0, "step_time": step_seconds}  # fmt: skip
         if repair_prompts is not None:  # None: a run from before the step logged them
             row["repair_prefill_tokens"] = repair_prompts
@@ -472,3 +472,36 @@ def test_the_command_lines_name_every_override_an_arm_ran_with(study):
     )
     assert "| on-dfpo | `objective.name=on-dfpo` |" in md
     assert study.seed_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
+
+
+def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
+    """--seconds-from: a run takes its rerun's step seconds when the rerun took the same steps
+    (the same loss and reward at each); a run whose rerun differs, or that has none, is left out
+    of the comparison at equal step seconds, and the report says how many were taken."""
+    out, rerun = tmp_path / "study", tmp_path / "rerun"
+    _study_where_verdicts_differ(out)  # ibpo 3 s a step, dfpo 1 s, as measured on a busy machine
+    for s in range(4):  # the reruns: ibpo 1.5 s a step; seed 3's ibpo rerun drew other rewards
+        _write_run(rerun, "on-dfpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.0)
+        _write_run(rerun, "on-ibpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.5,
+                   reward=0.25 if s == 3 else 0.5)  # fmt: skip
+    data, md = study.build_report(*study.collect(out, rerun))
+    found = {c["axis"]: c for c in data["equal_compute"] if c["a"] == "on-ibpo"}
+    seconds = found["seconds"]
+    assert seconds["seeds"] == [0, 1, 2] and seconds["ratios"] == [1.5] * 3
+    # at dfpo's 4 s: ibpo on its line from (0 s, 0.2) to (4.5 s at step 3, 0.5 + e); dfpo 0.6 + e
+    e = [0.02 * s for s in range(3)]
+    assert seconds["budgets"] == [4.0] * 3
+    assert seconds["diffs"] == pytest.approx([0.2 + (0.3 + x) * 4 / 4.5 - (0.6 + x) for x in e])
+    assert found["decode"]["seeds"] == [0, 1, 2, 3]  # the other axes keep every seed
+    assert "7 of 8 runs were rerun and took the same steps" in md
+    per_run = md.split("## Compute per run")[1].split("##")[0]
+    ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |"))
+    assert ibpo.endswith("| 6.0 (6.0-6.0), 3 runs |")
+    # without --seconds-from the runs' own seconds stand; a folder without runs is one error
+    plain = {c["axis"]: c for c in study.build_report(*study.collect(out))[0]["equal_compute"]}
+    assert plain["seconds"]["ratios"] == [3.0] * 4
+    assert "rerun" not in study.build_report(*study.collect(out))[1]
+    with pytest.raises(SystemExit, match="--seconds-from .*no study runs there"):
+        study.main(["--report-only", "--out", str(out), "--seconds-from", str(tmp_path / "x")])
+    assert study.main(["--report-only", "--out", str(out), "--seconds-from", str(rerun)]) == 0
+    assert "7 of 8 runs were rerun" in (out / "study.md").read_text()
