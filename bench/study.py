@@ -754,8 +754,14 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
     curves = [(x["compute_curves"][axis], y["compute_curves"][axis]) for x, y in pairs]
     along = {}
     for f in FRACTIONS:
+        # a curve starts at its first evaluation (compute 0 with the evaluation before training):
+        # a budget below it is not read, never extrapolated
+        if any(f * min(ca[-1][0], cb[-1][0]) < max(ca[0][0], cb[0][0]) for ca, cb in curves):
+            continue
         read = [at_equal_compute(ca, cb, f) for ca, cb in curves]
         along[f] = ([ya - yb for _, ya, yb in read], [budget for budget, _, _ in read])
+    if 1.0 not in along:
+        return None
     diffs, budgets = along[1.0]
     return {
         "a": a,
@@ -864,7 +870,9 @@ def equal_compute_md(comps: list[tuple[str, dict[str, dict]]]) -> str:
     ]
     for label, by_axis in comps:
         for axis, c in by_axis.items():
-            cells = [_ci_of(c["along"][str(f)]) for f in FRACTIONS]
+            cells = [
+                _ci_of(c["along"][str(f)]) if str(f) in c["along"] else "n/a" for f in FRACTIONS
+            ]
             lines.append(f"| {label} | {AXES[axis][0]} | {' | '.join(cells)} |")
     differ = [
         f"* **{label}**: "

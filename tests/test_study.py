@@ -505,3 +505,22 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
         study.main(["--report-only", "--out", str(out), "--seconds-from", str(tmp_path / "x")])
     assert study.main(["--report-only", "--out", str(out), "--seconds-from", str(rerun)]) == 0
     assert "7 of 8 runs were rerun" in (out / "study.md").read_text()
+
+
+def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach(study, tmp_path):
+    """Runs without the evaluation before training and without periodic ones (a timing rerun)
+    have one point on each curve: the report compares them at equal steps, reads nothing it
+    would have to extrapolate, and does not fail."""
+    for s in range(3):
+        for arm, tokens in (("on-dfpo", 100.0), ("on-ibpo", 200.0)):
+            _write_run(tmp_path, arm, s, evals={}, final=0.5 + 0.01 * s * (arm == "on-ibpo"),
+                       step_tokens=tokens, step_seconds=1.0)  # fmt: skip
+            summary = tmp_path / "runs" / f"{arm}-s{s}" / "train" / "summary.json"
+            data = json.loads(summary.read_text())
+            summary.write_text(json.dumps({**data, "eval_before": None}))
+    data, md = study.build_report(*study.collect(tmp_path))
+    found = {c["axis"]: c for c in data["equal_compute"]}
+    assert set(found) == {"steps", "seconds"}  # the token axes end at different budgets
+    assert found["steps"]["diffs"] == pytest.approx([0.0, 0.01, 0.02])
+    assert list(found["steps"]["along"]) == ["1.0"]
+    assert "| steps | n/a | n/a | n/a | +0.010 [" in md
