@@ -522,6 +522,13 @@ def spent_by(spent: dict[int, float], step: int) -> float:
     return spent[max(s for s in spent if s <= step)]
 
 
+def on_axis(steps: list[dict], axis: str, curve: list) -> tuple[list, float]:
+    """(the held-out accuracy curve against the compute spent on `axis`, the compute spent
+    through the curve's last step) for a run's training rows and its (step, accuracy) curve."""
+    spent = compute_at(steps, axis)
+    return [(spent_by(spent, st), acc) for st, acc in curve], spent_by(spent, curve[-1][0])
+
+
 def read_code(run_dir: Path, summary: dict) -> dict | None:
     """The code a run ran (commit, dirty tree): summary.json's, else config.yaml's first line;
     None for a run from before the trainer recorded it."""
@@ -549,7 +556,7 @@ def read_run(run_dir: Path) -> dict:
         total += row.get("generated_tokens") or 0.0
         cumulative[row["step"]] = total
     col = {k: [row.get(k) for row in steps] for k in STEP_KEYS}
-    spent = {axis: compute_at(steps, axis) for axis in AXES}
+    axes = {axis: on_axis(steps, axis, curve) for axis in AXES}
     return {
         **{k: meta[k] for k in ("arm", "regime", "seed", "command")},
         "dir": str(run_dir),
@@ -565,8 +572,8 @@ def read_run(run_dir: Path) -> dict:
         "repair_success": pooled_repair_success(col["repairs"], col["repair_success_rate"]),
         "wall": summary.get("wall_seconds"),
         # held-out accuracy against each compute axis: (compute spent, accuracy) per evaluation
-        "compute_curves": {a: [(spent_by(spent[a], st), acc) for st, acc in curve] for a in AXES},
-        "compute": {a: spent_by(spent[a], summary["steps"]) for a in AXES},
+        "compute_curves": {a: axes[a][0] for a in AXES},
+        "compute": {a: axes[a][1] for a in AXES},
         "rollout_prefill_tokens": sum(_num(r.get("rollout_prefill_tokens")) for r in steps),
         "repair_prefill_tokens": sum(_num(r.get("repair_prefill_tokens")) for r in steps),
         # the repair prompts' tokens (before shared prefixes; older runs logged only the prefill)
@@ -608,10 +615,8 @@ def take_seconds(record: dict, rerun: Path) -> None:
         record["compute_curves"]["seconds"] = None
         record["step_time"] = record["time_repair"] = None
         return
-    spent = compute_at(steps, "seconds")
-    curve = record["curve"]
-    record["compute_curves"]["seconds"] = [(spent_by(spent, st), acc) for st, acc in curve]
-    record["compute"]["seconds"] = spent_by(spent, record["curve"][-1][0])
+    seconds_curve, seconds = on_axis(steps, "seconds", record["curve"])
+    record["compute_curves"]["seconds"], record["compute"]["seconds"] = seconds_curve, seconds
     record["step_time"] = [r.get("step_time") for r in steps]
     record["time_repair"] = [r.get("time_repair") for r in steps]
     record["seconds_from"] = str(rerun)
@@ -1443,14 +1448,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"code: {describe(code_version(here if here.is_dir() else None))}", flush=True)
         outcomes = run_all(runs, ns.workers, ns.smoke, threads)
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
-    if ns.against is not None and not any(ns.against.glob("*/*/study_run.json")):
-        raise SystemExit(
-            f"--against {ns.against}: no study runs there (give another study's --out)"
-        )
-    if ns.seconds_from is not None and not any(ns.seconds_from.glob("*/*/study_run.json")):
-        raise SystemExit(
-            f"--seconds-from {ns.seconds_from}: no study runs there (give the --out of a rerun)"
-        )
+    for flag, folder, fix in (
+        ("--against", ns.against, "give another study's --out"),
+        ("--seconds-from", ns.seconds_from, "give the --out of a rerun"),
+    ):
+        if folder is not None and not any(folder.glob("*/*/study_run.json")):
+            raise SystemExit(f"{flag} {folder}: no study runs there ({fix})")
     md = report(out, ns.against, ns.seconds_from)
     print(md)
     return 0
