@@ -69,6 +69,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 ON, OFF, ABLATION, EQUAL, SWEEP = "on-policy", "off-policy", "ablation", "equal-compute", "sweep"
 REGIME_ORDER = (ON, OFF, ABLATION, EQUAL, SWEEP)
 # (label, arm a, arm b): paired per-seed differences a - b of the final held-out accuracy.
@@ -490,6 +492,7 @@ STEP_KEYS = (
     "repairs_skipped",  # the repair spending rule's (later versions); None where absent
     "repair_cost_share",
     "repair_probe",
+    "repair_running_success",  # the rule's running success rate after the step
     "time_repair",  # seconds of the repair phase and of the whole step, measured in one
     "step_time",  # process: their ratio holds on a busy machine where the seconds do not
 )
@@ -586,7 +589,17 @@ def read_run(run_dir: Path) -> dict:
             "repair_prefill_tokens" in r for r in steps if _num(r.get("repairs")) > 0
         ),
         "code": read_code(run_dir, summary),
+        "min_success": repair_floor(run_dir / "train" / "config.yaml"),
     }
+
+
+def repair_floor(config: Path) -> float | None:
+    """The run's `repair.min_success` (the spending rule's floor) from its saved config; None
+    for runs of versions without the rule or without a saved config."""
+    if not config.is_file():
+        return None
+    repair = (yaml.safe_load(config.read_text()) or {}).get("repair") or {}
+    return repair.get("min_success")
 
 
 def pooled_repair_success(repairs: list, rates: list) -> float | None:
@@ -735,15 +748,17 @@ def compare(arms: dict[str, list[dict]], a: str, b: str) -> dict | None:
     }
 
 
-def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict | None:
+def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict | str:
     """Paired per-seed differences a - b of the held-out accuracy at equal compute on one axis
     (AXES): per seed, both runs read at the largest budget both reached (at_equal_compute),
-    and along the way at FRACTIONS of it. None when an arm is missing, no seed has both, a run
-    spent nothing on the axis (it did not log it), or, for prompt + decode tokens, a run did not
-    log the prompt tokens of its rollouts or its repairs (an axis that counts one arm's repair
-    prompts and neither arm's rollout prompts would favour the arm without repairs)."""
+    and along the way at FRACTIONS of it. Where they cannot be compared, why (a sentence for
+    the report): an arm is missing, no seed has both, a run spent nothing on the axis (it did
+    not log it), for prompt + decode tokens a run did not log the prompt tokens of its rollouts
+    or its repairs (an axis that counts one arm's repair prompts and neither arm's rollout
+    prompts would favour the arm without repairs), or the pair's curves do not both reach
+    their common budget (a curve starts at its first evaluation and is never extrapolated)."""
     if a not in arms or b not in arms:
-        return None
+        return "an arm has no finished runs"
     left, right = ({r["seed"]: r for r in arms[x]} for x in (a, b))
 
     def has(run: dict) -> bool:  # None: step seconds taken from no rerun (take_seconds)
@@ -752,10 +767,19 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
     seeds = sorted(s for s in set(left) & set(right) if has(left[s]) and has(right[s]))
     pairs = [(left[s], right[s]) for s in seeds]
     runs = [r for p in pairs for r in p]
-    if not runs or any(not r.get("compute_curves") or not r["compute"][axis] > 0 for r in runs):
-        return None
+    if not runs:
+        return f"no seed has both runs' {AXES[axis][0]}" + (
+            " (no rerun reproduced the pair)" if axis == "seconds" else ""
+        )
+    if any(not r.get("compute_curves") or not r["compute"][axis] > 0 for r in runs):
+        return f"a run logged no {AXES[axis][0]}"
     if axis == "tokens" and not all(_prompts_recorded(r) for r in runs):
-        return None
+        return (
+            "their runs did not log the prompt tokens of their rollouts "
+            "(`rollout_prefill_tokens`) or repairs (`repair_prefill_tokens`), and an axis that "
+            "counts one arm's repair prompts and neither arm's rollout prompts would favour the "
+            "arm without repairs"
+        )
     curves = [(x["compute_curves"][axis], y["compute_curves"][axis]) for x, y in pairs]
     along = {}
     for f in FRACTIONS:
@@ -766,7 +790,10 @@ def compare_at(arms: dict[str, list[dict]], a: str, b: str, axis: str) -> dict |
         read = [at_equal_compute(ca, cb, f) for ca, cb in curves]
         along[f] = ([ya - yb for _, ya, yb in read], [budget for budget, _, _ in read])
     if 1.0 not in along:
-        return None
+        return (
+            "a pair's held-out curves do not both reach the budget they share (a run evaluated "
+            "only at its end has one point, at what it spent)"
+        )
     diffs, budgets = along[1.0]
     return {
         "a": a,
@@ -834,10 +861,13 @@ def comparisons_md(comps: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(f"* {sentence(lb, c)}" for lb, c in comps) + "\n"
 
 
-def equal_compute_md(comps: list[tuple[str, dict[str, dict]]]) -> str:
+def equal_compute_md(
+    comps: list[tuple[str, dict[str, dict]]], missing: list[tuple[str, str, str]] = ()
+) -> str:
     """Every comparison at equal steps, decode tokens, prompt + decode tokens and step
-    seconds: the paired figures at each pair's common budget, then the mean difference along
-    the way, then the comparisons whose verdict depends on the axis."""
+    seconds: the paired figures at each pair's common budget, why a comparison is missing on
+    an axis (`missing`: label, axis, reason), then the mean difference along the way, then the
+    comparisons whose verdict depends on the axis."""
     if not comps:
         return "No comparison has finished runs in both arms yet.\n"
     lines = [
@@ -858,14 +888,7 @@ def equal_compute_md(comps: list[tuple[str, dict[str, dict]]]) -> str:
                 f"| {c['wins']} / {c['losses']} / {c['ties']} | {c['sign_p']:.3f} "
                 f"| {verdict(c)} |"
             )
-    missing = [label for label, by_axis in comps if "tokens" not in by_axis]
-    if missing:
-        lines.append(
-            f"\nNot at equal prompt + decode tokens: {'; '.join(missing)}. Their runs did not "
-            "log the prompt tokens of their rollouts (`rollout_prefill_tokens`) or repairs "
-            "(`repair_prefill_tokens`), and an axis that counts one arm's repair prompts and "
-            "neither arm's rollout prompts would favour the arm without repairs."
-        )
+    lines += [f"\n{label}, not at equal {AXES[axis][0]}: {why}." for label, axis, why in missing]
     head = " | ".join(f"{f:.0%}" for f in FRACTIONS)
     lines += [
         "\nAlong the way: the mean difference [paired t 95% CI] at fractions of each pair's "
@@ -1055,7 +1078,51 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
             )
     if len(lines) == 2:
         return "No finished run repaired.\n"
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + spending_md(arms)
+
+
+def spending_md(arms: dict[str, list[dict]]) -> str:
+    """What the repair spending rule did, per arm that ran it, summed over its runs: repairs
+    run and skipped, their success, the steps that repaired (and how many were probes), and
+    the steps after which the running success rate was under the run's floor."""
+    lines = []
+    for name, runs in arms.items():
+        # runs that planned repairs under a floor (an arm without repairs plans none)
+        ruled = [
+            r
+            for r in runs
+            if r.get("min_success")
+            and any(_num(x) > 0 for k in ("repairs", "repairs_skipped") for x in r.get(k) or [])
+        ]
+        if not ruled:
+            continue
+        steps = sum(len(r["repairs"]) for r in ruled)
+        ran = sum(_num(x) for r in ruled for x in r["repairs"])
+        skipped = sum(_num(x) for r in ruled for x in r.get("repairs_skipped") or [])
+        ok = sum(
+            _num(n) * _num(p) for r in ruled for n, p in zip(r["repairs"], r["repair_success_rate"])
+        )
+        repaired = sum(1 for r in ruled for x in r["repairs"] if _num(x) > 0)
+        probes = sum(1 for r in ruled for x in r.get("repair_probe") or [] if _num(x) > 0)
+        under = sum(
+            1
+            for r in ruled
+            for x in r.get("repair_running_success") or []
+            if x is not None and x < r["min_success"]
+        )
+        floors = sorted({r["min_success"] for r in ruled})
+        planned = ran + skipped
+        lines.append(
+            f"* {name}, {len(ruled)} runs, {steps} steps (floor {', '.join(map(str, floors))}): "
+            f"{ran:.0f} repairs ran and {skipped:.0f} were skipped "
+            f"({_f(skipped / planned if planned else None, '.0%')} of those planned); "
+            f"{ok:.0f} of the {ran:.0f} succeeded ({_f(ok / ran if ran else None, '.0%')}). "
+            f"Repairs ran at {repaired} steps, {probes} of them probes; the running success rate "
+            f"was under the floor after {under} of the {steps} steps."
+        )
+    if not lines:
+        return ""
+    return "\nThe repair spending rule, summed over each arm's runs:\n\n" + "\n".join(lines) + "\n"
 
 
 def commands_md(records: list[dict]) -> str:
@@ -1171,8 +1238,19 @@ def _seconds_note(runs: list[dict]) -> str:
     )
 
 
-def _at_each_axis(arms: dict[str, list[dict]], a: str, b: str) -> dict[str, dict]:
-    return {axis: c for axis in AXES if (c := compare_at(arms, a, b, axis))}
+def at_each_axis(
+    arms: dict[str, list[dict]],
+) -> tuple[list[tuple[str, dict[str, dict]]], list[tuple[str, str, str]]]:
+    """Each comparison on every axis it can be made on, and (label, axis, why) for the axes it
+    cannot, for comparisons made on at least one."""
+    equal, missing = [], []
+    for label, a, b in COMPARISONS:
+        found = {axis: compare_at(arms, a, b, axis) for axis in AXES}
+        made = {axis: c for axis, c in found.items() if isinstance(c, dict)}
+        if made:
+            equal.append((label, made))
+            missing += [(label, axis, why) for axis, why in found.items() if axis not in made]
+    return equal, missing
 
 
 def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
@@ -1180,8 +1258,7 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
     main_runs = [r for r in records if r["regime"] != SWEEP]
     arms, sweep = by_arm(main_runs), by_arm([r for r in records if r["regime"] == SWEEP])
     comps = [(lb, c) for lb, a, b in COMPARISONS if (c := compare(arms, a, b))]
-    equal = [(lb, _at_each_axis(arms, a, b)) for lb, a, b in COMPARISONS]
-    equal = [(lb, by_axis) for lb, by_axis in equal if by_axis]
+    equal, missing = at_each_axis(arms)
     before = sorted({r["before"] for r in records if r["before"] is not None})
     n_eval = sorted({r["n_eval"] for r in records})
     md = ["# IBPO study\n"]
@@ -1212,7 +1289,7 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         ]
         md += ["## Paired differences\n", comparisons_md(comps)]
         md += ["## At equal compute\n", EQUAL_COMPUTE_NOTE + _seconds_note(main_runs)]
-        md += [equal_compute_md(equal)]
+        md += [equal_compute_md(equal, missing)]
         md += ["## Compute per run\n", compute_md(arms)]
         md += ["## Accuracy against generated tokens\n", tokens_md(arms)]
         md += ["## Repairs per run\n", repairs_md(arms)]

@@ -436,7 +436,9 @@ def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path,
     _study_where_verdicts_differ(tmp_path, **{unlogged: None})
     data, md = study.build_report(*study.collect(tmp_path))
     assert {c["axis"] for c in data["equal_compute"]} == {"steps", "decode", "seconds"}
-    assert "Not at equal prompt + decode tokens: on-policy ibpo - dfpo" in md
+    (why,) = [line for line in md.splitlines() if ", not at equal " in line]
+    assert why.startswith("on-policy ibpo - dfpo (Part 2: repairs), not at equal prompt + decode")
+    assert "did not log the prompt tokens" in why
     per_run = md.split("## Compute per run")[1].split("##")[0]
     ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |")).split(" | ")
     assert ibpo[4 if unlogged == "rollout_prompts" else 5] == "not logged"
@@ -524,3 +526,46 @@ def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach
     assert found["steps"]["diffs"] == pytest.approx([0.0, 0.01, 0.02])
     assert list(found["steps"]["along"]) == ["1.0"]
     assert "| steps | n/a | n/a | n/a | +0.010 [" in md
+    # each missing axis says why: the curves' one point each, not prompts that went unlogged
+    why = [line for line in md.splitlines() if ", not at equal " in line]
+    assert [w.split(", not at equal ")[1].split(":")[0] for w in why] == [
+        "decode tokens",
+        "prompt + decode tokens",
+    ]
+    assert all("do not both reach the budget they share" in w for w in why)
+
+
+def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path):
+    """The rule's figures in the report (repairs run and skipped, successes, repairing steps and
+    probes, steps under the floor) are counted from each run's metrics and its saved floor."""
+    for s in range(2):
+        for arm in ("on-dfpo", "on-ibpo"):
+            _write_run(tmp_path, arm, s, evals={}, final=0.5, step_tokens=100.0, step_seconds=1.0)
+            train = tmp_path / "runs" / f"{arm}-s{s}" / "train"
+            (train / "config.yaml").write_text("repair:\n  min_success: 0.1\n  probe_every: 2\n")
+            if arm == "on-dfpo":
+                continue
+            rows = [json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines()]
+            # step 1 spends (4 repairs, 1 succeeds: r = 0.25), step 2 spends (4, none: 0.125
+            # for seed 0; seed 1 falls to 0.05, under the floor), then skip, probe
+            running = ((0.25, 0.125, 0.125, 0.1), (0.25, 0.05, 0.05, 0.04))[s]
+            plan = [(4, 0, 0.25, 0), (4, 0, 0.0, 0), (0, 4, 0.0, 0), (2, 2, 0.0, 1)]
+            for row, (ran, skipped, rate, probe), r in zip(rows, plan, running):
+                row.update(repairs=float(ran), repairs_skipped=float(skipped),
+                           repair_success_rate=rate, repair_probe=float(probe),
+                           repair_running_success=r)  # fmt: skip
+            (train / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    records, pending = study.collect(tmp_path)
+    assert {r["min_success"] for r in records} == {0.1}
+    md = study.build_report(records, pending)[1]
+    (line,) = [x for x in md.splitlines() if x.startswith("* on-")]  # dfpo planned no repairs
+    assert line == (
+        "* on-ibpo, 2 runs, 8 steps (floor 0.1): 20 repairs ran and 12 were skipped (38% of "
+        "those planned); 2 of the 20 succeeded (10%). Repairs ran at 6 steps, 2 of them probes; "
+        "the running success rate was under the floor after 3 of the 8 steps."
+    )
+    # a run without a saved config (older versions) has no floor: the rule is not summed
+    (tmp_path / "runs" / "on-ibpo-s0" / "train" / "config.yaml").unlink()
+    (tmp_path / "runs" / "on-ibpo-s1" / "train" / "config.yaml").unlink()
+    records, pending = study.collect(tmp_path)
+    assert "spending rule" not in study.build_report(records, pending)[1]
