@@ -264,7 +264,7 @@ def test_summary_table_reports_the_repair_spending(tmp_path):
     (out / report.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = report.summary_table(out)
     assert table_value(table, "repair spending") == (
-        "12 run, 12 skipped (pooled success 0.167; 1 steps without repairs, 1 probes), "
+        "12 run, 12 skipped (pooled success 0.167; 1 step without repairs, 1 probe), "
         "0.33 of the tokens  (mean share per step)"
     )
     # the mean success rate is over the steps that ran repairs

@@ -327,9 +327,11 @@ def _repair_spending(rows: list[dict]) -> str | None:
     idle = sum(1 for r in rows if _number(r.get("repairs_skipped")) and r["repairs_skipped"] > 0
                and not r.get("repairs"))  # fmt: skip
     success = f"pooled success {sum(hits) / sum(ran):.3f}; " if sum(ran) and hits else ""
+    n_probes = round(sum(probes))
     return (
         f"{sum(ran):.0f} run, {sum(skipped):.0f} skipped ({success}"
-        f"{idle} steps without repairs, {sum(probes):.0f} probes), "
+        f"{idle} step{'s' * (idle != 1)} without repairs, "
+        f"{n_probes} probe{'s' * (n_probes != 1)}), "
         f"{_mean(share):.2f} of the tokens  (mean share per step)"
     )
 
