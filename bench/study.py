@@ -611,18 +611,21 @@ def pooled_repair_success(repairs: list, rates: list) -> float | None:
     return sum((n or 0.0) * (r or 0.0) for n, r in zip(repairs, rates)) / attempted
 
 
-def take_seconds(record: dict, rerun: Path) -> None:
-    """A run's step seconds from its rerun (a finished run folder, e.g. one rerun with one thread
-    on an idle machine and no periodic evaluations) when the rerun took the same steps: the same
-    number, the same loss and the same reward at every one (equal floats: the run reproduced).
-    Otherwise the run has no step seconds (None), and is left out of comparisons on them."""
+def take_seconds(record: dict, reruns: list[Path]) -> None:
+    """A run's step seconds from a timed run of it (a finished run folder, e.g. a rerun with one
+    thread on an idle machine and no periodic evaluations): the first of `reruns` that took the
+    same steps, the same number, the same loss and the same reward at every one (equal floats:
+    the run reproduced). Without one the run has no step seconds (None), and is left out of
+    comparisons on them."""
     record["seconds_from"] = None
-    same = False
-    if is_done(rerun):
+    steps, same = [], False
+    for rerun in filter(is_done, reruns):
         steps = _rows(rerun / "train")[0]
         same = [r.get("loss") for r in steps] == record["loss"] and [
             r.get("reward") for r in steps
         ] == record["reward"]
+        if same:
+            break
     if not same:
         record["compute"]["seconds"] = None
         record["compute_curves"]["seconds"] = None
@@ -635,16 +638,17 @@ def take_seconds(record: dict, rerun: Path) -> None:
     record["seconds_from"] = str(rerun)
 
 
-def collect(out: Path, seconds_from: Path | None = None) -> tuple[list[dict], list[str]]:
+def collect(out: Path, seconds_from: list[Path] = ()) -> tuple[list[dict], list[str]]:
     """(every finished run under <out>, the folders not finished) from the folders alone; with
-    `seconds_from`, each run's step seconds are its rerun's there (take_seconds)."""
+    `seconds_from` (study folders), each run's step seconds are those of the first timed run of
+    it there that reproduced it (take_seconds)."""
     done, pending = [], []
     for meta in sorted(out.glob("*/*/study_run.json")):
         (done if is_done(meta.parent) else pending).append(meta.parent)
     records = [read_run(d) for d in done]
-    if seconds_from is not None:
+    if seconds_from:
         for record, d in zip(records, done):
-            take_seconds(record, seconds_from / d.relative_to(out))
+            take_seconds(record, [folder / d.relative_to(out) for folder in seconds_from])
     order = {r: i for i, r in enumerate(REGIME_ORDER)}
     records.sort(key=lambda r: (order.get(r["regime"], 99), r["arm"], r["seed"]))
     return records, [str(d) for d in pending]
@@ -1225,16 +1229,20 @@ EQUAL_COMPUTE_NOTE = (
 
 
 def _seconds_note(runs: list[dict]) -> str:
-    """Where the step seconds come from, when they come from reruns (take_seconds)."""
+    """Where the step seconds come from, when they come from timed runs (take_seconds)."""
     if not any("seconds_from" in r for r in runs):
         return ""
     taken = [r for r in runs if r.get("seconds_from")]
     folders = sorted({str(Path(r["seconds_from"]).parent.parent) for r in taken})
+    per = ", ".join(
+        f"{sum(str(Path(r['seconds_from']).parent.parent) == f for r in taken)} from {f}"
+        for f in folders
+    )
     return (
-        f"\nStep seconds here are those of reruns ({', '.join(folders) or 'none found'}): "
-        f"{len(taken)} of {len(runs)} runs were rerun and took the same steps (the same loss "
-        "and reward at every step), and their reruns' step seconds replace their own; the other "
-        "runs are left out of the comparisons at equal step seconds and of the seconds figures.\n"
+        f"\nStep seconds here are those of timed runs ({per or 'none found'}): {len(taken)} of "
+        f"{len(runs)} runs have a timed run that took the same steps (the same loss and reward "
+        "at every step), and its step seconds replace the run's own; the other runs are left "
+        "out of the comparisons at equal step seconds and of the seconds figures.\n"
     )
 
 
@@ -1419,10 +1427,10 @@ def against_md(here: list[dict], there: list[dict], name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(out: Path, against: Path | None = None, seconds_from: Path | None = None) -> str:
+def report(out: Path, against: Path | None = None, seconds_from: list[Path] = ()) -> str:
     """Rebuild study.json, study.md and the plots from the finished run folders under `out`
     (and, with `against`, a section comparing its paired spreads with that study's; with
-    `seconds_from`, the step seconds of the runs' reruns there)."""
+    `seconds_from`, the step seconds of timed runs there, take_seconds)."""
     records, pending = collect(out, seconds_from)
     data, md = build_report(records, pending)
     if against is not None:
@@ -1488,8 +1496,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--seconds-from",
         type=Path,
-        help="the --out of a rerun of these runs (e.g. one thread each, no periodic evaluation): "
-        "step seconds from the runs it reproduced step for step",
+        nargs="+",
+        default=[],
+        help="the --out of timed runs of these runs (e.g. reruns with one thread each, no "
+        "periodic evaluation), one or several: each run's step seconds from the first that "
+        "reproduced it step for step",
     )
     add(
         "--smoke",
@@ -1527,7 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
         print("runs: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())), flush=True)
     for flag, folder, fix in (
         ("--against", ns.against, "give another study's --out"),
-        ("--seconds-from", ns.seconds_from, "give the --out of a rerun"),
+        *(("--seconds-from", f, "give the --out of timed runs") for f in ns.seconds_from),
     ):
         if folder is not None and not any(folder.glob("*/*/study_run.json")):
             raise SystemExit(f"{flag} {folder}: no study runs there ({fix})")

@@ -486,7 +486,7 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
         _write_run(rerun, "on-dfpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.0)
         _write_run(rerun, "on-ibpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.5,
                    reward=0.25 if s == 3 else 0.5)  # fmt: skip
-    data, md = study.build_report(*study.collect(out, rerun))
+    data, md = study.build_report(*study.collect(out, [rerun]))
     found = {c["axis"]: c for c in data["equal_compute"] if c["a"] == "on-ibpo"}
     seconds = found["seconds"]
     assert seconds["seeds"] == [0, 1, 2] and seconds["ratios"] == [1.5] * 3
@@ -495,18 +495,29 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
     assert seconds["budgets"] == [4.0] * 3
     assert seconds["diffs"] == pytest.approx([0.2 + (0.3 + x) * 4 / 4.5 - (0.6 + x) for x in e])
     assert found["decode"]["seeds"] == [0, 1, 2, 3]  # the other axes keep every seed
-    assert "7 of 8 runs were rerun and took the same steps" in md
+    assert f"(7 from {rerun}): 7 of 8 runs have a timed run that took the same steps" in md
     per_run = md.split("## Compute per run")[1].split("##")[0]
     ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |"))
     assert ibpo.endswith("| 6.0 (6.0-6.0), 3 runs |")
     # without --seconds-from the runs' own seconds stand; a folder without runs is one error
     plain = {c["axis"]: c for c in study.build_report(*study.collect(out))[0]["equal_compute"]}
     assert plain["seconds"]["ratios"] == [3.0] * 4
-    assert "rerun" not in study.build_report(*study.collect(out))[1]
+    assert "timed run" not in study.build_report(*study.collect(out))[1]
     with pytest.raises(SystemExit, match="--seconds-from .*no study runs there"):
         study.main(["--report-only", "--out", str(out), "--seconds-from", str(tmp_path / "x")])
-    assert study.main(["--report-only", "--out", str(out), "--seconds-from", str(rerun)]) == 0
-    assert "7 of 8 runs were rerun" in (out / "study.md").read_text()
+    # several folders: the first timed run that reproduced a run gives its seconds. A second
+    # folder times ibpo seed 3 (2 s a step) and dfpo seed 0 again (9 s, not taken: the first
+    # folder's reproduced it)
+    more = tmp_path / "more"
+    _write_run(more, "on-ibpo", 3, evals={}, final=0.0, step_tokens=0.0, step_seconds=2.0)
+    _write_run(more, "on-dfpo", 0, evals={}, final=0.0, step_tokens=0.0, step_seconds=9.0)
+    argv = ["--report-only", "--out", str(out), "--seconds-from", str(rerun), str(more)]
+    assert study.main(argv) == 0
+    md = (out / "study.md").read_text()
+    assert f"(1 from {more}, 7 from {rerun}): 8 of 8 runs" in md
+    seconds = {c["axis"]: c for c in json.loads((out / "study.json").read_text())["equal_compute"]}
+    assert seconds["seconds"]["seeds"] == [0, 1, 2, 3]
+    assert seconds["seconds"]["ratios"] == [1.5, 1.5, 1.5, 2.0]
 
 
 def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach(study, tmp_path):
