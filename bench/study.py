@@ -1427,6 +1427,42 @@ def against_md(here: list[dict], there: list[dict], name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def between_md(here: dict, there: dict, name: str) -> str:
+    """Each comparison's paired differences here minus there, seed by seed (the seeds both
+    studies have): a study that changed arm a and kept arm b's very runs (the same final
+    accuracy and training rewards at every seed) measures arm a against its other version."""
+    runs = [{(r["arm"], r["seed"]): r for r in d["runs"]} for d in (here, there)]
+    other = {c["label"]: c for c in there["comparisons"]}
+    lines = [
+        f"Seed by seed, each paired difference here minus the same one in {name}.\n",
+        "| comparison | seeds | arm b's runs the same | mean | paired t 95% CI "
+        "| higher / lower / tied | sign p | significant |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in here["comparisons"]:
+        o = other.get(c["label"])
+        if o is None:
+            continue
+        d_here, d_there = dict(zip(c["seeds"], c["diffs"])), dict(zip(o["seeds"], o["diffs"]))
+        seeds = sorted(set(d_here) & set(d_there))
+        if len(seeds) < 2:
+            continue
+        st = paired_stats([d_here[s] - d_there[s] for s in seeds])
+        same = all(
+            (x := runs[0].get((c["b"], s))) is not None
+            and (y := runs[1].get((c["b"], s))) is not None
+            and (x["after"], x["reward"]) == (y["after"], y["reward"])
+            for s in seeds
+        )
+        lo, hi = st["t_ci"]
+        lines.append(
+            f"| {c['label']} | {len(seeds)} | {'yes' if same else 'no'} | {st['mean']:+.3f} "
+            f"| [{_f(lo, '+.3f')}, {_f(hi, '+.3f')}] | {st['wins']} / {st['losses']} / "
+            f"{st['ties']} | {st['sign_p']:.3f} | {'yes' if significant(st) else 'no'} |"
+        )
+    return "\n".join(lines) + "\n" if len(lines) > 3 else ""
+
+
 def report(out: Path, against: Path | None = None, seconds_from: list[Path] = ()) -> str:
     """Rebuild study.json, study.md and the plots from the finished run folders under `out`
     (and, with `against`, a section comparing its paired spreads with that study's; with
@@ -1434,10 +1470,11 @@ def report(out: Path, against: Path | None = None, seconds_from: list[Path] = ()
     records, pending = collect(out, seconds_from)
     data, md = build_report(records, pending)
     if against is not None:
-        other = build_report(*collect(against))[0]["comparisons"]
+        other = build_report(*collect(against))[0]
         md += "\n## Against another study\n\n" + against_md(
-            data["comparisons"], other, str(against)
+            data["comparisons"], other["comparisons"], str(against)
         )
+        md += "\n" + between_md(data, other, str(against))
     (out / "study.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / "study.md").write_text(md)
     main_arms = by_arm(data["runs"])

@@ -4,6 +4,7 @@ runs, and its smoke mode end to end on the tiny model (json, md, plots; a rerun 
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -580,3 +581,32 @@ def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path)
     (tmp_path / "runs" / "on-ibpo-s1" / "train" / "config.yaml").unlink()
     records, pending = study.collect(tmp_path)
     assert "spending rule" not in study.build_report(records, pending)[1]
+
+
+def test_against_another_study_pairs_the_seeds_of_a_changed_arm(study, tmp_path):
+    """A study that reruns arm a with a change and keeps arm b's very runs: the report's
+    against-section gives arm a here minus arm a there, seed by seed, and says b's runs are
+    the same; where b's runs differ it says so."""
+    there, here = tmp_path / "there", tmp_path / "here"
+    _study_where_verdicts_differ(there)
+    _study_where_verdicts_differ(here)
+    change = (0.02, 0.03, 0.01, 0.04)
+    for s, up in enumerate(change):
+        summary = here / "runs" / f"on-ibpo-s{s}" / "train" / "summary.json"
+        data = json.loads(summary.read_text())
+        data["eval_after"]["accuracy"] += up
+        summary.write_text(json.dumps(data))
+    md = study.report(here, against=there)
+    (row,) = [r for r in md.splitlines() if r.startswith("| on-policy ibpo - dfpo")][-1:]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1:3] == ["4", "yes"]
+    assert float(cells[3]) == pytest.approx(statistics.fmean(change), abs=5e-4)
+    assert cells[5] == "4 / 0 / 0" and cells[7] == "yes"
+    # arm b changed too: the rows say its runs are not the same
+    summary = here / "runs" / "on-dfpo-s0" / "train" / "summary.json"
+    data = json.loads(summary.read_text())
+    data["eval_after"]["accuracy"] += 0.1
+    summary.write_text(json.dumps(data))
+    md = study.report(here, against=there)
+    row = [r for r in md.splitlines() if r.startswith("| on-policy ibpo - dfpo")][-1]
+    assert row.split("|")[3].strip() == "no"
