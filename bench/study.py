@@ -611,19 +611,22 @@ def pooled_repair_success(repairs: list, rates: list) -> float | None:
     return sum((n or 0.0) * (r or 0.0) for n, r in zip(repairs, rates)) / attempted
 
 
+# what a timed run must repeat, step by step, to lend a run its step seconds (take_seconds)
+REPRODUCED = ("loss", "reward", "repairs", "repair_tokens")
+
+
 def take_seconds(record: dict, reruns: list[Path]) -> None:
     """A run's step seconds from a timed run of it (a finished run folder, e.g. a rerun with one
     thread on an idle machine and no periodic evaluations): the first of `reruns` that took the
-    same steps, the same number, the same loss and the same reward at every one (equal floats:
-    the run reproduced). Without one the run has no step seconds (None), and is left out of
-    comparisons on them."""
+    same steps, the same number, the same loss, reward, repairs and repair tokens at every
+    one (equal floats: the run reproduced). Loss and reward alone are not enough: repairs that
+    all fail leave them as they were, so a run with more of them would pass for one with fewer.
+    Without one the run has no step seconds (None), and is left out of comparisons on them."""
     record["seconds_from"] = None
     steps, same = [], False
     for rerun in filter(is_done, reruns):
         steps = _rows(rerun / "train")[0]
-        same = [r.get("loss") for r in steps] == record["loss"] and [
-            r.get("reward") for r in steps
-        ] == record["reward"]
+        same = all([r.get(k) for r in steps] == record[k] for k in REPRODUCED)
         if same:
             break
     if not same:
@@ -1087,43 +1090,53 @@ def repairs_md(arms: dict[str, list[dict]]) -> str:
 
 def spending_md(arms: dict[str, list[dict]]) -> str:
     """What the repair spending rule did, per arm that ran it, summed over its runs: repairs
-    run and skipped, their success, the steps that repaired (and how many were probes), and
-    the steps after which the running success rate was under the run's floor."""
+    run and skipped, their success, the steps that repaired; with a floor, how many of those
+    were probes and the steps after which the running success rate was under the run's floor
+    (without one, only the budget skipped repairs)."""
     lines = []
     for name, runs in arms.items():
-        # runs that planned repairs under a floor (an arm without repairs plans none)
+        # runs of versions with the rule (they log what it skipped) that planned repairs
         ruled = [
             r
             for r in runs
-            if r.get("min_success")
-            and any(_num(x) > 0 for k in ("repairs", "repairs_skipped") for x in r.get(k) or [])
+            if any(x is not None for x in r.get("repairs_skipped") or [])
+            and any(_num(x) > 0 for k in ("repairs", "repairs_skipped") for x in r[k] or [])
         ]
         if not ruled:
             continue
         steps = sum(len(r["repairs"]) for r in ruled)
         ran = sum(_num(x) for r in ruled for x in r["repairs"])
-        skipped = sum(_num(x) for r in ruled for x in r.get("repairs_skipped") or [])
+        skipped = sum(_num(x) for r in ruled for x in r["repairs_skipped"])
         ok = sum(
             _num(n) * _num(p) for r in ruled for n, p in zip(r["repairs"], r["repair_success_rate"])
         )
         repaired = sum(1 for r in ruled for x in r["repairs"] if _num(x) > 0)
-        probes = sum(1 for r in ruled for x in r.get("repair_probe") or [] if _num(x) > 0)
-        under = sum(
-            1
-            for r in ruled
-            for x in r.get("repair_running_success") or []
-            if x is not None and x < r["min_success"]
-        )
-        floors = sorted({r["min_success"] for r in ruled})
         planned = ran + skipped
-        lines.append(
+        floors = sorted({r.get("min_success") or 0.0 for r in ruled})
+        line = (
             f"* {name}, {len(ruled)} runs, {steps} steps (floor {', '.join(map(str, floors))}): "
             f"{ran:.0f} repairs ran and {skipped:.0f} were skipped "
             f"({_f(skipped / planned if planned else None, '.0%')} of those planned); "
             f"{ok:.0f} of the {ran:.0f} succeeded ({_f(ok / ran if ran else None, '.0%')}). "
-            f"Repairs ran at {repaired} steps, {probes} of them probes; the running success rate "
-            f"was under the floor after {under} of the {steps} steps."
+            f"Repairs ran at {repaired} steps"
         )
+        if all(r.get("min_success") for r in ruled):
+            probes = sum(1 for r in ruled for x in r.get("repair_probe") or [] if _num(x) > 0)
+            under = sum(
+                1
+                for r in ruled
+                for x in r.get("repair_running_success") or []
+                if x is not None and x < r["min_success"]
+            )
+            line += (
+                f", {probes} of them probes; the running success rate was under the floor "
+                f"after {under} of the {steps} steps."
+            )
+        elif not any(r.get("min_success") for r in ruled):
+            line += "; with no floor, only the budget skipped repairs."
+        else:
+            line += "; some runs had no floor, so probes and steps under it are not counted."
+        lines.append(line)
     if not lines:
         return ""
     return "\nThe repair spending rule, summed over each arm's runs:\n\n" + "\n".join(lines) + "\n"
@@ -1240,9 +1253,10 @@ def _seconds_note(runs: list[dict]) -> str:
     )
     return (
         f"\nStep seconds here are those of timed runs ({per or 'none found'}): {len(taken)} of "
-        f"{len(runs)} runs have a timed run that took the same steps (the same loss and reward "
-        "at every step), and its step seconds replace the run's own; the other runs are left "
-        "out of the comparisons at equal step seconds and of the seconds figures.\n"
+        f"{len(runs)} runs have a timed run that took the same steps (the same loss, reward, "
+        "repairs and repair tokens at every step), and its step seconds replace the run's own; "
+        "the other runs are left out of the comparisons at equal step seconds and of the "
+        "seconds figures.\n"
     )
 
 

@@ -512,7 +512,14 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
     more = tmp_path / "more"
     _write_run(more, "on-ibpo", 3, evals={}, final=0.0, step_tokens=0.0, step_seconds=2.0)
     _write_run(more, "on-dfpo", 0, evals={}, final=0.0, step_tokens=0.0, step_seconds=9.0)
-    argv = ["--report-only", "--out", str(out), "--seconds-from", str(rerun), str(more)]
+    # a timed run with the same loss and reward but other repairs (all failed, so nothing
+    # else showed it) is not the run: its seconds are not taken
+    fewer = tmp_path / "fewer"
+    _write_run(fewer, "on-ibpo", 3, evals={}, final=0.0, step_tokens=0.0, step_seconds=0.5)
+    metrics = fewer / "runs" / "on-ibpo-s3" / "train" / "metrics.jsonl"
+    rows = [{**json.loads(x), "repairs": 1.0} for x in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    argv = ["--report-only", "--out", str(out), "--seconds-from", str(rerun), str(fewer), str(more)]
     assert study.main(argv) == 0
     md = (out / "study.md").read_text()
     assert f"(1 from {more}, 7 from {rerun}): 8 of 8 runs" in md
@@ -576,11 +583,30 @@ def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path)
         "those planned); 2 of the 20 succeeded (10%). Repairs ran at 6 steps, 2 of them probes; "
         "the running success rate was under the floor after 3 of the 8 steps."
     )
-    # a run without a saved config (older versions) has no floor: the rule is not summed
-    (tmp_path / "runs" / "on-ibpo-s0" / "train" / "config.yaml").unlink()
-    (tmp_path / "runs" / "on-ibpo-s1" / "train" / "config.yaml").unlink()
-    records, pending = study.collect(tmp_path)
-    assert "spending rule" not in study.build_report(records, pending)[1]
+    # runs with no floor (repair.min_success=0): only the budget skipped, so no probes and no
+    # steps under a floor are counted
+    for s in range(2):
+        config = tmp_path / "runs" / f"on-ibpo-s{s}" / "train" / "config.yaml"
+        config.write_text("repair:\n  min_success: 0\n")
+    md = study.build_report(*study.collect(tmp_path))[1]
+    (line,) = [x for x in md.splitlines() if x.startswith("* on-")]
+    assert line.startswith("* on-ibpo, 2 runs, 8 steps (floor 0.0): 20 repairs ran and 12 were")
+    assert line.endswith("Repairs ran at 6 steps; with no floor, only the budget skipped repairs.")
+    (tmp_path / "runs" / "on-ibpo-s0" / "train" / "config.yaml").write_text(
+        "repair:\n  min_success: 0.1\n"
+    )
+    md = study.build_report(*study.collect(tmp_path))[1]
+    (line,) = [x for x in md.splitlines() if x.startswith("* on-")]
+    assert "(floor 0.0, 0.1)" in line and line.endswith(
+        "probes and steps under it are not counted."
+    )
+    # runs of versions without the rule (nothing logged as skipped): the rule is not summed
+    for s in range(2):
+        metrics = tmp_path / "runs" / f"on-ibpo-s{s}" / "train" / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        rows = [{k: v for k, v in r.items() if k != "repairs_skipped"} for r in rows]
+        metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert "spending rule" not in study.build_report(*study.collect(tmp_path))[1]
 
 
 def test_against_another_study_pairs_the_seeds_of_a_changed_arm(study, tmp_path):
