@@ -66,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -623,7 +624,7 @@ def take_seconds(record: dict, reruns: list[Path]) -> None:
     all fail leave them as they were, so a run with more of them would pass for one with fewer.
     Without one the run has no step seconds (None), and is left out of comparisons on them."""
     record["seconds_from"] = None
-    steps, same = [], False
+    same = False
     for rerun in filter(is_done, reruns):
         steps = _rows(rerun / "train")[0]
         same = all([r.get(k) for r in steps] == record[k] for k in REPRODUCED)
@@ -1107,9 +1108,11 @@ def spending_md(arms: dict[str, list[dict]]) -> str:
         steps = sum(len(r["repairs"]) for r in ruled)
         ran = sum(_num(x) for r in ruled for x in r["repairs"])
         skipped = sum(_num(x) for r in ruled for x in r["repairs_skipped"])
-        ok = sum(
-            _num(n) * _num(p) for r in ruled for n, p in zip(r["repairs"], r["repair_success_rate"])
+        rate = pooled_repair_success(
+            [n for r in ruled for n in r["repairs"]],
+            [p for r in ruled for p in r["repair_success_rate"]],
         )
+        ok = (rate or 0.0) * ran
         repaired = sum(1 for r in ruled for x in r["repairs"] if _num(x) > 0)
         planned = ran + skipped
         floors = sorted({r.get("min_success") or 0.0 for r in ruled})
@@ -1245,14 +1248,14 @@ def _seconds_note(runs: list[dict]) -> str:
     """Where the step seconds come from, when they come from timed runs (take_seconds)."""
     if not any("seconds_from" in r for r in runs):
         return ""
-    taken = [r for r in runs if r.get("seconds_from")]
-    folders = sorted({str(Path(r["seconds_from"]).parent.parent) for r in taken})
-    per = ", ".join(
-        f"{sum(str(Path(r['seconds_from']).parent.parent) == f for r in taken)} from {f}"
-        for f in folders
+    # the study folder each run's timed run came from (<folder>/runs/<arm>-s<seed>)
+    folders = Counter(
+        str(Path(r["seconds_from"]).parents[1]) for r in runs if r.get("seconds_from")
     )
+    per = ", ".join(f"{n} from {folder}" for folder, n in sorted(folders.items()))
+    taken = sum(folders.values())
     return (
-        f"\nStep seconds here are those of timed runs ({per or 'none found'}): {len(taken)} of "
+        f"\nStep seconds here are those of timed runs ({per or 'none found'}): {taken} of "
         f"{len(runs)} runs have a timed run that took the same steps (the same loss, reward, "
         "repairs and repair tokens at every step), and its step seconds replace the run's own; "
         "the other runs are left out of the comparisons at equal step seconds and of the "
