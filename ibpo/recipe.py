@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from ibpo import config
+from ibpo import config, trl_config
 from ibpo.algo.objectives import (
     AGGREGATIONS,
     GATES,
@@ -192,25 +192,57 @@ def read_recipe(
     recipe: str | Path | Config | None = None,
     overrides: list[str] | Mapping[str, Any] | None = None,
 ) -> Config:
-    """Defaults <- recipe <- overrides, as read: neither checked nor resolved."""
+    """Defaults <- recipe <- overrides, as read: neither checked nor resolved. The recipe may be
+    a trl.GRPOConfig, whose fields set away from their defaults are read as overrides in front
+    of the others; an override's key may be one of TRL's GRPOConfig names (trl_config.NAMES)."""
     cfg = Config()
+    items = _override_items(overrides)
     if isinstance(recipe, Config):
         _update(cfg, recipe.to_dict(recipe=True), "the given Config")
-    elif recipe is not None:
+    elif trl_config.is_training_arguments(recipe):
+        pairs = trl_config.grpo_config_overrides(recipe)
+        items = [("GRPOConfig", [k], v) for k, v in pairs] + items
+    elif isinstance(recipe, (str, Path)):
         _update(cfg, _read_yaml(recipe), str(recipe))
+    elif recipe is not None:
+        raise ConfigError(
+            f"the recipe is a {type(recipe).__name__}. Fix: pass a YAML path, a packaged "
+            "recipe's name, an ibpo Config or a trl.GRPOConfig"
+        )
+    given = {path[0]: value for _, path, value in items if len(path) == 1}
+    for origin, path, value in items:
+        if len(path) == 1:  # one of TRL's names: the ibpo keys it stands for
+            try:
+                keys = trl_config.to_ibpo(path[0], value, cfg, given)
+            except ConfigError as e:
+                raise ConfigError(f"{origin}: {e}") from None
+            for key, v in keys.items():
+                section, name = key.split(".")
+                _update(cfg, {section: {name: v}}, f"{origin} ({key})")
+            continue
+        section, key, *rest = path
+        _update(cfg, {section: {key: {rest[0]: value} if rest else value}}, origin)
+    batch = trl_config.batch_overrides(given, cfg.rollout.group_size)
+    for key, value in batch.items():
+        section, name = key.split(".")
+        _update(cfg, {section: {name: value}}, "TRL's batch names")
+    return cfg
+
+
+def _override_items(overrides) -> list[tuple[str, list[str], Any]]:
+    """Overrides (a mapping, or "k=v" strings and (key, value) pairs) -> (what a message calls
+    it, the key's path, the value): a string's value parsed as YAML, a mapping's as given."""
     if isinstance(overrides, Mapping):
-        overrides = [(key, value) for key, value in overrides.items()]
+        overrides = list(overrides.items())
+    items = []
     for item in overrides or []:
         if isinstance(item, tuple):  # from a mapping: the value as given, not YAML text
             text = f"{item[0]}={item[1]!r}"
-            path, _ = parse_override(f"{item[0]}=")
-            value = item[1]
+            items.append((f"override {text}", _key_path(str(item[0]), text), item[1]))
         else:
-            text = item
-            path, value = parse_override(text)
-        section, key, *rest = path
-        _update(cfg, {section: {key: {rest[0]: value} if rest else value}}, f"override '{text}'")
-    return cfg
+            path, value = parse_override(item)
+            items.append((f"override '{item}'", path, value))
+    return items
 
 
 def _read_yaml(recipe: str | Path) -> dict[str, Any]:
@@ -228,18 +260,28 @@ def _read_yaml(recipe: str | Path) -> dict[str, Any]:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'train.steps=10' -> (['train', 'steps'], 10); 'data.eval.split=test' -> (['data', 'eval',
-    'split'], 'test') for an item of a mapping; values are parsed as YAML scalars."""
+    'split'], 'test') for an item of a mapping; 'num_generations=4' -> (['num_generations'], 4)
+    for one of TRL's names; values are parsed as YAML scalars."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     path, raw = text.split("=", 1)
-    parts = path.strip().split(".")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ConfigError(f"override '{text}': the key must be section.key (e.g. train.steps=10)")
+    parts = _key_path(path, text)
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
     return parts, value
+
+
+def _key_path(key: str, text: str) -> list[str]:
+    """An override's key as its parts: section.key, section.key.item, or one TRL name."""
+    parts = key.strip().split(".")
+    if len(parts) not in (1, 2, 3) or not all(parts):
+        raise ConfigError(
+            f"override '{text}': the key must be section.key (e.g. train.steps=10) or one of "
+            "TRL's GRPOConfig names (docs/rewards.md)"
+        )
+    return parts
 
 
 # --- reading values into the schema ----------------------------------------------------------

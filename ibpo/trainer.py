@@ -66,6 +66,7 @@ from ibpo.run.log import COMPLETIONS, log_completions, log_eval, log_step, trim_
 from ibpo.run.version import code_version, header
 from ibpo.sandbox import policy as sandbox_policy
 from ibpo.step import StepParts, generating, rl_step
+from ibpo.trl_config import TrainingArgs
 
 
 def build_optimizer(model, cfg: Config, device: torch.device, fsdp: bool = False):
@@ -146,12 +147,17 @@ def _build(
     return StepParts(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
 
 
-def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict) -> None:
-    """Main process, once the data and the model have loaded: a fresh start moves an earlier
-    run aside (never deletes it), then the new config.yaml, headed by the code version as a
-    comment (the file stays a recipe)."""
-    if resume is None and (line := outdir.set_aside_previous_run(out)):
+def _prepare_output_dir(out: Path, cfg: Config, code: dict) -> None:
+    """Main process, a fresh start, once the data and the model have loaded: an earlier run is
+    moved aside (never deleted), then the new config.yaml."""
+    if line := outdir.set_aside_previous_run(out):
         print(line, file=sys.stderr)
+    _write_config(out, cfg, code)
+
+
+def _write_config(out: Path, cfg: Config, code: dict) -> None:
+    """config.yaml, headed by the code version as a comment (the file stays a recipe). A resume
+    writes it only once its checkpoint has loaded: a start that fails leaves the run's own."""
     recipe = yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False)
     (out / "config.yaml").write_text(header(code) + recipe)
 
@@ -263,6 +269,8 @@ def train(
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
+    if resume is not None:  # before anything loads: the rows the run trained on
+        outdir.check_resume_rows(resume, rows is not None, eval_rows is not None)
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
     policy = code_grader.training_policy(cfg.objective.code_sandbox)
@@ -277,8 +285,8 @@ def train(
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     code = code_version() if accelerator.is_main_process else None  # the code this run runs
-    if accelerator.is_main_process:
-        _prepare_output_dir(out, cfg, resume, code)
+    if accelerator.is_main_process and resume is None:
+        _prepare_output_dir(out, cfg, code)
     check_shared_output(accelerator, out)
     if accelerator.num_processes > 1:
         # The same seed built the same LoRA init on every process; from here each process has
@@ -316,6 +324,8 @@ def train(
                     where = "the held-out evaluation before training"
                     kept = failures.keep_traceback(out, e, where, accelerator.process_index)
                     raise RewardError(f"{e} ({where}; traceback: {kept})") from e.__cause__
+                if resume is not None and accelerator.is_main_process:  # the checkpoint loaded
+                    _write_config(out, cfg, code)
             except KeyboardInterrupt:
                 if (
                     resume is None and accelerator.is_main_process
@@ -383,7 +393,9 @@ class Run:
             "optimizer": parts.optimizer,
             "lr_scheduler": parts.scheduler,
         }
-        self.callbacks = Callbacks(callbacks, cfg, self.run_state, objects)
+        # what a callback written for TRL reads as `args`: GRPOConfig's names for this run's values
+        args = TrainingArgs(cfg, accelerator.num_processes, accelerator.process_index)
+        self.callbacks = Callbacks(callbacks, args, self.run_state, objects)
         self.main = accelerator.is_main_process
         self.metrics_path = out / "metrics.jsonl"
         self.state = ckpt.TrainerState()
@@ -465,6 +477,7 @@ class Run:
                     cbs.call("on_step_begin")
                     phase = "step"
                     rows: list[dict] = []
+                    learning_rate = self.parts.optimizer.param_groups[0]["lr"]  # this step's
                     m = rl_step(
                         self.parts,
                         self.tokenizer,
@@ -478,6 +491,7 @@ class Run:
                     )
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)
+                    m["learning_rate"], m["epoch"] = learning_rate, self._epoch()  # as TRL logs
                     log_step(m, state.step, bar, metrics, acc, run.log_with)
                     if acc.num_processes > 1:  # one table: every process's completions
                         rows = gather_object(rows)
@@ -559,11 +573,16 @@ class Run:
             end.message = failures.interrupted_message(state.step, end.last)
         return end
 
+    def _epoch(self) -> float:
+        """Passes over this process's training examples so far, fractional (TRL's epoch)."""
+        stream = self.parts.stream
+        return stream.epoch + stream.position / max(len(stream.examples), 1)
+
     def _observe(self, logged: dict | None = None) -> None:
         """The run state callbacks and rewards see, as of now (and a metrics line logged)."""
-        rs, stream = self.run_state, self.parts.stream
+        rs = self.run_state
         rs.global_step = self.state.step
-        rs.epoch = stream.epoch + stream.position / max(len(stream.examples), 1)
+        rs.epoch = self._epoch()
         if logged:
             rs.log_history.append({**logged, "step": self.state.step})
 

@@ -134,67 +134,138 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
     """Rows -> examples. `need_answer=False` (no built-in grader reads the gold answer): a row
     without one keeps an empty answer. A question_column left at "question" reads TRL's
     `prompt` column in a dataset that has no `question`."""
-    cols = list(rows.column_names)
-    if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
-        cfg = dataclasses.replace(cfg, question_column="prompt")
-    needed = (cfg.question_column, cfg.answer_column) if need_answer else (cfg.question_column,)
-    for col in needed:
-        if col not in cols and col.split(".")[0] not in cols:
+    reader = RowReader(rows, cfg, source, need_answer)
+    out = [ex for i, row in enumerate(rows) if (ex := reader.example(row, i)) is not None]
+    reader.report(len(out))
+    return out
+
+
+def ends_with_answer(prompt: Any) -> bool:
+    """A chat whose last turn is the assistant's (TRL's conversational language-modeling
+    `messages`): the answer, not a prompt to continue."""
+    return is_chat(prompt) and len(prompt) > 1 and prompt[-1]["role"] == "assistant"
+
+
+class RowReader:
+    """Reads a dataset's rows one at a time as examples (`example`), the same for a table read
+    whole and for a stream read as it is drawn: the columns checked once (TRL's `prompt` read
+    where `question` is missing), an unusable row an error naming it (or, with
+    data.skip_unusable, counted and left out), a chat ending in the assistant's answer cut
+    there (its last turn the gold answer where the row has no answer column), said once."""
+
+    def __init__(self, rows, cfg: DataConfig, source: str, need_answer: bool = True):
+        cols = list(getattr(rows, "column_names", None) or _first_row_columns(rows))
+        if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
+            cfg = dataclasses.replace(cfg, question_column="prompt")
+        self.cfg, self.source, self.need_answer = cfg, source, need_answer
+        self.has_answer = _has_column(cols, cfg.answer_column)
+        needed = [cfg.question_column] + ([cfg.answer_column] if need_answer else [])
+        for col in needed:
+            if _has_column(cols, col) or (
+                col == cfg.answer_column and self._answers_in_chats(rows)
+            ):
+                continue
             raise ConfigError(
                 f"dataset '{source}' has no column '{col.split('.')[0]}'; its columns are: "
                 f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
                 "path reads a field of a struct column)."
             )
-    out, skipped = [], []
-    for i, row in enumerate(rows):
+        self.skipped: list[str] = []
+        self.cut = 0  # chats whose trailing assistant turn was cut off
+
+    def _answers_in_chats(self, rows) -> bool:
+        """Whether the answers are the last turns of the question column's chats."""
+        row = next(iter(rows), None)
         try:
-            out.append(_example(row, cfg, source, i, need_answer))
+            return row is not None and ends_with_answer(
+                column_value(row, self.cfg.question_column, chat_as_text=False)
+            )
+        except KeyError:
+            return False
+
+    def example(self, row: dict, i: int) -> Example | None:
+        """Row i as an Example; None for an unusable row left out (data.skip_unusable)."""
+        try:
+            return self._example(row, i)
         except ConfigError as e:
-            if not cfg.skip_unusable:
+            if not self.cfg.skip_unusable:
                 raise ConfigError(
                     f"{e}\n  (data.skip_unusable=true leaves such rows out)"
                 ) from None
-            skipped.append(str(e))
-    if skipped and not out:
-        first = skipped[0].removeprefix(f"dataset '{source}', ")
-        raise ConfigError(
-            f"dataset '{source}': none of its {len(skipped)} rows is usable; the first: {first}. "
-            "Fix: check data.question_column, data.answer_column and data.answer_format "
-            "against the file's rows."
-        )
-    if skipped:
-        print(
-            f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
-            f"(data.skip_unusable); the first: {skipped[0]}",
-            file=sys.stderr,
-        )
-    return out
+            self.skipped.append(str(e))
+            return None
+
+    def report(self, kept: int) -> None:
+        """What reading left out or changed, once all rows are read (`kept` examples)."""
+        source, skipped = self.source, self.skipped
+        if skipped and not kept:
+            first = skipped[0].removeprefix(f"dataset '{source}', ")
+            raise ConfigError(
+                f"dataset '{source}': none of its {len(skipped)} rows is usable; the first: "
+                f"{first}. Fix: check data.question_column, data.answer_column and "
+                "data.answer_format against the file's rows."
+            )
+        if skipped:
+            print(
+                f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + kept} rows "
+                f"(data.skip_unusable); the first: {skipped[0]}",
+                file=sys.stderr,
+            )
+
+    def _say_cut(self) -> None:
+        if self.cut == 1:
+            where = (
+                f"the row's '{self.cfg.answer_column}' is the gold answer"
+                if self.has_answer
+                else f"that turn is the gold answer (data.answer_format={self.cfg.answer_format})"
+            )
+            print(
+                f"ibpo: {self.source}: '{self.cfg.question_column}' ends with the assistant's "
+                "answer: that turn is left out of the prompt, as TRL's prompt-only conversion "
+                f"does, and {where}",
+                file=sys.stderr,
+            )
+
+    def _example(self, row: dict, i: int) -> Example:
+        cfg, source = self.cfg, self.source
+        prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
+        messages, final = None, None
+        if ends_with_answer(prompt):  # the answer is not shown to the model
+            final = prompt[-1]["content"]
+            prompt = prompt[:-1]
+            self.cut += 1
+            self._say_cut()
+        if is_chat(prompt):  # a conversation: rendered whole; its last user message the question
+            messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+            q = last_user_message(prompt)
+        else:
+            q = prompt
+        try:
+            raw = _field(row, cfg.answer_column, source, i)
+        except ConfigError:
+            if self.need_answer and final is None:
+                raise
+            raw = final
+        a = gold_answer(raw, cfg.answer_format)
+        if q is None or not str(q).strip():
+            raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
+        if a is None and self.need_answer:
+            raise ConfigError(
+                f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
+                f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
+            )
+        given = q if isinstance(q, str) and messages is None and q != q.strip() else None
+        return Example(str(q).strip(), a or "", dict(row), messages, given)
 
 
-def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool) -> Example:
-    prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
-    messages = None
-    if is_chat(prompt):  # a conversation: rendered whole; its last user message is the question
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
-        q = last_user_message(prompt)
-    else:
-        q = prompt
-    try:
-        raw = _field(row, cfg.answer_column, source, i)
-    except ConfigError:
-        if need_answer:
-            raise
-        raw = None
-    a = gold_answer(raw, cfg.answer_format)
-    if q is None or not str(q).strip():
-        raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
-    if a is None and need_answer:
-        raise ConfigError(
-            f"dataset '{source}', row {i}: no answer in '{cfg.answer_column}' "
-            f"(answer_format={cfg.answer_format}): {str(raw)[:80]!r}"
-        )
-    given = q if isinstance(q, str) and messages is None and q != q.strip() else None
-    return Example(str(q).strip(), a or "", dict(row), messages, given)
+def _has_column(cols: list[str], path: str) -> bool:
+    return path in cols or path.split(".")[0] in cols
+
+
+def _first_row_columns(rows) -> list[str]:
+    """The columns of a stream whose features are not declared: its first row's."""
+    row = next(iter(rows), None)
+    return list(row) if isinstance(row, dict) else []
 
 
 def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:

@@ -26,6 +26,10 @@ graders compare against). A function that takes only some of these takes `**kwar
 rest, as TRL's do; one that needs an argument nobody passes, or refuses one that is passed,
 is an error naming it before its first call runs.
 
+Each call gets values of its own (`fresh` copies, at every depth): what a function changes in
+its arguments (appending to a list inside a row's column) reaches no other call, no later step
+and not the dataset's rows.
+
 None means "this reward does not apply to that completion". The reward is TRL's weighted sum
 over the functions that apply (`nansum` of weight x value); a completion no function applies
 to has no reward (NaN, TRL's rule: left out of its group's baseline, no advantage), and a
@@ -69,6 +73,7 @@ Not here: what the values do to the objective (step.py, advantages.py, repair.py
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -196,14 +201,28 @@ def import_reward(path: str) -> RewardCallable:
 
 
 def reward_name(fn: RewardCallable) -> str:
-    """The name a function's metric is logged under (TRL's: the function's __name__)."""
-    return getattr(fn, "__name__", None) or type(fn).__name__
+    """The name a function's metric is logged under (TRL's: the function's __name__; a
+    functools.partial's is the wrapped function's, unless `__name__` is set on it)."""
+    own = getattr(fn, "__name__", None)
+    if own:
+        return own
+    inner = _unwrapped(fn)
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _unwrapped(fn):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def import_path(fn: RewardCallable) -> str:
     """`module:qualname` of a function (what objective.reward records for one given in
-    Python; a lambda or a nested function cannot be imported back, and says so in its name)."""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', reward_name(fn))}"
+    Python; a lambda, a nested function or a functools.partial, `module:qualname.<partial>`,
+    cannot be imported back, and says so in its name)."""
+    inner = _unwrapped(fn)
+    path = f"{getattr(inner, '__module__', '?')}:{getattr(inner, '__qualname__', reward_name(fn))}"
+    return path + ".<partial>" if inner is not fn else path
 
 
 def is_async_callable(fn) -> bool:
@@ -310,7 +329,8 @@ class RewardSet:
         if dup:
             raise ConfigError(
                 f"two reward functions are named {dup[0]!r}; their metrics would collide. "
-                "Fix: give each function its own name"
+                "Fix: give each its own name: set its `__name__` (a functools.partial takes one "
+                "too: p.__name__ = 'short_answers'), as TRL names a function by it"
             )
         self.functions, self.workers = list(functions), max(int(workers), 1)
         self.timeout = None if timeout is None or timeout <= 0 else float(timeout)
@@ -405,9 +425,10 @@ class RewardSet:
         return grades
 
     def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading: _Grading) -> dict:
-        """The keyword arguments of r's call on completions[lo:hi]; what it logs goes to
-        `grading`."""
-        kw = {k: v[lo:hi] if isinstance(v, list) else v for k, v in base.items()}
+        """The keyword arguments of r's call on completions[lo:hi], values of its own (fresh:
+        what an earlier call changed in its arguments never reaches this one, nor the rows);
+        what it logs goes to `grading`."""
+        kw = {k: fresh(v[lo:hi]) if isinstance(v, list) else v for k, v in base.items()}
         kw["log_extra"] = functools.partial(self._log_extra, grading, lo, hi)
         kw["log_metric"] = functools.partial(self._log_metric, grading)
         self._check_arguments(r, kw)
@@ -545,6 +566,25 @@ async def _caught(awaitable) -> tuple[Any, list[GraderFailure]]:
     that awaits it, as a synchronous call's are on its thread."""
     with grader_errors.collecting() as failures:
         return await awaitable, failures
+
+
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), range)
+
+
+def fresh(value: Any) -> Any:
+    """A copy no change to `value` reaches, nor a change to it reaches `value`: lists, dicts,
+    tuples and sets copied at every depth, immutable scalars as they are (the fast path for
+    what rows hold), anything else deep-copied."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    if kind is list:
+        return [fresh(v) for v in value]
+    if kind is dict:
+        return {k: fresh(v) for k, v in value.items()}
+    if kind is tuple:
+        return tuple(fresh(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _short(value) -> str:

@@ -13,11 +13,13 @@ of them, so one written for TRL's GRPOTrainer works unchanged. Each is called as
     on_save          after a checkpoint, kwargs["checkpoint"] its folder
     on_train_end     when the loop has ended, before the final held-out evaluation
 
-`args` is the run's Config; `state` a RunState (TRL's TrainerState names: global_step,
-max_steps, epoch, log_history); `control` a RunControl whose flags the run reads after each
-step's hooks: should_training_stop ends the run there (status "stopped": a checkpoint, the
-adapter and the final held-out evaluation, as at the last step), should_save saves a
-checkpoint now, should_evaluate runs the held-out evaluation now. A hook may also return a
+`args` is what TrainingArguments would hold for the run: GRPOConfig's names with the run's
+values (output_dir, logging_steps, max_steps, num_generations, learning_rate...;
+trl_config.TrainingArgs), and the Config's sections (args.train.steps); `state` a RunState
+(TRL's TrainerState names: global_step, max_steps, epoch, log_history); `control` a
+RunControl whose flags the run reads after each step's hooks: should_training_stop ends the
+run there (status "stopped": a checkpoint, the adapter and the final held-out evaluation, as
+at the last step), should_save saves a checkpoint now, should_evaluate runs the held-out evaluation now. A hook may also return a
 control, as transformers' do. kwargs also hold model, processing_class (the tokenizer),
 optimizer and lr_scheduler. With several processes every process calls its callbacks and
 their flags are joined (one process asking to stop stops them all).

@@ -6,6 +6,8 @@
   and model have loaded: its adapter or summary is never taken for the new run's, a start that
   fails leaves it in place, and nothing is ever deleted (removing it is the user's to do).
 * A run cut short mid-step gets its last checkpoint's adapter as <output_dir>/adapter.
+* A run trained on rows given in Python resumes only with them given again: said before
+  anything loads (check_resume_rows).
 * Resuming applies a changed train.learning_rate on purpose (the restored optimizer and
   scheduler would keep the old one) and names every other setting that differs
   from the checkpoint's run (its config.json) and changes what a step computes.
@@ -24,6 +26,7 @@ import shutil
 from pathlib import Path
 
 from ibpo.config import Config, ConfigError, RunConfig
+from ibpo.data import IN_MEMORY
 from ibpo.recipe import from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
@@ -120,6 +123,26 @@ _RESUMABLE_CHANGES = {
     "model": {"offload_activations"},
     "repair": {"batch_size"},
 }  # fmt: skip
+
+
+def check_resume_rows(checkpoint: Path, rows_given: bool, eval_rows_given: bool) -> None:
+    """A ConfigError naming the fix when the checkpoint's run read its training (held-out) rows
+    from Python (data.dataset, data.eval.dataset: in-memory) and none are given now: the data a
+    resume would read instead is not the run's."""
+    try:
+        data = json.loads((Path(checkpoint) / "config.json").read_text()).get("data") or {}
+    except (OSError, ValueError):  # an older checkpoint without config.json: nothing known
+        return
+    if data.get("dataset") == IN_MEMORY and not rows_given:
+        raise ConfigError(
+            f"this run was trained on rows passed as dataset=; pass them again: "
+            f"ibpo.train(..., dataset=rows) (resuming from {checkpoint})"
+        )
+    if (data.get("eval") or {}).get("dataset") == IN_MEMORY and not eval_rows_given:
+        raise ConfigError(
+            "this run's held-out rows were passed as eval_dataset=; pass them again: "
+            f"ibpo.train(..., eval_dataset=rows) (resuming from {checkpoint})"
+        )
 
 
 def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
