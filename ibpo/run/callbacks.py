@@ -19,10 +19,11 @@ trl_config.TrainingArgs), and the Config's sections (args.train.steps); `state` 
 (TRL's TrainerState names: global_step, max_steps, epoch, log_history); `control` a
 RunControl whose flags the run reads after each step's hooks: should_training_stop ends the
 run there (status "stopped": a checkpoint, the adapter and the final held-out evaluation, as
-at the last step), should_save saves a checkpoint now, should_evaluate runs the held-out evaluation now. A hook may also return a
-control, as transformers' do. kwargs also hold model, processing_class (the tokenizer),
-optimizer and lr_scheduler. With several processes every process calls its callbacks and
-their flags are joined (one process asking to stop stops them all).
+at the last step), should_save saves a checkpoint now, should_evaluate runs the held-out
+evaluation now. A hook may also return a control, as transformers' do. kwargs also hold
+model, processing_class (the tokenizer), optimizer and lr_scheduler. With several processes
+every process calls its callbacks and their flags are joined (one process asking to stop
+stops them all).
 
 A hook that raises is a CallbackError naming the callback and the hook; the run ends with
 status "failed" and a checkpoint, the exception's traceback kept in the run folder.
