@@ -82,7 +82,7 @@ from ibpo.algo.spending import (
 )
 from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
-from ibpo.data import PromptStream, render_example
+from ibpo.data import PromptStream, RowStream, render_example
 from ibpo.distributed import agreed_count, gather_metrics, gathered, summed
 from ibpo.generation import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
 from ibpo.logprobs import completion_logprobs
@@ -116,7 +116,7 @@ class StepParts:
     model: Any
     optimizer: Any
     scheduler: Any
-    stream: PromptStream
+    stream: PromptStream | RowStream
     rng: random.Random
     spending: SpendingState = field(default_factory=SpendingState)
 
@@ -309,7 +309,7 @@ def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
 def collect_batch(
     generator: Generator,
     tokenizer,
-    stream: PromptStream,
+    stream: PromptStream | RowStream,
     cfg: Config,
     objective: ResolvedObjective,
     reward_fns: RewardSet,

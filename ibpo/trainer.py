@@ -34,12 +34,13 @@ import yaml
 from ibpo.algo.objectives import ResolvedObjective
 from ibpo.config import Config
 from ibpo.data import (
-    PromptStream,
     describe_prompts,
     drop_long_prompts,
     load_splits,
+    prompt_fits,
     prompt_template,
     thinking_note,
+    training_stream,
 )
 from ibpo.distributed import (
     check_launch,
@@ -56,6 +57,7 @@ from ibpo.modeling import (
     use_dequantized_base,
 )
 from ibpo.recipe import resolve_params
+from ibpo.rewards import calls as reward_calls
 from ibpo.rewards import code as code_grader
 from ibpo.rewards.functions import RewardError, RewardSet, run_reward_set
 from ibpo.run import checkpoint as ckpt
@@ -124,20 +126,19 @@ def _build(
     accelerator.print(describe_prompts(tokenizer, cfg.data))
     if note := thinking_note(tokenizer, cfg.data, cfg.rollout.max_new_tokens):
         accelerator.print(note)
-    train_examples, n_train = drop_long_prompts(train_examples, tokenizer, cfg.data, "training")
     eval_examples, n_eval = drop_long_prompts(eval_examples, tokenizer, cfg.data, "held-out")
-    if n_train or n_eval:
-        limit = cfg.data.max_prompt_tokens
+    if n_eval:
         accelerator.print(
-            f"ibpo: left out {n_train} training and {n_eval} held-out problems "
-            f"whose prompt exceeds data.max_prompt_tokens={limit}"
+            f"ibpo: left out {n_eval} held-out problems whose prompt exceeds "
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
         )
-    stream = PromptStream(
+    # training prompts are rendered and measured as they are drawn, not all of them now
+    stream = training_stream(
         train_examples,
         cfg.train.seed,
-        shuffle=True,
         rank=accelerator.process_index,
         world=accelerator.num_processes,
+        keep=prompt_fits(tokenizer, cfg.data),
     )
     optimizer = build_optimizer(model, cfg, accelerator.device, launch_kind(accelerator) == "FSDP")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -537,6 +538,8 @@ class Run:
                 # the end, a signal or a non-finite stop: checkpoint what the last save missed
                 if end.last is None or ckpt.step_of(end.last) != state.step:
                     end.last = self.checkpoint()
+        except reward_calls.Interrupted:  # a signal while reward calls ran: not waited for
+            self._interrupted_in_rewards(end, phase, stop.signum)
         except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
             # the live adapter may be mid-update (and under FSDP saving would gather shards from
             # processes caught at other points): the run's adapter is the last checkpoint's
@@ -574,9 +577,9 @@ class Run:
         return end
 
     def _epoch(self) -> float:
-        """Passes over this process's training examples so far, fractional (TRL's epoch)."""
-        stream = self.parts.stream
-        return stream.epoch + stream.position / max(len(stream.examples), 1)
+        """Passes over this process's training examples so far (TRL's epoch; fractional but
+        for a stream, whose length is not known)."""
+        return self.parts.stream.progress
 
     def _observe(self, logged: dict | None = None) -> None:
         """The run state callbacks and rewards see, as of now (and a metrics line logged)."""
@@ -601,6 +604,21 @@ class Run:
             end.cut_short = True
         error = RewardError(f"{error} (traceback: {kept})")
         end.message = failures.reward_failed_message(error, where, done, end.last, saved)
+
+    def _interrupted_in_rewards(self, end: Ending, phase: str, signum: int | None) -> None:
+        """A signal while reward calls ran (a step's rollouts or repairs, before its update; or
+        an evaluation after a step): with one process the policy as the steps done left it is
+        saved; with several the others may wait in a collective, so the last checkpoint
+        stands."""
+        end.status, end.signum, done = "interrupted", signum or signal.SIGINT, self.state.step
+        saved = self.accelerator.num_processes == 1
+        if saved and (end.last is None or ckpt.step_of(end.last) != done):
+            end.last = self.checkpoint()
+        if not saved:
+            end.cut_short = end.alone = True
+        end.message = failures.interrupted_in_rewards_message(
+            done, end.last, saved, in_eval=phase == "eval"
+        )
 
     def isolation(self, alone: bool) -> str | None:
         """The isolation modes the sandbox ran tests in during this session of the run, on every
@@ -645,6 +663,12 @@ class Run:
         if end.message and (main or alone):
             who = f"process {acc.process_index}: " if alone else ""
             print(f"ibpo: {who}{end.message}", file=sys.stderr)
+        if self.parts.stream.left_out and main:
+            print(
+                f"ibpo: {self.parts.stream.left_out} training problems were left out as drawn "
+                "(the first's reason is above)",
+                file=sys.stderr,
+            )
         adapter = out / "adapter"
         if end.cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
             adapter = outdir.keep_checkpoint_adapter(end.last, adapter) if main else None

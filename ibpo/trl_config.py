@@ -128,6 +128,8 @@ def _max_steps(value, cfg, given) -> dict[str, Any]:
 
 def _steps(name: str, key: str):
     def to(value, cfg, given):
+        if value is None:  # TRL's "as logging_steps": nothing of its own
+            return {}
         if isinstance(value, float) and 0 < value < 1:
             raise _no(name, value, "a share of the run below 1; give a number of steps")
         return {key: int(value) if isinstance(value, float) and value.is_integer() else value}

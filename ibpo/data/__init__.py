@@ -7,7 +7,8 @@
   rows.py     a dataset's rows read as examples: columns, chats, gold answers (rows_to_examples)
   files.py    local JSON / JSON Lines / Parquet files, checked, with errors that name the line
   prompts.py  the text the model continues for a problem (render_example, render_prompt)
-  stream.py   PromptStream: the seeded, sharded stream of training examples
+  stream.py   the training examples as drawn: PromptStream (a table, seeded, sharded,
+              shuffled), RowStream (an IterableDataset read as drawn)
 
 Not here: tokenisation for the model (generation/) and grading (rewards/).
 """
@@ -17,6 +18,7 @@ from ibpo.data.files import read_json_records, read_parquet_file
 from ibpo.data.prompts import (
     describe_prompts,
     drop_long_prompts,
+    prompt_fits,
     prompt_messages,
     prompt_template,
     render_example,
@@ -29,18 +31,21 @@ from ibpo.data.prompts import (
 )
 from ibpo.data.rows import gold_answer, rows_to_examples
 from ibpo.data.splits import IN_MEMORY, load_splits
-from ibpo.data.stream import PromptStream
+from ibpo.data.stream import PromptStream, RowStream, StreamedRows, training_stream
 from ibpo.data.tasks import builtin_examples
 
 __all__ = [
     "IN_MEMORY",
     "Example",
     "PromptStream",
+    "RowStream",
+    "StreamedRows",
     "builtin_examples",
     "describe_prompts",
     "drop_long_prompts",
     "gold_answer",
     "load_splits",
+    "prompt_fits",
     "prompt_messages",
     "prompt_template",
     "read_json_records",
@@ -52,5 +57,6 @@ __all__ = [
     "rows_to_examples",
     "special_prefix",
     "thinking_note",
+    "training_stream",
     "user_message",
 ]

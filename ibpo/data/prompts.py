@@ -5,8 +5,8 @@ itself, after the tokenizer's own leading special tokens); with a template (the 
 resolve to theirs) the templated question is the user message through the tokenizer's chat
 template (Qwen3 thinking on/off via `enable_thinking`); a conversation goes through the chat
 template whole. Also: the prompts too long for data.max_prompt_tokens, left out
-(`drop_long_prompts`), and the lines a run prints about how it asks (`describe_prompts`,
-`thinking_note`).
+(`drop_long_prompts` for a list, `prompt_fits` as training draws them), and the lines a run
+prints about how it asks (`describe_prompts`, `thinking_note`).
 
 Not here: tokenisation for the model (generation/) and grading (rewards/).
 """
@@ -33,6 +33,24 @@ def drop_long_prompts(examples: list[Example], tokenizer, cfg: DataConfig, what:
             f"(shortest: {min(lengths)} tokens). Fix: raise data.max_prompt_tokens."
         )
     return kept, len(examples) - len(kept)
+
+
+def prompt_fits(tokenizer, cfg: DataConfig):
+    """The check a training problem passes as it is drawn (stream.Keep): None when its rendered
+    prompt has at most data.max_prompt_tokens tokens, else why it is left out. Rendering and
+    tokenizing as drawn, not every prompt at start, keeps a large dataset's start-up short."""
+
+    def fits(ex: Example) -> str | None:
+        text = render_example(tokenizer, ex, cfg)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n <= cfg.max_prompt_tokens:
+            return None
+        return (
+            f"its prompt has {n} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens} "
+            "(raise it to train on such problems)"
+        )
+
+    return fits
 
 
 def prompt_template(cfg: DataConfig) -> str | None:

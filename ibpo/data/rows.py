@@ -170,7 +170,7 @@ class RowReader:
                 f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
                 "path reads a field of a struct column)."
             )
-        self.skipped: list[str] = []
+        self.skipped, self.first_skipped, self.last_skipped = 0, "", ""  # data.skip_unusable
         self.cut = 0  # chats whose trailing assistant turn was cut off
 
     def _answers_in_chats(self, rows) -> bool:
@@ -192,23 +192,25 @@ class RowReader:
                 raise ConfigError(
                     f"{e}\n  (data.skip_unusable=true leaves such rows out)"
                 ) from None
-            self.skipped.append(str(e))
+            self.skipped += 1
+            self.last_skipped = str(e)
+            self.first_skipped = self.first_skipped or self.last_skipped
             return None
 
     def report(self, kept: int) -> None:
         """What reading left out or changed, once all rows are read (`kept` examples)."""
         source, skipped = self.source, self.skipped
         if skipped and not kept:
-            first = skipped[0].removeprefix(f"dataset '{source}', ")
+            first = self.first_skipped.removeprefix(f"dataset '{source}', ")
             raise ConfigError(
-                f"dataset '{source}': none of its {len(skipped)} rows is usable; the first: "
+                f"dataset '{source}': none of its {skipped} rows is usable; the first: "
                 f"{first}. Fix: check data.question_column, data.answer_column and "
                 "data.answer_format against the file's rows."
             )
         if skipped:
             print(
-                f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + kept} rows "
-                f"(data.skip_unusable); the first: {skipped[0]}",
+                f"ibpo: {source}: left out {skipped} of {skipped + kept} rows "
+                f"(data.skip_unusable); the first: {self.first_skipped}",
                 file=sys.stderr,
             )
 

@@ -6,7 +6,9 @@ Sources (`data.dataset`):
   bad file one error naming the file, the line and the fix: files.py);
 * anything else is a Hub dataset id for `datasets.load_dataset` (e.g. openai/gsm8k, subset main);
 * rows given in Python (`load_splits(rows=...)`: a `datasets.Dataset` or a list of dicts), read as
-  a file's are (data.dataset is then `in-memory`).
+  a file's are (data.dataset is then `in-memory`); a stream (a `datasets.IterableDataset`) is
+  read as it is drawn (stream.RowStream), its held-out rows from eval_rows, data.eval.dataset
+  or its first rows.
 
 For a file or Hub source without the requested eval split, `eval_size` rows are carved out of the
 training split (deterministically) and never trained on; data.eval names another source or
@@ -16,6 +18,7 @@ layout for the held-out rows. A training row that repeats a held-out question is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -23,7 +26,8 @@ from pathlib import Path
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data.example import Example
 from ibpo.data.files import one_line, read_json_records, read_parquet_file
-from ibpo.data.rows import RowList, rows_to_examples
+from ibpo.data.rows import RowList, RowReader, rows_to_examples
+from ibpo.data.stream import StreamedRows, norm
 from ibpo.data.tasks import builtin_examples
 
 # data.dataset of a run whose rows were given in Python (ibpo.train(dataset=...))
@@ -77,12 +81,14 @@ def eval_layout(cfg: DataConfig) -> DataConfig:
 
 def load_splits(
     cfg: DataConfig, seed: int = 0, rows=None, need_answer: bool = True, eval_rows=None
-) -> tuple[list[Example], list[Example]]:
-    """(train examples, held-out eval examples, at most cfg.eval_size of them). `rows`: the
-    training rows given in Python (a `datasets.Dataset` or a list of dicts), read as a local
-    file's are (the held-out rows carved out of them unless data.eval.dataset names a source);
-    `eval_rows`: held-out rows given in Python, read with data.eval's layout (data.eval.dataset
-    is then `in-memory`), nothing carved out of training. `need_answer`: whether a built-in
+) -> tuple[list[Example] | StreamedRows, list[Example]]:
+    """(train examples, held-out eval examples, at most cfg.eval_size of them); for rows given
+    as a stream, StreamedRows in place of the training examples. `rows`: the training rows
+    given in Python (a `datasets.Dataset`, a list of dicts, or a stream: a
+    `datasets.IterableDataset`), read as a local file's are (the held-out rows carved out of
+    them unless data.eval.dataset names a source); `eval_rows`: held-out rows given in Python,
+    read with data.eval's layout (data.eval.dataset is then `in-memory`), nothing carved out
+    of training. `need_answer`: whether a built-in
     grader reads the gold answers (rows_to_examples)."""
     if rows is None and cfg.dataset == IN_MEMORY:
         raise ConfigError(
@@ -94,6 +100,8 @@ def load_splits(
             "this run's held-out rows were given in Python (data.eval.dataset=in-memory). Fix: "
             "pass them again, ibpo.train(..., eval_dataset=rows), or set data.eval.dataset"
         )
+    if rows is not None and is_stream(rows):
+        return _stream_splits(rows, cfg, need_answer, eval_rows)
     if eval_rows is not None:
         if rows is not None:
             train = rows_to_examples(_row_table(rows, "dataset"), cfg, IN_MEMORY, need_answer)
@@ -101,7 +109,7 @@ def load_splits(
             train = builtin_examples(cfg.dataset.split(":", 1)[1], "train")
         else:
             train = rows_to_examples(_source_rows(cfg), cfg, cfg.dataset, need_answer)
-        table = _row_table(eval_rows, "eval_dataset")
+        table = _row_table(eval_rows, "eval_dataset", cfg.eval_size)
         held = rows_to_examples(table, eval_layout(cfg), f"{IN_MEMORY} eval", need_answer)
         return _without_held_out(train, held[: cfg.eval_size])
     if rows is not None:
@@ -127,8 +135,20 @@ def _source_rows(cfg: DataConfig):
     return rows
 
 
-def _row_table(rows, what: str):
-    """Rows given in Python (`what`: the argument's name) as rows_to_examples reads them."""
+def is_stream(rows) -> bool:
+    """Rows given in Python without a length: a datasets.IterableDataset (or any iterable)."""
+    return (
+        hasattr(rows, "__iter__")
+        and not hasattr(rows, "__len__")
+        and not isinstance(rows, (str, bytes, dict))
+    )
+
+
+def _row_table(rows, what: str, limit: int | None = None):
+    """Rows given in Python (`what`: the argument's name) as rows_to_examples reads them; of a
+    stream, its first `limit` rows."""
+    if is_stream(rows) and limit is not None:
+        rows = list(itertools.islice(rows, limit))
     if isinstance(rows, list):
         rows = RowList(rows)
     elif not hasattr(rows, "column_names"):
@@ -138,6 +158,45 @@ def _row_table(rows, what: str):
     if len(rows) == 0:
         raise ConfigError(f"the {what} given in Python has no rows")
     return rows
+
+
+def _stream_splits(rows, cfg: DataConfig, need_answer: bool, eval_rows):
+    """Training rows streamed (read as drawn: stream.RowStream) and the held-out examples: from
+    eval_dataset=, else data.eval.dataset's, else the stream's first rows (data.eval_size usable
+    ones, held out of every pass)."""
+    if iter(rows) is rows:
+        raise ConfigError(
+            f"dataset= is a {type(rows).__name__}, which can be read once; a run reads its stream "
+            "pass after pass. Fix: pass datasets.IterableDataset.from_generator(fn) (or "
+            "Dataset.to_iterable_dataset())"
+        )
+    reader = RowReader(rows, cfg, IN_MEMORY, need_answer)
+    skip, held = 0, []
+    if eval_rows is not None:
+        table = _row_table(eval_rows, "eval_dataset", cfg.eval_size)
+        held = rows_to_examples(table, eval_layout(cfg), f"{IN_MEMORY} eval", need_answer)
+    elif cfg.eval["dataset"] is not None and cfg.eval_size:
+        ev = cfg.eval
+        table = _load_rows(ev["dataset"], ev["split"], ev["subset"])
+        if table is None:
+            raise ConfigError(
+                f"data.eval.dataset '{ev['dataset']}' has no split '{ev['split']}'. "
+                "Fix: set data.eval.split to one it has."
+            )
+        held = rows_to_examples(table, eval_layout(cfg), ev["dataset"], need_answer)
+    elif cfg.eval_size:
+        for skip, row in enumerate(rows, 1):
+            ex = reader.example(row, skip - 1)
+            held += [ex] if ex is not None else []
+            if len(held) == cfg.eval_size:
+                break
+        else:
+            raise ConfigError(
+                f"data.eval_size={cfg.eval_size} leaves nothing to train on (the stream has "
+                f"{skip} rows). Fix: lower data.eval_size, or pass eval_dataset="
+            )
+    held = held[: cfg.eval_size]
+    return StreamedRows(rows, reader, skip, {norm(ex.question) for ex in held}), held
 
 
 def _in_memory_splits(rows, cfg: DataConfig, need_answer: bool):

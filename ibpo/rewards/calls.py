@@ -14,12 +14,18 @@ within a time limit.
   coroutine that runs out of time is cancelled). A loop of its own, not `asyncio.run`: in a
   notebook the main thread already runs a loop, inside which asyncio.run refuses to start.
 
+* `waiting()`: whether the main thread is waiting on reward calls (or running one) now. A stop
+  asked then (the run's signal handler, run/failures.GracefulStop) cannot wait for a call that
+  may never return: the handler raises `Interrupted` there, the calls are abandoned (a thread
+  as when its time is up, a coroutine cancelled) and the run saves and ends at once.
+
 Not here: which calls to make and what their values mean (functions.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
 import time
@@ -33,6 +39,31 @@ from typing import Any
 # A loop blocked by synchronous code inside an `async def` cannot cancel anything: the caller
 # stops waiting this long after the time limit and starts a fresh loop for the next calls.
 GRACE_SECONDS = 5.0
+
+
+class Interrupted(BaseException):
+    """A stop was asked while the main thread waited on reward calls, which are abandoned. A
+    BaseException, as KeyboardInterrupt is: a reward's own `except Exception` does not take
+    it."""
+
+
+_waiting = 0  # how deep the main thread is in reward calls (signal handlers run on it)
+
+
+@contextlib.contextmanager
+def _waits():
+    global _waiting
+    main = threading.current_thread() is threading.main_thread()
+    _waiting += main
+    try:
+        yield
+    finally:
+        _waiting -= main
+
+
+def waiting() -> bool:
+    """Whether the main thread is waiting on reward calls, or running one, now."""
+    return _waiting > 0
 
 
 @dataclass
@@ -54,7 +85,11 @@ def run_sync(
 ) -> list[Outcome]:
     """Each call's Outcome, in order; at most `workers` at once, each within `timeout` seconds
     (None: no limit)."""
-    calls = [_in_context(c) for c in calls]
+    with _waits():
+        return _run_sync([_in_context(c) for c in calls], workers, timeout)
+
+
+def _run_sync(calls: list[Callable[[], Any]], workers: int, timeout: float | None) -> list[Outcome]:
     if timeout is None:
         if workers <= 1 or len(calls) <= 1:
             return [_outcome(c) for c in calls]
@@ -124,7 +159,11 @@ class EventLoop:
         (blocking code inside a coroutine), all n count as timed out and the next calls get a
         fresh loop."""
         try:
-            return future.result(None if timeout is None else timeout + GRACE_SECONDS)
+            with _waits():
+                return future.result(None if timeout is None else timeout + GRACE_SECONDS)
+        except Interrupted:
+            future.cancel()  # the coroutines are cancelled on the loop
+            raise
         except FutureTimeout:
             future.cancel()
             with self._lock:

@@ -1,7 +1,8 @@
 """How a run ends when something goes wrong: signals, running out of memory, non-finite steps,
 a full disk. Each gets a message naming what happened, what was kept and the fix.
 
-* `GracefulStop`: SIGINT / SIGTERM finish the current step, then the run saves and ends.
+* `GracefulStop`: SIGINT / SIGTERM finish the current step, then the run saves and ends; while
+  reward calls run (which may never return) they stop it at once instead.
 * `is_oom` and the `*_message` helpers: the advice the trainer prints and writes to summary.json.
 * `exit_code`: how `ibpo train` exits, by how the run ended (summary.json's status and
   exit_code): completed 0, failed (a full disk) 1, bad input 2 (a ConfigError, ibpo/cli.py), out
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ibpo.config import Config
+from ibpo.rewards import calls as reward_calls
 from ibpo.run.checkpoint import TrainerState
 
 # Consecutive steps with a non-finite loss or gradient (each skipped, no update) that stop a run
@@ -70,7 +72,9 @@ def stopped_early_message(resume: Path | None) -> str:
 
 class GracefulStop:
     """SIGINT / SIGTERM -> `requested()` turns true: the loop finishes its step, saves a checkpoint
-    and ends as 'interrupted'. A second Ctrl-C raises KeyboardInterrupt at once. The handlers are
+    and ends as 'interrupted'. While the main thread waits on reward calls (rewards/calls.py)
+    the first one raises calls.Interrupted instead: the calls are abandoned, and the step has
+    not updated the policy yet. A second Ctrl-C raises KeyboardInterrupt at once. The handlers are
     installed only in the main thread (Python's rule) and restored on exit."""
 
     def __init__(self) -> None:
@@ -92,14 +96,14 @@ class GracefulStop:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        line = (
-            f"\nibpo: {signal.Signals(signum).name}: finishing this step, then saving a "
-            "checkpoint (Ctrl-C again stops at once)\n"
+        name = signal.Signals(signum).name
+        if reward_calls.waiting():  # a reward call may never return: not waited for
+            _say(f"\nibpo: {name}: stopping now (the reward calls in flight are abandoned)\n")
+            raise reward_calls.Interrupted
+        _say(
+            f"\nibpo: {name}: finishing this step, then saving a checkpoint (Ctrl-C again "
+            "stops at once)\n"
         )
-        try:  # os.write, not print: a handler may run in the middle of another print
-            os.write(sys.stderr.fileno(), line.encode())
-        except (OSError, ValueError):  # a stderr without a file descriptor (a notebook's)
-            sys.stderr.write(line)
 
     def requested(self, accelerator) -> bool:
         """The same answer on every process (a signal may reach only some of them)."""
@@ -108,6 +112,13 @@ class GracefulStop:
             total = accelerator.reduce(torch.tensor([flag], device=accelerator.device), "sum")
             flag = float(total.item())
         return flag > 0
+
+
+def _say(line: str) -> None:
+    try:  # os.write, not print: a handler may run in the middle of another print
+        os.write(sys.stderr.fileno(), line.encode())
+    except (OSError, ValueError):  # a stderr without a file descriptor (a notebook's)
+        sys.stderr.write(line)
 
 
 def is_oom(error: BaseException) -> bool:
@@ -151,6 +162,24 @@ def interrupted_message(step: int, last: Path | None) -> str:
     return (
         f"interrupted after step {step}; checkpoint: {last}.\n  Continue: the same command "
         "with run.resume_from=latest."
+    )
+
+
+def interrupted_in_rewards_message(
+    done: int, last: Path | None, saved: bool, in_eval: bool = False
+) -> str:
+    """A signal while reward calls ran, after `done` steps (`in_eval`: in the held-out
+    evaluation after them, else in the next step, before its update): the calls were abandoned;
+    `saved`: the checkpoint `last` holds those steps."""
+    where = f"the evaluation after step {done}" if in_eval else f"step {done + 1}"
+    kept = (
+        f"the {done} steps done are saved: {last}"
+        if saved
+        else (f"the last checkpoint is {last}" if last else "no checkpoint was saved yet")
+    )
+    return (
+        f"interrupted in {where}'s reward calls, which were abandoned; {kept}.\n  Continue: "
+        "the same command with run.resume_from=latest (that step's prompts are not trained on)."
     )
 
 
