@@ -13,11 +13,14 @@
     )
     result.summary["eval_after"], result.adapter
 
-`recipe`: a YAML path, a Config, or None (the embedded CPU demo's defaults); `overrides`:
-"section.key=value" strings or a mapping {"section.key": value}, applied on top. `dataset`: a
-`datasets.Dataset` or a list of dicts, in place of data.dataset (every column reaches the reward
-functions; the held-out rows are carved out of it as for a local file; its string prompts are
-asked as given unless data.prompt_template says otherwise). `reward_funcs`: a reward function
+`recipe`: a YAML path, a Config, a trl.GRPOConfig (its fields set away from their defaults
+read as TRL's names: ibpo/trl_config.py) or None (the embedded CPU demo's defaults);
+`overrides`: "section.key=value" strings or a mapping {"section.key": value}, applied on top
+(a key may be one of TRL's GRPOConfig names). `dataset`: a `datasets.Dataset` or a list of
+dicts, in place of data.dataset (every column reaches the reward functions; the held-out rows
+are carved out of it as for a local file; its string prompts are asked as given unless
+data.prompt_template says otherwise), or a `datasets.IterableDataset`, streamed (read as drawn,
+its held-out rows its first ones unless eval_dataset= gives them). `reward_funcs`: a reward function
 in TRL's convention, or a list of them, where a string is a built-in name, an import path or a
 reward model's Hub id, and a pair (model, tokenizer) a reward model
 (ibpo/rewards/functions.py); `reward_weights`: one weight each. `callbacks`: objects with
@@ -66,7 +69,7 @@ class TrainResult:
 
 
 def train(
-    recipe: str | Path | Config | None = None,
+    recipe: str | Path | Config | Any = None,
     overrides: Sequence[str] | Mapping[str, Any] | None = None,
     *,
     dataset=None,
