@@ -116,7 +116,7 @@ def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
 _RESUMABLE_CHANGES = {
     "train": {"steps", "eval_every", "micro_batch_groups", "learning_rate"},
     "run": {f.name for f in dataclasses.fields(RunConfig)},
-    "rollout": {"generation_batch_size", "backend"},
+    "rollout": {"generation_batch_size", "backend", "decode"},
     "model": {"offload_activations"},
     "repair": {"batch_size"},
 }  # fmt: skip
