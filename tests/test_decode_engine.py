@@ -71,8 +71,9 @@ def test_greedy_decoding_gives_hf_generates_tokens(bucket, samples, batch):
     _ending_early(model, tok)
     engine = DecodeEngine(model)
     engine.bucket = bucket
-    hf, ours = _both(model, tok, engine, PROMPTS, samples, max_new_tokens=40, batch_size=batch,
-                     do_sample=False)  # fmt: skip
+    hf, ours = _both(
+        model, tok, engine, PROMPTS, samples, max_new_tokens=40, batch_size=batch, do_sample=False
+    )
     assert engine._state is not None  # the engine decoded (no silent fallback)
     assert torch.equal(hf.input_ids, ours.input_ids)
     assert torch.equal(hf.completion_mask, ours.completion_mask)
@@ -96,10 +97,16 @@ def test_sampling_draws_the_same_tokens_and_reports_the_trainers_log_probs(
     torch.testing.assert_close(ours.logprobs, hf.logprobs, atol=1e-5, rtol=0)
     assert (ours.logprobs[ours.completion_mask == 0] == 0).all()
     if top_k == 0 and top_p == 1.0:  # nothing truncated: the trainer's log-probs are the same
-        trainer, _ = completion_logprobs(model, ours.input_ids, ours.attention_mask,
-                                         ours.prompt_len, ours.completion_mask, 64, temperature)  # fmt: skip
-        torch.testing.assert_close(trainer * ours.completion_mask, ours.logprobs, atol=1e-5,
-                                   rtol=0)  # fmt: skip
+        trainer, _ = completion_logprobs(
+            model,
+            ours.input_ids,
+            ours.attention_mask,
+            ours.prompt_len,
+            ours.completion_mask,
+            64,
+            temperature,
+        )
+        torch.testing.assert_close(trainer * ours.completion_mask, ours.logprobs, atol=1e-5, rtol=0)
 
 
 def test_logits_processors_run_before_the_pick_as_in_hf_generate():
@@ -111,16 +118,20 @@ def test_logits_processors_run_before_the_pick_as_in_hf_generate():
     rollouts = []
     for e in (None, engine):
         seeded = SeededSampling([11, 12, 13, 14], 0.8, 0.95, "cpu")
-        rollouts.append(generate(model, tok, PROMPTS, 1, 25, 4, do_sample=False,
-                                 logits_processor=[seeded], engine=e))  # fmt: skip
+        rollouts.append(
+            generate(
+                model, tok, PROMPTS, 1, 25, 4, do_sample=False, logits_processor=[seeded], engine=e
+            )
+        )
     assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
 
 
 def test_min_new_tokens_of_the_generation_config_holds():
     model, tok = _policy()
     model.generation_config.min_new_tokens = 12
-    hf, ours = _both(model, tok, DecodeEngine(model), PROMPTS, 2, max_new_tokens=20,
-                     batch_size=8, do_sample=True)  # fmt: skip
+    hf, ours = _both(
+        model, tok, DecodeEngine(model), PROMPTS, 2, max_new_tokens=20, batch_size=8, do_sample=True
+    )
     assert torch.equal(hf.input_ids, ours.input_ids)
     assert min(ours.lengths) >= 12
 
@@ -171,8 +182,9 @@ def test_decode_key_picks_the_engine_and_unsupported_models_fall_back(caplog):
 def test_a_generation_phase_with_decode_graph_uses_and_frees_the_engine(tiny_model_dir):
     from ibpo.modeling import load_policy
 
-    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=nf4",
-                             "rollout.decode=graph"])  # fmt: skip
+    cfg = load_config(
+        None, [f"model.name={tiny_model_dir}", "model.quantization=nf4", "rollout.decode=graph"]
+    )
     model, tok = load_policy(cfg.model, CPU)
     with step.generating(model, cfg, CPU) as generator:
         engine = generator.keywords["engine"]
@@ -195,10 +207,13 @@ def test_smollm2_greedy_and_sampled_rollouts_match_hf_generate(smollm2_dir):
         if "lora_B" in name:
             nn.init.normal_(p, std=0.01, generator=torch.Generator().manual_seed(0))
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}],
-                                tokenize=False, add_generation_prompt=True)
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}?"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         for a, b in [(3, 4), (12, 9), (40, 2)]
-    ]  # fmt: skip
+    ]
     out = {}
     for cfg in (eager, graph):
         with step.generating(model, cfg, CPU) as generator:
@@ -229,8 +244,9 @@ def test_captured_graphs_decode_what_the_uncaptured_step_does():
             engine = DecodeEngine(model, capture=capture)
             engine.bucket = 16
             with sampling_stream(dev, 3, 4):
-                rollouts.append(generate(model, tok, PROMPTS, 3, 40, 12, do_sample=do_sample,
-                                         engine=engine))  # fmt: skip
+                rollouts.append(
+                    generate(model, tok, PROMPTS, 3, 40, 12, do_sample=do_sample, engine=engine)
+                )
             assert engine.disabled is None
         assert torch.equal(rollouts[0].input_ids, rollouts[1].input_ids)
         if do_sample:
