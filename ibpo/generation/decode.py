@@ -34,6 +34,7 @@ Not here: the prompt forwards (prefixes.py), the Rollout (rollout.py), grading.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from ibpo.generation.sampling import draw, top_k_filter, top_p_filter
 from ibpo.logprobs import unwrap
+from ibpo.sizes import DECODE_BUCKET
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # rotary variants whose inverse frequencies are fixed (the others rescale with the length)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # cache columns per bucket: attention reads whole buckets; on CUDA each bucket is one captured
-# graph per row count, so the bucket is coarser there
-BUCKET_CUDA, BUCKET_CPU = 256, 64
+# graph per row count, so the bucket is coarser there (sizes.DECODE_BUCKET, which the planner
+# counts)
+BUCKET_CUDA, BUCKET_CPU = DECODE_BUCKET, 64
 # steps between the host's "is every row done?" reads on CUDA (each read waits for the device)
 CHECK_EVERY_CUDA = 8
 
@@ -106,10 +109,11 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 class DecodeEngine:
     """Decodes for one model through one generation phase (a rollout, its repairs, an
-    evaluation). Holds the static cache of the row count last used (reused by the next call of
-    that size and capacity, so its captured graphs are replayed, not captured again); `release`
-    frees it, with the graphs, at the end of the phase: the cache is as large as HF's at full
-    length and must not stay while the policy trains."""
+    evaluation), one call (a generate() slice) at a time: `load` builds the call's static cache
+    from its prompt cache, `decode` runs it and frees the cache and its graphs. Nothing is kept
+    between calls: the next call's prompt forward then never shares the card with this call's
+    cache (the planner's generation phases count one or the other), at the price of capturing
+    each call's graphs anew (`capture_seconds` adds up what that cost)."""
 
     def __init__(self, model: nn.Module, capture: bool | None = None):
         self.model = model
@@ -129,6 +133,8 @@ class DecodeEngine:
         self.bucket = BUCKET_CUDA if cuda else BUCKET_CPU
         self.check_every = CHECK_EVERY_CUDA if cuda else 1
         self.disabled: str | None = None  # why the engine stopped decoding (capture failed)
+        self.capture_seconds = 0.0  # spent capturing graphs (warm-up runs included)
+        self.calls = 0  # calls decoded to the end
         self._state: _State | None = None
         self._call: tuple[Tensor, int] | None = None  # the loaded call's (ids, max_new_tokens)
 
@@ -218,16 +224,13 @@ class DecodeEngine:
         of their first W - 1 columns (None when W == 1), copied into the static cache. A call of
         its own so that the caller's prompt cache is freed before decoding starts."""
         n, width = ids.shape
-        needed = width + max_new_tokens
-        s = self._state
+        capacity = -(-(width + max_new_tokens) // self.bucket) * self.bucket
         dtype = self.inner.embed_tokens.weight.dtype
         if cache is not None:
             dtype = cache.layers[0].keys.dtype
-        if s is None or s.rows != n or s.capacity < needed or s.dtype != dtype:
-            self.release()
-            capacity = -(-needed // self.bucket) * self.bucket
-            s = self._state = _State.allocate(self, n, capacity, dtype)
-        s.reset(ids, mask, cache, eos, pad_id, sampling, min_new_tokens)
+        self.release()
+        self._state = _State.allocate(self, ids, mask, cache, capacity, dtype)
+        self._state.constants(eos, pad_id, sampling, min_new_tokens)
         self._call = (ids, max_new_tokens)
 
     def decode(self, processors=()) -> tuple[Tensor, Tensor | None] | None:
@@ -236,8 +239,12 @@ class DecodeEngine:
         a row's EOS). `processors`: logits processors run on the host before the pick (as HF
         generate's). None: capturing the step failed and the engine is off; decode this call
         with HF generate."""
-        if self.disabled:
-            return None
+        try:
+            return None if self.disabled else self._decode(processors)
+        finally:
+            self.release()
+
+    def _decode(self, processors) -> tuple[Tensor, Tensor | None] | None:
         s = self._state
         ids, max_new_tokens = self._call
         steps = 0
@@ -264,6 +271,7 @@ class DecodeEngine:
         if bool(s.done.all()):
             steps = int(s.ends.max()) + 1
         logprobs = s.logprobs[:, :steps].clone() if s.sampling.do_sample else None
+        self.calls += 1
         return s.out[:, :steps].clone(), logprobs
 
     def _bucket(self, columns: int) -> int:
@@ -280,6 +288,7 @@ class DecodeEngine:
         graphs = self._state.graphs
         graph = graphs.get(key)
         if graph is None:
+            start = time.perf_counter()
             try:
                 graph = self._state.capture(fn)
             except Exception as e:  # noqa: BLE001 - any capture failure: this phase decodes eagerly
@@ -291,10 +300,11 @@ class DecodeEngine:
                 )
                 return
             graphs[key] = graph
+            self.capture_seconds += time.perf_counter() - start
         graph.replay()
 
     def release(self) -> None:
-        """Free the static cache and the captured graphs."""
+        """Free the static cache and the captured graphs (decode does, after each call)."""
         self._state = None
         self._call = None
 
@@ -306,7 +316,6 @@ class _State:
 
     rows: int
     capacity: int
-    dtype: torch.dtype
     keys: list[Tensor]  # per layer [rows, kv heads, capacity, d]
     values: list[Tensor]
     valid: Tensor  # [rows, capacity] bool: columns a row attends to
@@ -321,8 +330,7 @@ class _State:
     logprobs: Tensor  # [rows, max_new] float32 behaviour log-probs
     graphs: dict
     pool: object = None
-    # a call's constants (captured graphs read them: kept while the signature stays)
-    signature: tuple | None = None
+    # the call's constants (constants())
     sampling: Sampling | None = None
     pad: Tensor | None = None
     eos: Tensor | None = None
@@ -331,23 +339,34 @@ class _State:
     min_new_tokens: int = 0
 
     @staticmethod
-    def allocate(engine: DecodeEngine, rows: int, capacity: int, dtype) -> _State:
-        dev = engine.device
+    def allocate(engine: DecodeEngine, ids, mask, cache, capacity: int, dtype) -> _State:
+        """The buffers of one call, its prompt loaded: the cache of its first W - 1 columns
+        copied in layer by layer, each layer of the HF cache freed once copied (the caller gave
+        it up), so that the two are never both whole; its last token is the next input."""
+        dev, (rows, width) = engine.device, ids.shape
         shape = (rows, engine.kv_heads, capacity, engine.head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in engine.layers]
-        values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in engine.layers]
+        keys, values = [], []
+        for i in range(len(engine.layers)):
+            keys.append(torch.zeros(shape, dtype=dtype, device=dev))
+            values.append(torch.zeros(shape, dtype=dtype, device=dev))
+            if cache is not None:
+                layer = cache.layers[i]
+                keys[i][:, :, : width - 1].copy_(layer.keys)
+                values[i][:, :, : width - 1].copy_(layer.values)
+                layer.keys = layer.values = None
+        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=dev)
+        valid[:, : width - 1] = mask[:, :-1].bool()
         vocab = engine.lm_head.weight.shape[0]
         long = dict(dtype=torch.long, device=dev)
         return _State(
             rows=rows,
             capacity=capacity,
-            dtype=dtype,
             keys=keys,
             values=values,
-            valid=torch.zeros(rows, capacity, dtype=torch.bool, device=dev),
-            tokens=torch.zeros(rows, **long),
-            positions=torch.zeros(rows, **long),
-            column=torch.zeros(1, **long),
+            valid=valid,
+            tokens=ids[:, -1].clone(),
+            positions=mask.long().sum(-1) - 1,  # generate's: cumulative sum of the mask - 1
+            column=torch.full((1,), width - 1, **long),
             step=torch.zeros(1, **long),
             done=torch.zeros(rows, dtype=torch.bool, device=dev),
             ends=torch.zeros(rows, **long),
@@ -357,51 +376,31 @@ class _State:
             graphs={},
         )
 
-    def reset(self, ids, mask, cache, eos, pad_id, sampling, min_new) -> None:
-        """Load a call's prompt: its cache into the first W - 1 columns, its last token as the
-        next input. Buffers keep their addresses (captured graphs read them)."""
-        width = ids.shape[1]
-        self.valid.zero_()
-        self.valid[:, : width - 1] = mask[:, :-1].bool()
-        if cache is not None:
-            for layer, k_cache, v_cache in zip(cache.layers, self.keys, self.values):
-                k_cache[:, :, : width - 1].copy_(layer.keys)
-                v_cache[:, :, : width - 1].copy_(layer.values)
-        self.tokens.copy_(ids[:, -1])
-        self.positions.copy_(mask.long().sum(-1) - 1)  # generate's: cumulative sum of the mask - 1
-        self.column.fill_(width - 1)
-        self.step.zero_()
-        self.done.zero_()
-        self.ends.zero_()
+    def constants(self, eos: list[int], pad_id: int, sampling: Sampling, min_new: int) -> None:
+        """The call's constants, as device tensors the step (and its graphs) read."""
+        dev = self.tokens.device
+        self.sampling = sampling
         self.out.fill_(pad_id)
-        self.logprobs.zero_()
-        signature = (sampling, pad_id, tuple(eos), min_new)
-        if signature != self.signature:  # the step's constants change: new ones, graphs again
-            self.graphs.clear()
-            self.signature = signature
-            dev = ids.device
-            self.sampling = sampling
-            self.pad = torch.tensor(pad_id, device=dev)
-            self.eos = torch.tensor(eos, dtype=torch.long, device=dev)
-            self.eos_columns = torch.zeros(1, self.logits.shape[1], dtype=torch.bool, device=dev)
-            self.eos_columns[0, self.eos] = True
-            self.min_new_tokens = min_new
-            self.min_new = torch.tensor(min_new, device=dev)
+        self.pad = torch.tensor(pad_id, device=dev)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=dev)
+        self.eos_columns = torch.zeros(1, self.logits.shape[1], dtype=torch.bool, device=dev)
+        self.eos_columns[0, self.eos] = True
+        self.min_new_tokens = min_new
+        self.min_new = torch.tensor(min_new, device=dev)
 
     def capture(self, fn) -> torch.cuda.CUDAGraph:
-        """fn captured as a CUDA graph. CUDA wants a few eager runs on a side stream first; they
-        write the very buffers the real step writes next, so the step's small state and the
-        random generator are put back afterwards and the real step redoes their work."""
+        """fn captured as a CUDA graph. CUDA wants an eager run on a side stream first; it writes
+        the very buffers the real step writes next, so the step's small state and the random
+        generator are put back afterwards and the real step redoes its work."""
         small = (self.tokens, self.positions, self.column, self.step, self.done, self.ends)
         saved = [t.clone() for t in small]
         rng = torch.cuda.get_rng_state(self.tokens.device)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream(self.tokens.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-                for t, v in zip(small, saved):
-                    t.copy_(v)
+            fn()
+            for t, v in zip(small, saved):
+                t.copy_(v)
         torch.cuda.current_stream(self.tokens.device).wait_stream(side)
         torch.cuda.set_rng_state(rng, self.tokens.device)
         if self.pool is None:  # one memory pool for every graph of these buffers
