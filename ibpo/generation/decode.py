@@ -41,6 +41,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from ibpo.distributed import is_fsdp
 from ibpo.generation.sampling import draw, top_k_filter, top_p_filter
 from ibpo.logprobs import unwrap
 from ibpo.sizes import DECODE_BUCKET
@@ -62,8 +63,6 @@ CHECK_EVERY_CUDA = 8
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the engine cannot decode `model` (None: it can)."""
-    from ibpo.distributed import is_fsdp
-
     if is_fsdp(model):
         return "FSDP-sharded weights are gathered for HF generate only"
     base = unwrap(model)
