@@ -482,6 +482,9 @@ def score_round(
         if rollout.prefill_tokens is None
         else rollout.prefill_tokens
     )
+    if rollout.decode_slots:  # the share of decoding spent on rows that had ended
+        stats["decode_slot_steps"] = float(rollout.decode_slots)
+        stats["decode_slot_tokens"] = stats["generated_tokens"]
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])
@@ -831,6 +834,10 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
         metrics[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
     metrics["loss"] = sum(stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)
+    if metrics.get("decode_slot_steps"):
+        metrics["decode_idle_share"] = (
+            1 - metrics["decode_slot_tokens"] / metrics["decode_slot_steps"]
+        )
     reward, accuracy, unscored = reward_summary(rewards, correct)
     metrics.update(
         reward=reward,

@@ -169,7 +169,10 @@ def generate(
                 logprobs.append(recorder.finish(pieces[-1]))
     finally:
         model.train(was_training)
-    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed)
+    slots = sum(p.shape[0] * p.shape[1] for p in pieces)  # each slice ran all its rows
+    return assemble(
+        prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed, slots
+    )
 
 
 def engine_decode(engine: DecodeEngine, model, inputs: dict, kwargs: dict, sampling, processors):
