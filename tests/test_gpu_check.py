@@ -259,7 +259,7 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     assert "fake device: RTX 4090, 23.6 GiB; torch capped at 23.5 GiB" in said
     row = next(x for x in said.splitlines() if x.startswith("bench rows (plan): recipe:"))
     # the 8B recipe's own shapes, decoding as many new tokens as the bench's time allows
-    assert "qwen3-8b, 32 completions x 512+512 tokens, LoRA r32" in row and ": fits" in row
+    assert "qwen3-8b, 32 completions x 512+1024 tokens, LoRA r32" in row and ": fits" in row
     for phase in ("generation", "repair", "training", "evaluation"):
         assert f" {phase} " in row, phase
     fallback = next(x for x in said.splitlines() if x.startswith("fallback bench rows (plan): rec"))
