@@ -493,7 +493,8 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
     }
     print(
         "bench time plan (bench_gpu.plan_seconds: the rates an H200 measured; decoding at the "
-        f"decode engine's planned rate, not yet measured): --budget-s {budgets['at worst']} at worst, "
+        "decode engine's planned rate, not yet measured): "
+        f"--budget-s {budgets['at worst']} at worst, "
         f"{budgets['at its full timeout']} at its full timeout; a row starts only if its "
         "required phases fit, an optional phase only if it still fits"
     )
