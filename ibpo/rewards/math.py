@@ -45,12 +45,14 @@ variable on its left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` a
 the gold is an equation too.
 
 Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and sets,
-intervals and tuples of them, are compared in Python: integers exactly; others within
-a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
-or when one side, as written with at least ROUNDED_DIGITS significant digits, is the other
-rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and `\frac{1}{81}`;
-`0.3` is not `\frac{1}{3}`, `1000000.5` is not 1000000); sets in any order, `[1,2)` is not
-`[1,2]`. Identical strings match. Sympy cannot tell what `\dots` stands for, so lists with an
+intervals and tuples of them, are compared in Python, exactly, with two readings that never let
+one answer equal two golds written at one precision: against a gold of at most FLOAT_DIGITS
+significant digits an answer's floating-point noise drops (`0.30000000000000004` is 0.3), and a
+gold written as a decimal of at least ROUNDED_DIGITS significant digits (`3.14159`) takes an
+answer that rounds to it. Integers and fractions are exact: `1000000.5` is not 1000000,
+`0.0000004` and `1e-13` are not 0, `0.333333` is not `\frac{1}{3}`. Sets in any order, `[1,2)`
+is not `[1,2]`. Identical strings match. Sympy
+cannot tell what `\dots` stands for, so lists with an
 ellipsis (`1, 3, 5, \dots`) are compared here, item by item in order, the ellipsis in the same
 places, and any other answer with one as text only. Only the rest (radicals, matrices,
 expressions, symbolic factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through
@@ -107,9 +109,7 @@ WORKER_CPU_S = 10  # kernel limit on the CPU seconds of one comparison inside a 
 MAX_ANSWER_CHARS = 400  # longer answers are compared as text only
 MAX_EXPONENT = 10_000  # a larger literal exponent is compared as text only
 MAX_FACTORIAL = 1_000  # likewise n! for larger n
-REL_TOL = 1e-9  # between non-integers: floating-point noise ("0.30000000000000004" is 0.3)
-ZERO_TOL = 1e-12  # the only absolute tolerance: against an exact 0
-ROUNDED_DIGITS = 6  # a decimal with this many significant digits may be the other side rounded
+ROUNDED_DIGITS = 6  # a gold decimal with this many significant digits may be a number rounded
 _MAX_WORKERS = 4  # concurrent comparisons; more threads wait for a free worker
 _WORKER_MEMORY = 4 << 30  # address-space cap of a worker (bytes)
 
@@ -650,18 +650,45 @@ def _as_number(s: str) -> Fraction | None:
 
 
 def _same_number(a: Fraction, b: Fraction, text_a: str = "", text_b: str = "") -> bool:
-    """Integers exactly; otherwise within REL_TOL of each other (floating-point noise), within
-    ZERO_TOL of an exact 0, or one side, as written (text_a / text_b), is the other rounded to
-    its decimal places with at least ROUNDED_DIGITS significant digits ("0.333333" is 1/3)."""
+    """Whether the answer `a` (as written: text_a) is the gold `b` (text_b): exactly, with two
+    readings that keep one answer to at most one gold of each written precision:
+    * floating-point noise: against a gold of at most FLOAT_DIGITS significant digits, an answer
+      written as a decimal of more is read at FLOAT_DIGITS ("0.30000000000000004" is 0.3: one
+      value);
+    * a rounded gold: a gold written as a decimal of at least ROUNDED_DIGITS significant digits
+      ("3.14159") may stand for a longer number, so an answer that rounds to it at its places
+      is it (one gold per number of places).
+    Nothing else: an integer or a fraction gold takes its exact value only (1000000000000.5 is
+    neither 10^12 nor 10^12 + 1, 1e-13 is not 0, 0.333333 is not 1/3)."""
     if a == b:
         return True
-    if a.denominator == 1 and b.denominator == 1:
-        return False  # integers are exact: 1000001 is not 1000000
-    if a == 0 or b == 0:
-        return abs(a - b) <= ZERO_TOL  # 0.0000004 is not 0
-    if abs(a - b) <= REL_TOL * max(abs(a), abs(b)):
-        return True
-    return _rounded_as_written(a, b, text_b) or _rounded_as_written(b, a, text_a)
+    if _digits(text_b) <= FLOAT_DIGITS and (a := _denoised(a, text_a)) == b:
+        return True  # a gold of a float's precision or coarser: the answer's noise digits drop
+    return _rounded_as_written(a, b, text_b)
+
+
+# significant digits of a decimal beyond which it is read as a float's printout (noise)
+FLOAT_DIGITS = 15
+
+
+def _denoised(x: Fraction, written: str) -> Fraction:
+    """`x`, or, when written as a plain decimal of more than FLOAT_DIGITS significant digits,
+    x rounded to FLOAT_DIGITS of them: one value, so it can equal at most one gold."""
+    if not _PLAIN_DECIMAL.fullmatch(written) or x == 0 or _digits(written) <= FLOAT_DIGITS:
+        return x
+    whole, fraction = written.lstrip("-").split(".")
+    whole = whole.lstrip("0")  # x's leading digit is at 10^exponent:
+    exponent = len(whole) - 1 if whole else -(len(fraction) - len(fraction.lstrip("0"))) - 1
+    scale = Fraction(10) ** (FLOAT_DIGITS - 1 - exponent)
+    return Fraction(round(x * scale)) / scale
+
+
+def _digits(written: str) -> int:
+    """Significant digits of a number as written (0 for anything else)."""
+    if not _DECIMAL.fullmatch(written) or "/" in written:
+        return 0
+    mantissa = written.lstrip("-").lower().split("e")[0].replace(".", "")
+    return len(mantissa.lstrip("0"))
 
 
 def _rounded_as_written(exact: Fraction, value: Fraction, written: str) -> bool:
@@ -789,6 +816,21 @@ def _same_listing(pred: str, gold: str) -> bool:
     return True
 
 
+def _chained_values(s: str) -> list[str] | None:
+    """The values a chain of equalities states, outside braces: "x = 2+2 = 4" -> ["2+2", "4"]
+    (its left side a variable), [] when that side is no variable; None for fewer than two "=".
+    Each value is an answer: "x = 4 = 3" holds 4 and 3."""
+    s, cuts, depth = s.strip(), [], 0
+    for i, c in enumerate(s):
+        depth += (c == "{") - (c == "}")
+        if depth == 0 and c == "=" and _RELATION.match(s, i) and (i == 0 or s[i - 1] not in "<>!="):
+            cuts.append(i)
+    if len(cuts) < 2:
+        return None
+    parts = [s[a + 1 : b].strip() for a, b in zip(cuts, [*cuts[1:], len(s)])]
+    return parts if _ASSIGN.fullmatch(s[: cuts[0] + 1].strip()) else []
+
+
 def _equations_assign(s: str) -> bool:
     """Whether every equation in `s` (its parts between commas and "or"/"and") has a variable
     for its left side: "x = 2, y = 3" and "x = 2 \\text{ or } x = 3" do, "1 = 2" does not."""
@@ -847,8 +889,12 @@ def _answers_match(pred: str, gold: str, choices: dict | None = None) -> bool:
         return False  # several values for one ("\{3, 6\}1", of which math-verify reads a 6)
     if _JUXTAPOSED.search(_unbraced(pred)) and not _JUXTAPOSED.search(_unbraced(gold)):
         return False
-    if not _RELATION.search(_outside_braces(gold)) and not _equations_assign(pred):
-        return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
+    if not _RELATION.search(_outside_braces(gold)):
+        chains = [c for p in _CANDIDATES.split(pred) if (c := _chained_values(p)) is not None]
+        if chains:  # a chain of equalities: every value it states is the gold ("x = 4 = 3")
+            return all(c and all(_answers_match(v, gold, choices) for v in c) for c in chains)
+        if not _equations_assign(pred):
+            return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
     a, b = _as_number(pred), _as_number(gold)
     if a is not None and b is not None:
         return _same_number(a, b, pred, gold)

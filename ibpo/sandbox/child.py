@@ -345,7 +345,13 @@ def _child_reply(reply):
         return _child_decode(reply["ok"])
     name, msg = (list(reply["err"]) + ["", ""])[:2]
     cls = getattr(builtins, str(name), None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+    # The harness may test for the class a solution raises (`except ValueError`), so it keeps
+    # its class, but for the ones Python's own protocols read as a signal: a StopIteration out
+    # of a call inside map(), filter(), zip() or iter(f, sentinel) ends that iteration as if it
+    # were exhausted, so `all(map(...))` would hold and `any(map(...))` fail without a single
+    # answer checked. Those arrive as RuntimeError, as PEP 479 turns them inside generators.
+    signals = (StopIteration, StopAsyncIteration)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, signals):
         cls = RuntimeError
     raise cls(f"{name}: {msg}" if cls is RuntimeError else str(msg))
 
