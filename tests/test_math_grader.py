@@ -479,7 +479,7 @@ HOLES = [
     (r"\boxed{0.0123457}", r"\frac{1}{81}", False),
     (r"\boxed{0.0123456}", r"\frac{1}{81}", False),  # truncated, not rounded
     (r"\boxed{-0.666667}", r"-\frac{2}{3}", False),
-    (r"\boxed{\frac{1}{3}}", "0.333333", True),  # a gold given rounded: the exact answer rounds to it
+    (r"\boxed{\frac{1}{3}}", "0.333333", True),  # a rounded gold: the exact answer rounds to it
     (r"\boxed{-\frac{2}{3}}", "-0.666667", True),
     (r"\boxed{(0.333333, 2)}", r"(\frac{1}{3}, 2)", True),
 ]
