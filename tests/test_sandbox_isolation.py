@@ -1,11 +1,13 @@
 """No socket file of the host reachable from inside, in every isolation mode that has a filesystem
 view of its own; a memory cap over all of a test's processes, stated in every result."""
 
+import contextlib
 import ctypes
 import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -492,3 +494,35 @@ def test_no_test_makes_namespaces_or_uses_io_uring(mode, request):
     case = TestCase("stdin", "", KERNEL_SURFACE_SHUT)
     r = sandbox._run_one(KERNEL_SURFACE, case, Limits(time_s=5), mode)
     assert r.status == "passed", r.reason
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_the_interpreter_s_prefix_shows_only_what_it_runs_on(mode, tmp_path):
+    """Configuration a user keeps in the interpreter's prefix (conda's .condarc, pip.conf, etc/)
+    and the base interpreter's site-packages stay out of sight; the standard library works."""
+    prefix = os.path.realpath(sys.base_prefix)
+    if prefix.startswith("/usr/") or not os.access(prefix, os.W_OK):
+        pytest.skip(f"the interpreter's prefix {prefix} is a system folder or not writable here")
+    site = sysconfig.get_paths(vars={"base": sys.base_prefix})["purelib"]
+    token = f"ibpo-planted-{uuid.uuid4().hex}"
+    planted = [os.path.join(prefix, ".condarc"), os.path.join(prefix, "pip.conf"),
+               os.path.join(site, "ibpo_planted.txt")]  # fmt: skip
+    fresh = [p for p in planted if not os.path.exists(p)]
+    if len(fresh) < len(planted):
+        pytest.skip("a file of that name is already in the prefix")
+    try:
+        for p in fresh:
+            Path(p).write_text(f"token: {token}\n")
+        code = (
+            "import json, ctypes, decimal, os\n"
+            f"for p in {planted!r}:\n"
+            "    print(os.path.exists(p))\n"
+            "print(sorted(os.listdir(os.path.dirname(" + repr(planted[2]) + "))))\n"
+        )
+        case = TestCase("stdin", "", "False\nFalse\nFalse\n[]\n")
+        r = sandbox._run_one(code, case, Limits(time_s=3), mode)
+        assert r.status == "passed", r.reason
+    finally:
+        for p in fresh:
+            with contextlib.suppress(OSError):
+                os.remove(p)

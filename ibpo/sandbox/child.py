@@ -88,6 +88,8 @@ def _child_sandbox(job, libc):
             os.makedirs(path, exist_ok=True)
         if kind == "bind":
             mount(entry[1], path, None, bind | rec)
+        elif kind == "empty":  # over a bound folder; read-only with the rest, below
+            mount("tmpfs", path, "tmpfs", nosuid | nodev | noexec, "size=4k,mode=755")
     os.mkdir(root + "/proc")
     mount("proc", root + "/proc", "proc", nosuid | nodev | noexec)
     os.mkdir(root + "/dev")
