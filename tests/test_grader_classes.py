@@ -220,3 +220,28 @@ def test_exact_and_rounded_numbers(answer, gold, expected):
 )
 def test_a_chain_of_equalities_states_every_value_it_holds(answer, gold, expected):
     assert math_reward(f"\\boxed{{{answer}}}", gold) == float(expected)
+
+
+# --- the trainer's own time ----------------------------------------------------------------
+
+
+def _unbox_as_before(content: str) -> str:
+    """The peeling loop a box's content went through before (one brace scan per layer)."""
+    from ibpo.rewards.math import _BOX, _closing_brace
+
+    s = _BOX.sub("", content).strip()
+    while s.startswith("{") and _closing_brace(s, 0) == len(s) - 1:
+        s = s[1:-1].strip()
+    return s
+
+
+def test_unboxing_peels_in_one_pass_what_the_layer_by_layer_loop_peeled():
+    from ibpo.rewards.math import _unbox
+
+    rng = random.Random(6)
+    for _ in range(3000):
+        s = "".join(rng.choice("{{}} 4x\\") for _ in range(rng.randint(0, 14)))
+        assert _unbox(s) == _unbox_as_before(s), s
+    deep = "{" * 20000 + " 4 " + "}" * 20000  # 40 KB: each layer rescanned would be 4e8 steps
+    assert _unbox(deep) == "4"
+    assert math_reward("\\boxed{" + deep + "}", "4") == 1.0
