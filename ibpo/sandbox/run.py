@@ -57,8 +57,9 @@ works, stated in every result (`isolation`):
 * "bwrap" (bubblewrap installed): new PID, network, IPC, UTS and cgroup namespaces; a root
   filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, of ETC_ALLOWED in /etc
   and of what the interpreter needs of its prefix, a fresh /proc and /dev, and a size-capped
-  private /tmp as working directory, so no socket file of the host exists inside. As root the child then becomes a
-  uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
+  private /tmp as working directory, so no socket file of the host exists inside. As root the
+  child then becomes a uid of its own per worker slot; otherwise bwrap's user namespace holds
+  it, no capabilities.
 * "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
   namespace in which the child builds the same view as bwrap's (_view: a tmpfs root holding
   read-only binds of the system directories and the interpreter, a fresh /proc, a minimal
