@@ -245,3 +245,75 @@ def test_unboxing_peels_in_one_pass_what_the_layer_by_layer_loop_peeled():
     deep = "{" * 20000 + " 4 " + "}" * 20000  # 40 KB: each layer rescanned would be 4e8 steps
     assert _unbox(deep) == "4"
     assert math_reward("\\boxed{" + deep + "}", "4") == 1.0
+
+
+# --- what qualifies an answer, and what is a remark about something else ---------------------
+
+OPTIONS = {"A": "1", "B": "2", "C": "3", "D": "4"}
+
+
+@pytest.mark.parametrize(
+    "completion, gold, options",
+    [
+        (r"\boxed{\frac{1}{4}}, or 25%", r"\frac{1}{4}", None),  # the same value again
+        (r"\boxed{0.5}, i.e. \frac{1}{2}", "0.5", None),
+        (r"\boxed{4}, not 5", "4", None),  # another value rejected
+        (r"\boxed{12} apples, which is more than 10", "12", None),  # a comparison
+        (r"\boxed{2} hours, not minutes", "2", None),  # another unit rejected
+        (r"\boxed{\text{Option C}}", "C", OPTIONS),
+        (r"The correct option is **(C)**.", "C", OPTIONS),
+        (r"\boxed{c}", "C", OPTIONS),
+        (r"\boxed{(c)}", "C", OPTIONS),
+        (r"\boxed{\sum_{k=1}^n \frac{1}{k}}", "sum_(k=1)^n1/k", None),  # CHAMP's spelling
+        ("I think the answer is 4.", "4", None),  # the clause's lead, as before
+    ],
+)
+def test_honest_answers_with_a_remark_score(completion, gold, options):
+    assert math_reward(completion, gold, options) == 1.0
+
+
+ZERO_WIDTH = ["\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad"]
+LOOKALIKE_O = ["\u043e", "\u03bf", "\uff4f"]  # Cyrillic, Greek, full-width o
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        r"\boxed{{4}} is {neg} the answer",
+        r"The answer is {neg} \boxed{{4}}",
+        r"\boxed{{4 \text{{ is {neg} it}}}}",
+    ],
+)
+def test_a_negation_hidden_by_invisible_or_lookalike_characters_still_negates(template):
+    for zw in ZERO_WIDTH:
+        assert math_reward(template.format(neg=f"n{zw}ot"), "4") == 0.0, repr(zw)
+    for o in LOOKALIKE_O:
+        assert math_reward(template.format(neg=f"n{o}t"), "4") == 0.0, repr(o)
+    assert math_reward(template.format(neg="not"), "4") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        r"\boxed{4}. Wait, that is wrong.",
+        "\\boxed{4}\nThat is incorrect.",
+        r"\boxed{4}. No, the answer is something else.",
+        r"\boxed{4}. Actually, that was a mistake.",
+        r"\boxed{4}. Hmm, my answer is not right.",
+        r"Definitely not: \boxed{4}",
+        r"Maybe, I think the answer is \boxed{4}",
+        r"It could be, perhaps, \boxed{4}",
+        r"Perhaps, \boxed{4}",
+        r"\boxed{4}, not 4",
+        r"\boxed{4}, or 5",
+        r"\boxed{4 \text{ nicht}}",
+        r"\boxed{4 \text{ nein}}",
+        r"\boxed{4 \text{ non}}",
+        r"\boxed{4 \text{ pas}}",
+        r"\boxed{4 \text{ нет}}",
+        r"\boxed{4 \text{ 不是}}",
+        r"\boxed{4 \text{ ない}}",
+    ],
+)
+def test_retractions_colons_earlier_hedges_and_other_languages_do_not_score(completion):
+    assert math_reward(completion, "4") == 0.0
