@@ -452,3 +452,47 @@ def test_a_lora_config_is_recorded_and_dora_turns_the_cpu_fold_off():
 
     model = torch.nn.Sequential(DoraLayer())
     assert not use_dequantized_base(ModelConfig(quantization="nf4"), torch.device("cpu"), model)
+
+
+# --- names and isolation ----------------------------------------------------------------------
+
+
+def test_a_partial_is_named_by_the_function_it_wraps_and_two_say_how_to_part_them():
+    import functools
+
+    def within(completions, limit, **kwargs):
+        return [float(len(c) <= limit) for c in completions]
+
+    short = functools.partial(within, limit=3)
+    assert reward_set(short).functions[0].name == "within"  # TRL's name for it
+    short.__name__ = "short"
+    assert reward_set(short).functions[0].name == "short"
+    with pytest.raises(ConfigError, match=r"named 'within'.*__name__"):
+        reward_set([functools.partial(within, limit=3), functools.partial(within, limit=9)])
+
+
+def test_no_call_sees_what_an_earlier_call_changed_in_place():
+    """A reward that appends to a list a row holds (or to a completion's messages) changes
+    nothing the next function, the next chunk or the next step gets."""
+    seen = []
+
+    def greedy(completions, tags, **kwargs):
+        seen.append([list(t) for t in tags])
+        for t in tags:
+            t.append("mine")  # in place
+        for c in completions:
+            c[0]["content"] += "!"
+        return [1.0] * len(completions)
+
+    def other(completions, tags, **kwargs):
+        seen.append([list(t) for t in tags])
+        return [float(c[0]["content"].endswith("!")) for c in completions]
+
+    rows = {"tags": [["a"], ["b"]]}
+    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    fns = reward_set([greedy, other], workers=2)
+    for _ in range(2):  # two steps over the same rows
+        grades = fns.score(completions, rows, ["q1", "q2"])
+        assert grades.per_function["other"] == [0.0, 0.0]
+    assert all(s in ([["a"], ["b"]], [["a"]], [["b"]]) for s in seen), seen
+    assert rows == {"tags": [["a"], ["b"]]} and completions[0][0]["content"] == "4"

@@ -69,6 +69,7 @@ Not here: what the values do to the objective (step.py, advantages.py, repair.py
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -195,9 +196,27 @@ def import_reward(path: str) -> RewardCallable:
     return fn
 
 
+def _own(values: list) -> list:
+    """A copy of a slice of a column (or of the prompts, completions, completion ids) that no
+    other call shares: deep, but for values deepcopy cannot copy, which are passed as they are."""
+    flat = (str, int, float, bool, type(None))
+    if all(isinstance(v, flat) for v in values):  # texts, answers: nothing to change in place
+        return list(values)
+    if all(isinstance(v, list) and all(isinstance(x, flat) for x in v) for v in values):
+        return [list(v) for v in values]  # token ids: as fast as a copy gets
+    try:
+        return copy.deepcopy(values)
+    except Exception:  # noqa: BLE001 - an object deepcopy refuses: shared, as TRL shares all
+        return [copy.copy(v) if isinstance(v, (list, dict, set)) else v for v in values]
+
+
 def reward_name(fn: RewardCallable) -> str:
-    """The name a function's metric is logged under (TRL's: the function's __name__)."""
-    return getattr(fn, "__name__", None) or type(fn).__name__
+    """The name a function's metric is logged under (TRL's: the function's __name__; a
+    functools.partial without a __name__ of its own: the wrapped function's)."""
+    inner = fn
+    while isinstance(inner, functools.partial) and not getattr(inner, "__name__", None):
+        inner = inner.func
+    return getattr(inner, "__name__", None) or type(inner).__name__
 
 
 def import_path(fn: RewardCallable) -> str:
@@ -310,7 +329,9 @@ class RewardSet:
         if dup:
             raise ConfigError(
                 f"two reward functions are named {dup[0]!r}; their metrics would collide. "
-                "Fix: give each function its own name"
+                "Fix: give each function its own name: def it under another name, or set "
+                f"`fn.__name__ = '{dup[0]}_2'` (two functools.partial of one function are both "
+                "named after it)"
             )
         self.functions, self.workers = list(functions), max(int(workers), 1)
         self.timeout = None if timeout is None or timeout <= 0 else float(timeout)
@@ -407,7 +428,9 @@ class RewardSet:
     def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading: _Grading) -> dict:
         """The keyword arguments of r's call on completions[lo:hi]; what it logs goes to
         `grading`."""
-        kw = {k: v[lo:hi] if isinstance(v, list) else v for k, v in base.items()}
+        # each call gets values of its own: a function that changes a value in place (appends
+        # to a list a row holds) changes nothing another call, or a later step, sees
+        kw = {k: _own(v[lo:hi]) if isinstance(v, list) else v for k, v in base.items()}
         kw["log_extra"] = functools.partial(self._log_extra, grading, lo, hi)
         kw["log_metric"] = functools.partial(self._log_metric, grading)
         self._check_arguments(r, kw)
