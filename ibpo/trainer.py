@@ -148,10 +148,17 @@ def _build(
 
 def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict) -> None:
     """Main process, once the data and the model have loaded: a fresh start moves an earlier
-    run aside (never deletes it), then the new config.yaml, headed by the code version as a
-    comment (the file stays a recipe)."""
-    if resume is None and (line := outdir.set_aside_previous_run(out)):
-        print(line, file=sys.stderr)
+    run aside (never deletes it), then writes the new config.yaml; a resumed run writes it
+    only once its checkpoint has loaded (_write_config), so that a start that fails leaves the
+    run's files as they were."""
+    if resume is None:
+        if line := outdir.set_aside_previous_run(out):
+            print(line, file=sys.stderr)
+        _write_config(out, cfg, code)
+
+
+def _write_config(out: Path, cfg: Config, code: dict) -> None:
+    """config.yaml, headed by the code version as a comment (the file stays a recipe)."""
     recipe = yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False)
     (out / "config.yaml").write_text(header(code) + recipe)
 
@@ -263,6 +270,8 @@ def train(
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
+    if resume is not None:
+        outdir.check_resumed_data(resume, cfg, given_rows=rows is not None)
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
     policy = code_grader.training_policy(cfg.objective.code_sandbox)
@@ -312,6 +321,8 @@ def train(
                 )
                 try:
                     run.begin()
+                    if resume is not None and accelerator.is_main_process:
+                        _write_config(out, cfg, code)  # the checkpoint loaded: the run goes on
                 except RewardError as e:  # in the first held-out evaluation: its traceback kept
                     where = "the held-out evaluation before training"
                     kept = failures.keep_traceback(out, e, where, accelerator.process_index)

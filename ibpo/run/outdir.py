@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from ibpo.config import Config, ConfigError, RunConfig
+from ibpo.data.splits import IN_MEMORY
 from ibpo.recipe import from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
@@ -120,6 +121,22 @@ _RESUMABLE_CHANGES = {
     "model": {"offload_activations"},
     "repair": {"batch_size"},
 }  # fmt: skip
+
+
+def check_resumed_data(checkpoint: Path, cfg: Config, given_rows: bool) -> None:
+    """Before anything loads: a run trained on rows given in Python (ibpo.train(dataset=...))
+    resumes only with those rows given again, said as such (its checkpoint's data stream
+    would not fit another training set)."""
+    saved = Path(checkpoint) / "config.json"
+    if given_rows or not saved.is_file():
+        return
+    data = json.loads(saved.read_text()).get("data", {})
+    if data.get("dataset") == IN_MEMORY and cfg.data.dataset != IN_MEMORY:
+        raise ConfigError(
+            f"this run ({checkpoint.parent.parent}) was trained on rows passed as dataset=, "
+            "and they were not passed again. Fix: pass the same rows, "
+            "ibpo.train(..., dataset=rows, overrides={'run.resume_from': 'latest', ...})"
+        )
 
 
 def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
