@@ -496,3 +496,28 @@ def test_no_call_sees_what_an_earlier_call_changed_in_place():
         assert grades.per_function["other"] == [0.0, 0.0]
     assert all(s in ([["a"], ["b"]], [["a"]], [["b"]]) for s in seen), seen
     assert rows == {"tags": [["a"], ["b"]]} and completions[0][0]["content"] == "4"
+
+
+def test_a_whole_chat_ending_in_the_reply_asks_the_conversation_before_it(capsys):
+    """Rows whose `messages` end in the assistant's answer (a chat dataset): the reply is left
+    out of the prompt and, without an answer column, is the answer, as TRL's prompt-only
+    conversion reads them; one line says so."""
+    rows = [
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": f"what is {i} + 1?"},
+                      {"role": "assistant", "content": str(i + 1)}]}
+        for i in range(3)
+    ]  # fmt: skip
+    from ibpo.data.rows import RowList, rows_to_examples
+
+    cfg = DataConfig(question_column="messages")
+    examples = rows_to_examples(RowList(rows), cfg, "rows")
+    assert [ex.answer for ex in examples] == ["1", "2", "3"]
+    assert [m["role"] for m in examples[0].messages] == ["system", "user"]
+    assert examples[2].question == "what is 2 + 1?"
+    said = capsys.readouterr().err
+    assert "3 conversations in 'messages' end in the assistant's reply" in said
+    # with an answer column of its own, that one is the answer and the reply is still left out
+    with_answer = [{**r, "answer": "x"} for r in rows]
+    examples = rows_to_examples(RowList(with_answer), cfg, "rows")
+    assert [ex.answer for ex in examples] == ["x"] * 3 and len(examples[0].messages) == 2

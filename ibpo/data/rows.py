@@ -129,6 +129,9 @@ class RowList:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
 
 def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = True) -> list[Example]:
     """Rows -> examples. `need_answer=False` (no built-in grader reads the gold answer): a row
@@ -138,6 +141,8 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
     if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
         cfg = dataclasses.replace(cfg, question_column="prompt")
     needed = (cfg.question_column, cfg.answer_column) if need_answer else (cfg.question_column,)
+    if len(rows) and ends_in_reply(rows[0], cfg.question_column):
+        needed = (cfg.question_column,)  # the conversations' replies may be the answers
     for col in needed:
         if col not in cols and col.split(".")[0] not in cols:
             raise ConfigError(
@@ -145,8 +150,9 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
                 f"{', '.join(cols)}. Set data.question_column / data.answer_column (a dotted "
                 "path reads a field of a struct column)."
             )
-    out, skipped = [], []
+    out, skipped, replies = [], [], 0
     for i, row in enumerate(rows):
+        replies += ends_in_reply(row, cfg.question_column)
         try:
             out.append(_example(row, cfg, source, i, need_answer))
         except ConfigError as e:
@@ -162,6 +168,13 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
             "Fix: check data.question_column, data.answer_column and data.answer_format "
             "against the file's rows."
         )
+    if replies:
+        print(
+            f"ibpo: {source}: {replies} conversations in '{cfg.question_column}' end in the "
+            "assistant's reply: it is left out of the prompt (and is the answer where the row "
+            f"has no '{cfg.answer_column}'), as TRL reads a whole chat",
+            file=sys.stderr,
+        )
     if skipped:
         print(
             f"ibpo: {source}: left out {len(skipped)} of {len(skipped) + len(out)} rows "
@@ -173,8 +186,9 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
 
 def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool) -> Example:
     prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
-    messages = None
+    messages, reply = None, None
     if is_chat(prompt):  # a conversation: rendered whole; its last user message is the question
+        prompt, reply = _without_reply(prompt)
         messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
         q = last_user_message(prompt)
     else:
@@ -182,9 +196,9 @@ def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool)
     try:
         raw = _field(row, cfg.answer_column, source, i)
     except ConfigError:
-        if need_answer:
+        if need_answer and reply is None:
             raise
-        raw = None
+        raw = reply  # the conversation's own last reply is its answer, as TRL reads it
     a = gold_answer(raw, cfg.answer_format)
     if q is None or not str(q).strip():
         raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
@@ -195,6 +209,21 @@ def _example(row: dict, cfg: DataConfig, source: str, i: int, need_answer: bool)
         )
     given = q if isinstance(q, str) and messages is None and q != q.strip() else None
     return Example(str(q).strip(), a or "", dict(row), messages, given)
+
+
+def _without_reply(messages: list) -> tuple[list, str | None]:
+    """A conversation that ends in the assistant's reply (a whole chat, not a prompt): the
+    turns before it, and the reply's content (TRL's prompt-only conversion); else as it is."""
+    if len(messages) > 1 and messages[-1]["role"] == "assistant":
+        return list(messages[:-1]), str(messages[-1]["content"])
+    return list(messages), None
+
+
+def ends_in_reply(row: dict, column: str) -> bool:
+    """Whether a row's conversation ends in the assistant's reply (then dropped from its
+    prompt)."""
+    value = row.get(column.split(".")[0])
+    return is_chat(value) and len(value) > 1 and value[-1]["role"] == "assistant"
 
 
 def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:
