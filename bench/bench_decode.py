@@ -1,23 +1,27 @@
-"""Where a decoding step's time goes: one step of the policy's own generate() (the trainer's
-rollout path, step.generating) measured on random Qwen3 weights, with the 4-bit base and without,
-with the LoRA adapter and without, at two batch sizes.
+"""Where a decoding step's time goes: one step of the trainer's generation phase (step.generating)
+measured on random Qwen3 weights, through HF generate (rollout.decode=eager) and the package's
+decode engine (rollout.decode=graph, generation/decode.py: CUDA graphs on CUDA), with the 4-bit
+base and without, with the LoRA adapter and without, at two batch sizes.
 
 A variant's seconds per step come from two calls that differ only in their new tokens (SHORT and
 LONG, every completion forced to full length): (t_long - t_short) / (LONG - SHORT), so the
-prompt's prefill and the call's fixed costs drop out. Every ratio printed is against the first
-variant (the trainer's rollout: 4-bit base, adapter on), measured in the same run:
-  nf4 + LoRA, batch B        the rollout as the trainer runs it (B = 4 prompts x a group of 8)
-  nf4 + LoRA, batch B/4      a quarter of the rows: is the step bound by the batch or not?
-  nf4, adapter disabled      PEFT's share (the reference model's path)
-  bf16 + LoRA                bitsandbytes' share (a bf16 base: 16 GiB for the 8B, no cap)
-  bf16, adapter disabled     neither: the plain model under HF generate
-Each variant's figures are written to --out as soon as it is measured; --budget-s stops before a
-variant whose planned seconds no longer fit (it says so).
+prompt's prefill and the call's fixed costs drop out (the engine's graphs are captured in a
+warm-up call before them). Every ratio printed is against the first variant, measured in the
+same run:
+  nf4 + LoRA, batch B, eager     the rollout through HF generate (B = 4 prompts x 8)
+  nf4 + LoRA, batch B, graph     the same rows through the engine
+  nf4 + LoRA, batch B/4, ...     a quarter of the rows (the repairs' batch), both paths
+  nf4, adapter disabled          PEFT's share (the reference model's path)
+  bf16 + LoRA                    bitsandbytes' share (a bf16 base: 16 GiB for the 8B, no cap)
+  bf16, adapter disabled         neither: the plain model under HF generate
+Each variant also reports the KL between the log-probs its LONG call sampled with and the
+trainer's (algo/mismatch.py). Each variant's figures are written to --out as soon as it is
+measured; --budget-s stops before a variant whose planned seconds no longer fit (it says so).
 
 On a CUDA machine (bitsandbytes from .whl/, see scripts/gpu_check.py):
   PYTHONPATH=/tmp/site python3 bench/bench_decode.py --out $OUT/bench_decode.json
 CPU smoke test (tiny Qwen3, seconds): python bench/bench_decode.py --smoke
-Not here: memory (bench_gpu.py), vLLM (bench_vllm.py), CUDA graphs or torch.compile.
+Not here: memory (bench_gpu.py), vLLM (bench_vllm.py), torch.compile.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_gpu import ARCHS, RECIPE, _free, build_base  # noqa: E402
 
 from ibpo import step  # noqa: E402
+from ibpo.algo.mismatch import mismatch_stats  # noqa: E402
 from ibpo.data import render_prompt  # noqa: E402
-from ibpo.logprobs import unwrap  # noqa: E402
+from ibpo.logprobs import completion_logprobs, unwrap  # noqa: E402
 from ibpo.modeling import compute_dtype, load_policy  # noqa: E402
 from ibpo.recipe import load_config  # noqa: E402
 
@@ -48,45 +53,64 @@ SHORT, LONG = 16, 80  # new tokens of the two calls whose difference is timed
 
 
 def variants(batch: int) -> list[dict]:
-    """What is measured, in order; the first is the baseline of every ratio."""
+    """What is measured, in order; the first is the baseline of every ratio. `decode` is
+    rollout.decode: eager = HF generate, graph = the package's engine (generation/decode.py)."""
+    small = max(batch // 4, GROUP)
+
+    def v(name, quantization, adapter, rows, decode):
+        return dict(name=name, quantization=quantization, adapter=adapter, batch=rows,
+                    decode=decode)  # fmt: skip
+
     return [
-        dict(name=f"nf4 + LoRA, batch {batch}", quantization="nf4", adapter=True, batch=batch),
-        dict(
-            name=f"nf4 + LoRA, batch {max(batch // 4, GROUP)}",
-            quantization="nf4",
-            adapter=True,
-            batch=max(batch // 4, GROUP),
-        ),
-        dict(name=f"nf4, adapter disabled, batch {batch}", quantization="nf4", adapter=False,
-             batch=batch),
-        dict(name=f"bf16 + LoRA, batch {batch}", quantization="none", adapter=True, batch=batch),
-        dict(name=f"bf16, adapter disabled, batch {batch}", quantization="none", adapter=False,
-             batch=batch),
-    ]  # fmt: skip
+        v(f"nf4 + LoRA, batch {batch}, eager", "nf4", True, batch, "eager"),
+        v(f"nf4 + LoRA, batch {batch}, graph", "nf4", True, batch, "graph"),
+        v(f"nf4 + LoRA, batch {small}, eager", "nf4", True, small, "eager"),
+        v(f"nf4 + LoRA, batch {small}, graph", "nf4", True, small, "graph"),
+        v(f"nf4, adapter disabled, batch {batch}, eager", "nf4", False, batch, "eager"),
+        v(f"bf16 + LoRA, batch {batch}, eager", "none", True, batch, "eager"),
+        v(f"bf16, adapter disabled, batch {batch}, eager", "none", False, batch, "eager"),
+    ]
 
 
-def timed_call(generate, tok, prompts, new_tokens: int, model, device) -> float:
-    """Seconds of one sampled generate() call of len(prompts) x GROUP rows at full length."""
+def timed_call(generate, tok, prompts, new_tokens: int, model, device):
+    """(seconds, rollout) of one sampled generate() call of len(prompts) x GROUP rows at full
+    length."""
     unwrap(model).generation_config.min_new_tokens = new_tokens
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    generate(tok, prompts, GROUP, new_tokens, len(prompts) * GROUP, do_sample=True)
+    ro = generate(tok, prompts, GROUP, new_tokens, len(prompts) * GROUP, do_sample=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, ro
+
+
+def mismatch_kl(model, ro) -> float:
+    """KL between the log-probs the rollout was sampled with and the trainer's for its tokens
+    (algo/mismatch.py; EOS was suppressed for both, as the calls decode to full length)."""
+    trainer, _ = completion_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.completion_mask, 2048
+    )
+    return float(mismatch_stats(trainer, ro.logprobs, ro.completion_mask)["mismatch_kl"])
 
 
 def measure(model, tok, cfg, device, v: dict, prompt_chars: int, lengths=(SHORT, LONG)) -> dict:
-    """One variant: a warm-up call, then `lengths` new tokens (SHORT and LONG); seconds per
-    decoding step."""
+    """One variant: a warm-up call (at full length for the engine, so that every bucket's graph
+    is captured before the timed calls), then `lengths` new tokens (SHORT and LONG); seconds per
+    decoding step and the LONG call's rollout-vs-trainer mismatch."""
     question = ("what is 12 + 34 * 5 - 6 ? " * (prompt_chars // 20 + 1))[:prompt_chars]
     prompts = [render_prompt(tok, question, cfg.data)] * max(v["batch"] // GROUP, 1)
     off = contextlib.nullcontext() if v["adapter"] else model.disable_adapter()
+    warm = lengths[1] if v["decode"] == "graph" else 4
     with off, step.generating(model, cfg, device) as generate:
-        timed_call(generate, tok, prompts, 4, model, device)  # kernels, allocator, caches
-        short = timed_call(generate, tok, prompts, lengths[0], model, device)
-        long = timed_call(generate, tok, prompts, lengths[1], model, device)
+        engine = getattr(generate, "keywords", {}).get("engine")
+        timed_call(generate, tok, prompts, warm, model, device)  # kernels, allocator, graphs
+        short, _ = timed_call(generate, tok, prompts, lengths[0], model, device)
+        long, ro = timed_call(generate, tok, prompts, lengths[1], model, device)
+        kl = mismatch_kl(model, ro)
+        fallback = engine.disabled if engine is not None else None
+    if v["decode"] == "graph" and (engine is None or fallback):
+        raise RuntimeError(f"the engine did not decode: {fallback or 'unsupported model'}")
     per_step = float(f"{max(long - short, 1e-9) / (lengths[1] - lengths[0]):.4g}")
     rows = len(prompts) * GROUP
     return {
@@ -96,6 +120,7 @@ def measure(model, tok, cfg, device, v: dict, prompt_chars: int, lengths=(SHORT,
         "long_s": round(long, 3),
         "step_s": per_step,  # 4 significant figures; tokens_per_s is computed from this value
         "tokens_per_s": round(rows / per_step, 1),
+        "mismatch_kl": float(f"{kl:.4g}"),
     }
 
 
@@ -113,11 +138,9 @@ def run(args) -> dict:
     todo = variants(args.batch)
     for quantization in ("nf4", "none"):
         mine = [v for v in todo if v["quantization"] == quantization]
-        cfg = load_config(
-            RECIPE,
-            [f"model.name=random-qwen3-{arch_name}", f"model.quantization={quantization}",
-             "data.max_prompt_tokens=4096"],
-        )  # fmt: skip
+        over = [f"model.name=random-qwen3-{arch_name}", f"model.quantization={quantization}",
+                "data.max_prompt_tokens=4096"]  # fmt: skip
+        cfg = load_config(RECIPE, over)
         spent = time.perf_counter() - t0
         done = [r for r in out["variants"] if "step_s" in r]
         planned = sum(r["short_s"] + r["long_s"] for r in done) / max(len(done), 1) * 1.5
@@ -133,7 +156,8 @@ def run(args) -> dict:
         for v in mine:
             try:
                 lengths = (4, 20) if args.smoke else (SHORT, LONG)
-                row = measure(model, tok, cfg, device, v, args.prompt_chars, lengths)
+                mine_cfg = load_config(RECIPE, [*over, f"rollout.decode={v['decode']}"])
+                row = measure(model, tok, mine_cfg, device, v, args.prompt_chars, lengths)
                 out["variants"].append({**row, "status": "ok"})
             except Exception as e:  # noqa: BLE001 - recorded, the next variant runs
                 out["variants"].append({**v, "status": f"failed: {type(e).__name__}: {e}"[:500]})
@@ -172,11 +196,11 @@ def main(argv=None) -> dict:
     out = run(args)
     for r in out["variants"]:
         if "step_s" in r:
-            print(f"{r['name']:<36} {1e3 * r['step_s']:8.2f} ms/step  "
+            print(f"{r['name']:<44} {1e3 * r['step_s']:8.2f} ms/step  "
                   f"{r['ms_per_layer_step']:6.3f} ms/layer  {r['tokens_per_s']:9.1f} tok/s  "
-                  f"x{r['vs_first']:.2f}")  # fmt: skip
+                  f"x{r['vs_first']:.2f}  KL {r['mismatch_kl']:.3g}")  # fmt: skip
         else:
-            print(f"{r['name']:<36} {r['status']}")
+            print(f"{r['name']:<44} {r['status']}")
     return out
 
 

@@ -315,6 +315,10 @@ def plan_row(row: dict, arch: dict, cfg, cap_gb: float) -> None:
 # One decoding step through one layer: HF generate with PEFT over 4-bit weights; 4.2-5.5 ms
 # measured at batches of 8 and 32 (bound by kernel launches, nearly independent of the batch).
 DECODE_S_PER_LAYER_STEP = 5.5e-3
+# The same through the package's decode engine (rollout.decode auto or graph on CUDA): not yet
+# measured on a device; its target is 0.45 ms (16 ms a step of the 36-layer 8B), planned at
+# about three times that until bench_decode.py has measured it.
+ENGINE_DECODE_S_PER_LAYER_STEP = 1.5e-3
 MATMUL_FLOPS = 150e12  # the prefill's and the update's matmuls: the update sustained 180e12
 BUILD_S_PER_BILLION = 2.0  # random initialisation on the device and NF4 packing: 1.1-1.7 s
 LOAD_S = 5.0  # LoRA, the optimizer, Accelerate's prepare: 1.2-1.9 s
@@ -328,10 +332,12 @@ REQUIRED = ("build", "load", "rollout", "repairs", "update")
 OPTIONAL = ("evaluation", "update_offload")
 
 
-def _generate_s(params: int, layers: int, sequences: int, batch: int, prompt: int, new: int):
+def _generate_s(
+    params: int, layers: int, sequences: int, batch: int, prompt: int, new: int, engine: bool
+):
     calls = math.ceil(sequences / max(batch, 1))
-    decode = calls * new * layers * DECODE_S_PER_LAYER_STEP
-    return decode + 2 * params * sequences * prompt / MATMUL_FLOPS
+    rate = ENGINE_DECODE_S_PER_LAYER_STEP if engine else DECODE_S_PER_LAYER_STEP
+    return calls * new * layers * rate + 2 * params * sequences * prompt / MATMUL_FLOPS
 
 
 def repair_jobs(cfg) -> int:
@@ -349,19 +355,22 @@ def plan_seconds(arch: dict, cfg) -> dict[str, float]:
     params, layers = shape.parameter_count(), shape.layers
     ro, P = cfg.rollout, cfg.data.max_prompt_tokens
     n = ro.group_size * cfg.train.prompts_per_step
+    engine = ro.backend == "hf" and ro.decode != "eager"  # the plan is the device's (CUDA)
     out = {
         "build": BUILD_S_PER_BILLION * params / 1e9,
         "load": LOAD_S,
-        "rollout": _generate_s(params, layers, n, ro.generation_batch_size, P, ro.max_new_tokens),
+        "rollout": _generate_s(
+            params, layers, n, ro.generation_batch_size, P, ro.max_new_tokens, engine
+        ),
     }
     repair = sizes.repair_generation(cfg)
     if repair:
         batch, prompt, new = repair
-        out["repairs"] = _generate_s(params, layers, repair_jobs(cfg), batch, prompt, new)
+        out["repairs"] = _generate_s(params, layers, repair_jobs(cfg), batch, prompt, new, engine)
     out["update"] = 6 * params * n * (P + ro.max_new_tokens) / MATMUL_FLOPS  # fwd, recompute, bwd
     if repair:  # the recipe row: one evaluation batch, the update again with offloading
         b = ro.generation_batch_size
-        out["evaluation"] = _generate_s(params, layers, b, b, P, ro.eval_max_new_tokens)
+        out["evaluation"] = _generate_s(params, layers, b, b, P, ro.eval_max_new_tokens, engine)
         micro = math.ceil(cfg.train.prompts_per_step / cfg.train.micro_batch_groups)
         host = 2 * micro * offloaded_bytes(shape, cfg, 2) / HOST_BYTES_PER_S
         out["update_offload"] = out["update"] + host

@@ -25,6 +25,7 @@ def _timed(fn) -> tuple[float, object]:
 
 def main() -> int:
     _math_costs()
+    _hostile_sizes()
     if "--math" in sys.argv:
         return 0
     _sandbox_costs()
@@ -87,6 +88,35 @@ def _math_costs() -> None:
         f"math_reward, 200 sympy comparisons with a running worker: {s:.3f} s, "
         f"{sum(scores):.0f}/200 correct"
     )
+
+
+def _hostile_sizes() -> None:
+    """What inputs of hostile size cost the trainer: a box of nested braces (graded in the
+    trainer's thread) and forged records as large as a test may send back (read by verdict.py,
+    traced by tracemalloc)."""
+    import tracemalloc
+
+    from ibpo.rewards.math import math_reward
+    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.verdict import classify
+
+    for kb in (8, 32, 64):
+        half = kb * 512
+        box = "\\boxed{" + "{" * half + "4" + "}" * half + "}"
+        s, score = _timed(lambda box=box: math_reward(box, "4"))
+        print(f"math_reward, a {kb} KB box of nested braces: {s:.4f} s (scored {score:.0f})")
+    cap = Limits().max_output_bytes
+    records = {
+        "a return value of 8 MB": b"V [" + b"0, " * (cap // 3 - 2) + b"0]\n",
+        "8 MB of newlines, then the record": b"\n" * (cap - 4) + b"V 6\n",
+    }
+    for what, res in records.items():
+        tracemalloc.start()
+        s, _ = _timed(lambda res=res: classify(TestCase("call", [2, 3], 6, fn_name="mul"),
+                                              Limits(), 0, 0.1, False, b"", b"", res))  # fmt: skip
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        print(f"verdict of {what}: {s:.3f} s, {peak / 2**20:.1f} MiB at most held")
 
 
 # Completions that game a grader: each redefines the entry point or forges the verdict.

@@ -61,6 +61,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
@@ -1145,6 +1146,36 @@ def spending_md(arms: dict[str, list[dict]]) -> str:
     return "\nThe repair spending rule, summed over each arm's runs:\n\n" + "\n".join(lines) + "\n"
 
 
+_THREADS = re.compile(r"(?:^|\s)OMP_NUM_THREADS=(\d+)(?:\s|$)")
+
+
+def run_threads(record: dict) -> int | None:
+    """The OMP_NUM_THREADS a run's process had (its command line), None when not recorded."""
+    m = _THREADS.search(record.get("command") or "")
+    return int(m.group(1)) if m else None
+
+
+def mixed_threads(records: list[dict]) -> str:
+    """A warning for the top of the report when the runs computed at different thread counts
+    (a matmul's summation order follows its threads, so the same run at 1 and 2 threads can
+    end elsewhere: their differences are then partly the threads'), naming each count's runs;
+    "" when every run had the same."""
+    counts: dict[int | None, dict[str, list[int]]] = {}
+    for r in records:
+        counts.setdefault(run_threads(r), {}).setdefault(r["arm"], []).append(r["seed"])
+    if len(counts) < 2:
+        return ""
+    parts = []
+    for n, arms in sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        who = "; ".join(f"{arm} seeds {seed_ranges(sorted(seeds))}" for arm, seeds in arms.items())
+        parts.append(f"{'unrecorded' if n is None else n} thread{'s' * (n != 1)}: {who}")
+    return (
+        "**Warning: these runs computed at different thread counts** (OMP_NUM_THREADS), which "
+        "changes what a run computes, not only its seconds: rerun them at one count before "
+        "reading a difference between arms. " + " | ".join(parts) + "\n"
+    )
+
+
 def commands_md(records: list[dict]) -> str:
     """The command lines, compactly: the part every run shares, then each arm's own overrides;
     study.json keeps every run's exact line."""
@@ -1296,6 +1327,8 @@ def build_report(records: list[dict], pending: list[str]) -> tuple[dict, str]:
         f"test and a percentile bootstrap ({BOOTSTRAP_REPS:,} resamples, RNG seed "
         f"{BOOTSTRAP_SEED}) beside it.\n"
     )
+    if mixed := mixed_threads(main_runs):
+        md.append(mixed)
     if pending:
         md.append(
             f"**{len(pending)} runs are not finished** and are left out: "
@@ -1598,6 +1631,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{flag} {folder}: no study runs there ({fix})")
     md = report(out, ns.against, ns.seconds_from)
     print(md)
+    if "different thread counts" in md.split("## ", 1)[0]:
+        print("study: warning: the runs computed at different thread counts (top of the report)",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 

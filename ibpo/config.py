@@ -248,6 +248,13 @@ class RolloutConfig:
     # vllm (a vLLM engine beside the policy: the same base, 4-bit NF4 when model.quantization is,
     # with the adapter as a LoRA request re-sent each step; one process; ibpo/generation/vllm.py)
     backend: str = choice("hf", "vllm")
+    # How the hf backend decodes: graph (the package's engine, generation/decode.py: a static KV
+    # cache read in length buckets, grouped-query attention, sampling inside the step; captured
+    # as CUDA graphs on CUDA, plain calls on CPU) | eager (HF generate) | auto (graph on CUDA;
+    # eager on CPU, where the step is bound by its matmuls and both measure the same). graph
+    # decodes with HF generate, one log line saying why, where the engine cannot run the model
+    # or capture fails.
+    decode: str = choice("auto", "graph", "eager")
     # Rollout-vs-trainer mismatch, measured every step on the trained tokens (step.py): the KL
     # between the log-probs the backend sampled with and the trainer's. Above 0.005 a warning
     # names the backend and the likely causes (run/alarm.py); above mismatch_stop_kl the run

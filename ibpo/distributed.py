@@ -283,7 +283,8 @@ MAXIMA = ("step_time", "peak_memory_gb", "device_memory_used_gb", "mismatch_abs_
 SUMS = ("tokens_per_second", "generated_tokens", "repairs", "repair_tokens", "trained_tokens",
         "trained_sequences", "dropped_groups", "rollout_prefill_tokens", "repair_prefill_tokens",
         "repair_prompt_tokens", "repair_decode_tokens", "reward_timeouts", "grader_errors",
-        "repairs_skipped", "repair_successes")  # fmt: skip
+        "repairs_skipped", "repair_successes", "decode_slot_steps",
+        "decode_slot_tokens")  # fmt: skip
 
 
 def gather_metrics(accelerator, m: dict[str, float]) -> dict[str, float]:

@@ -86,7 +86,8 @@ REMOVED: dict[str, str] = {
     "rollout.top_k": "rollouts sample from the whole distribution, or top_p's: use rollout.top_p",
     "rollout.eval_batch_size": "rollout.generation_batch_size sizes the held-out batches too: "
     "set that",
-    "rollout.kv_cache": "generate() grows its cache per token (the dynamic cache)",
+    "rollout.kv_cache": "rollout.decode=graph decodes over a static cache of its own; "
+    "rollout.decode=eager (HF generate) grows its cache per token",
     "rollout.share_prefixes": "prompts that begin alike share their prefix wherever the model "
     "allows it (what is sampled is the same)",
     "rollout.vllm_sleep": "the vLLM engine sleeps between generation phases, so that training "

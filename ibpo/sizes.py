@@ -235,6 +235,17 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: 
     return 2 * shape.layers * shape.kv_dim * dtype_bytes * sequences * tokens
 
 
+# Cache columns per bucket of the decode engine on CUDA (generation/decode.py): its static cache
+# holds a call's prompt + new tokens rounded up to whole buckets, and attention reads whole
+# buckets; each bucket is one captured CUDA graph per row count.
+DECODE_BUCKET = 256
+
+
+def engine_columns(tokens: int) -> int:
+    """The decode engine's cache columns for a call of `tokens` prompt + new tokens."""
+    return -(-tokens // DECODE_BUCKET) * DECODE_BUCKET
+
+
 # --- activations (bytes per token; b = compute dtype bytes) --------------------------------------
 
 
@@ -275,6 +286,15 @@ def sampling_bytes(sequences: int, vocab: int, b: int, top_p: float, sample: boo
     cumulative sum and a scatter. Greedy keeps the copy, one processor output and the argmax."""
     per = b + (6 * F32 if sample else 3 * F32) + (24 if sample and top_p < 1 else 0)
     return sequences * vocab * per
+
+
+def engine_sampling_bytes(sequences: int, vocab: int, b: int, top_p: float, sample: bool) -> int:
+    """The decode engine's step over [N, V] (generation/decode.py): its fp32 logits buffer, and
+    the larger of the head's output (b) with its fp32 copy and, when sampling, draw()'s fp32
+    shifted scores and float64 cumulative sum; top-p adds a sort (fp32 values, int64 indices),
+    the probabilities, their cumulative sum and the filtered copy."""
+    pick = (3 * F32 + (5 * F32 + 9 if top_p < 1 else 0)) if sample else 0
+    return sequences * vocab * (F32 + max(b + F32, pick))
 
 
 # --- generation requests -------------------------------------------------------------------------

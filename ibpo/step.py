@@ -84,7 +84,14 @@ from ibpo.batching import MicroBatch, micro_batches
 from ibpo.config import Config, ConfigError
 from ibpo.data import PromptStream, RowStream, render_example
 from ibpo.distributed import agreed_count, gather_metrics, gathered, summed
-from ibpo.generation import Generator, Rollout, SamplingStreams, concat_rollouts, hf_generator
+from ibpo.generation import (
+    Generator,
+    Rollout,
+    SamplingStreams,
+    concat_rollouts,
+    decode_engine,
+    hf_generator,
+)
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import (
     dequantized_base,
@@ -258,7 +265,8 @@ def rl_step(
 def generating(model, cfg: Config, device: torch.device, engine=None):
     """A Generator (generation/rollout.py) for one generation phase: the vLLM engine serving the
     current adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on
-    gathered weights, on CPU with a 4-bit base dequantised once and the adapter folded in."""
+    gathered weights, on CPU with a 4-bit base dequantised once and the adapter folded in -
+    decoding with the package's engine where rollout.decode=graph (hf.decode_engine)."""
     if engine is not None:
         with engine.serving(model) as generator:
             yield generator
@@ -266,7 +274,12 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
     fast = use_dequantized_base(cfg.model, device, model)
     with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            yield hf_generator(model)
+            decoder = decode_engine(model, cfg.rollout.decode)
+            try:
+                yield hf_generator(model, engine=decoder)
+            finally:
+                if decoder is not None:  # its cache is as large as the phase's: free it now
+                    decoder.release()
 
 
 # DAPO's dynamic sampling: extra rounds of rollouts that refill the groups it dropped
@@ -469,6 +482,9 @@ def score_round(
         if rollout.prefill_tokens is None
         else rollout.prefill_tokens
     )
+    if rollout.decode_slots:  # the share of decoding spent on rows that had ended
+        stats["decode_slot_steps"] = float(rollout.decode_slots)
+        stats["decode_slot_tokens"] = stats["generated_tokens"]
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])
@@ -818,6 +834,10 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
         metrics[key] = sum(v * x for v, x in zip(values, w)) / max(sum(w), 1.0)
     metrics["loss"] = sum(stats["loss"]) / upd.updates  # the step's loss, not a mean
     metrics.update(batch.stats)
+    if metrics.get("decode_slot_steps"):
+        metrics["decode_idle_share"] = (
+            1 - metrics["decode_slot_tokens"] / metrics["decode_slot_steps"]
+        )
     reward, accuracy, unscored = reward_summary(rewards, correct)
     metrics.update(
         reward=reward,

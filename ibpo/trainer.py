@@ -148,17 +148,19 @@ def _build(
     return StepParts(model, optimizer, scheduler, stream, rng), tokenizer, eval_examples
 
 
-def _prepare_output_dir(out: Path, cfg: Config, code: dict) -> None:
-    """Main process, a fresh start, once the data and the model have loaded: an earlier run is
-    moved aside (never deleted), then the new config.yaml."""
-    if line := outdir.set_aside_previous_run(out):
-        print(line, file=sys.stderr)
-    _write_config(out, cfg, code)
+def _prepare_output_dir(out: Path, cfg: Config, resume: Path | None, code: dict) -> None:
+    """Main process, once the data and the model have loaded: a fresh start moves an earlier
+    run aside (never deletes it), then writes the new config.yaml; a resumed run writes it
+    only once its checkpoint has loaded (_write_config), so that a start that fails leaves the
+    run's files as they were."""
+    if resume is None:
+        if line := outdir.set_aside_previous_run(out):
+            print(line, file=sys.stderr)
+        _write_config(out, cfg, code)
 
 
 def _write_config(out: Path, cfg: Config, code: dict) -> None:
-    """config.yaml, headed by the code version as a comment (the file stays a recipe). A resume
-    writes it only once its checkpoint has loaded: a start that fails leaves the run's own."""
+    """config.yaml, headed by the code version as a comment (the file stays a recipe)."""
     recipe = yaml.safe_dump(cfg.to_dict(recipe=True), sort_keys=False)
     (out / "config.yaml").write_text(header(code) + recipe)
 
@@ -270,8 +272,8 @@ def train(
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
-    if resume is not None:  # before anything loads: the rows the run trained on
-        outdir.check_resume_rows(resume, rows is not None, eval_rows is not None)
+    if resume is not None:
+        outdir.check_resumed_data(resume, cfg, given_rows=rows is not None)
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
     policy = code_grader.training_policy(cfg.objective.code_sandbox)
@@ -286,8 +288,8 @@ def train(
     except KeyboardInterrupt:  # before the loop's handler: one line, not a traceback
         raise failures.StoppedEarly(failures.stopped_early_message(resume)) from None
     code = code_version() if accelerator.is_main_process else None  # the code this run runs
-    if accelerator.is_main_process and resume is None:
-        _prepare_output_dir(out, cfg, code)
+    if accelerator.is_main_process:
+        _prepare_output_dir(out, cfg, resume, code)
     check_shared_output(accelerator, out)
     if accelerator.num_processes > 1:
         # The same seed built the same LoRA init on every process; from here each process has
@@ -321,12 +323,12 @@ def train(
                 )
                 try:
                     run.begin()
+                    if resume is not None and accelerator.is_main_process:
+                        _write_config(out, cfg, code)  # the checkpoint loaded: the run goes on
                 except RewardError as e:  # in the first held-out evaluation: its traceback kept
                     where = "the held-out evaluation before training"
                     kept = failures.keep_traceback(out, e, where, accelerator.process_index)
                     raise RewardError(f"{e} ({where}; traceback: {kept})") from e.__cause__
-                if resume is not None and accelerator.is_main_process:  # the checkpoint loaded
-                    _write_config(out, cfg, code)
             except KeyboardInterrupt:
                 if (
                     resume is None and accelerator.is_main_process

@@ -100,6 +100,7 @@ GPU_TESTS = (
     "tests/test_gpu_e2e.py",
     "tests/test_shared_prefixes.py",
     "tests/test_sampling_streams.py",
+    "tests/test_decode_engine.py",
 )
 STAGES = ("install", "environment", "bnb_cuda", "bench_gpu", "learning", "gpu_suite")
 # Each stage's own timeout (s); the overall --budget-s caps them further. The quick stages are
@@ -491,8 +492,9 @@ def print_plan(stages: list[Stage], carry: dict, args, out: Path) -> dict:
         "at its full timeout": bench_budget(TIMEOUTS["bench_gpu"]),
     }
     print(
-        "bench time plan (the rates an H200 measured: "
-        f"bench_gpu.plan_seconds): --budget-s {budgets['at worst']} at worst, "
+        "bench time plan (bench_gpu.plan_seconds: the rates an H200 measured; decoding at the "
+        "decode engine's planned rate, not yet measured): "
+        f"--budget-s {budgets['at worst']} at worst, "
         f"{budgets['at its full timeout']} at its full timeout; a row starts only if its "
         "required phases fit, an optional phase only if it still fits"
     )

@@ -150,15 +150,18 @@ def one_thread():
 
 
 def test_bench_decode_smoke_times_each_variant(tmp_path, one_thread):
-    """bench_decode on CPU (tiny Qwen3): every variant measured with seconds per decoding step
-    from its two calls, the ratio against the first, and the file written."""
+    """bench_decode on CPU (tiny Qwen3): every variant, HF generate and the engine, measured with
+    seconds per decoding step from its two calls, the ratio against the first, the mismatch,
+    and the file written."""
     bench = _script("bench_decode")
     out = tmp_path / "decode.json"
     summary = bench.main(["--smoke", "--out", str(out)])
     names = [v["name"] for v in summary["variants"]]
-    assert names == [v["name"] for v in bench.variants(16)] and len(names) == 5
+    assert names == [v["name"] for v in bench.variants(16)] and len(names) == 7
+    assert {v["decode"] for v in summary["variants"]} == {"eager", "graph"}
     for v in summary["variants"]:
         assert v["status"] == "ok", v["status"]
+        assert 0 <= v["mismatch_kl"] < 1e-3  # fp32 on CPU: both paths sample the trainer's policy
         assert v["long_s"] > 0 and v["short_s"] > 0 and v["step_s"] > 0
         assert v["rows"] == v["batch"]
         assert v["tokens_per_s"] == pytest.approx(v["rows"] / v["step_s"], rel=1e-3)

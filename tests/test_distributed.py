@@ -41,6 +41,8 @@ def _torchrun(args: list[str], tmp_path: Path, fsdp: bool = False, ok: bool = Tr
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(ROOT),
+        # a worker that dies by a signal (an abort in C++) prints every thread's Python stack
+        "PYTHONFAULTHANDLER": "1",
     }
     env.update(_fsdp_env() if fsdp else {})
     # --standalone: a local rendezvous on a free port (a fixed port could be taken)

@@ -156,3 +156,20 @@ def test_samples_drawn_before_per_sample_seeds_are_not_mixed_in(tiny_model_dir, 
     greedy = tmp_path / "greedy"
     assert run(tiny_model_dir, greedy, "hf", 1, 8, "--temperature", "0") == 0
     assert "sample_seeds" not in json.loads((greedy / "run.json").read_text())
+
+
+def test_the_decode_engine_writes_the_samples_hf_generate_writes(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """--decode graph (the package's engine, with evaluation's per-sample seeded sampling as a
+    logits processor) against --decode eager (HF generate): the same completions."""
+    from ibpo.generation.decode import DecodeEngine
+
+    calls = []
+    decode = DecodeEngine.decode
+    monkeypatch.setattr(DecodeEngine, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    assert run(tiny_model_dir, tmp_path / "eager", "hf", 3, 4, "--decode", "eager") == 0
+    assert not calls
+    assert run(tiny_model_dir, tmp_path / "graph", "hf", 3, 4, "--decode", "graph") == 0
+    assert calls  # the engine decoded
+    assert samples(tmp_path / "graph") == samples(tmp_path / "eager")

@@ -13,7 +13,6 @@ Not here: anything on CUDA, which is what the check is for.
 
 import json
 import os
-import re
 import subprocess
 import sys
 import zipfile
@@ -259,7 +258,7 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     assert "fake device: RTX 4090, 23.6 GiB; torch capped at 23.5 GiB" in said
     row = next(x for x in said.splitlines() if x.startswith("bench rows (plan): recipe:"))
     # the 8B recipe's own shapes, decoding as many new tokens as the bench's time allows
-    assert "qwen3-8b, 32 completions x 512+512 tokens, LoRA r32" in row and ": fits" in row
+    assert "qwen3-8b, 32 completions x 512+1024 tokens, LoRA r32" in row and ": fits" in row
     for phase in ("generation", "repair", "training", "evaluation"):
         assert f" {phase} " in row, phase
     fallback = next(x for x in said.splitlines() if x.startswith("fallback bench rows (plan): rec"))
@@ -275,20 +274,13 @@ def test_dry_run_shows_the_plan_rows_the_bench_would_measure(tmp_path):
     assert set(recipe["plan_seconds"]) == {
         "build", "load", "rollout", "repairs", "update", "evaluation", "update_offload"
     }  # fmt: skip
-    # the bench's budget at worst depends on the stages before it (no carried wheels: no install)
-    decoded = {}
-    for when, schedule in recipe["schedule"].items():
-        found = re.match(r"runs at (\d+) new tokens", schedule)
-        assert found, (when, schedule)
-        decoded[when] = int(found[1])
-    assert decoded["at worst"] <= decoded["at its full timeout"] < 1024
-    assert set(decoded.values()) <= {128, 256, 512}
-    capped = recipe["new_tokens_capped"]
-    assert capped["recipe"] == 1024 and capped["measured"] == decoded["at its full timeout"]
-    assert f"; at worst: runs at {decoded['at worst']} new tokens" in row
+    # at the decode engine's planned rate the 8B recipe fits its full 1024 new tokens at worst
+    # (no carried wheels: no install stage before the bench)
+    assert recipe["schedule"] == {"at worst": "runs", "at its full timeout": "runs"}
+    assert "new_tokens_capped" not in recipe and "; at worst: runs;" in row
     assert "seconds build " in row
     assert "bench_gpu's status is its headline row's" in said
-    assert "bench time plan (the rates an H200 measured" in said
+    assert "bench time plan (bench_gpu.plan_seconds: the rates an H200 measured" in said
     for r in report["bench_plan"]["none"]:  # the fallback's rows have theirs too
         assert r["planned"] and r["schedule"]["at worst"]
 
@@ -566,3 +558,21 @@ def test_versions_that_differ_from_the_device_image_are_named():
         "transformers": {"found": "5.24.0", "expected": "5.17"},
         "huggingface_hub": {"found": None, "expected": "1.33"},
     }
+
+
+def test_the_bench_halves_the_new_tokens_that_do_not_fit_its_time():
+    """Decoding through HF generate (5.5 ms per layer-step measured), the 8B recipe's 1024 new
+    tokens do not fit the bench's share at worst: it decodes the longest halving that does; at
+    the engine's planned rate they fit."""
+    bench = _module()._bench_module()
+
+    import copy
+
+    arch = bench.ARCHS["8b"]
+    engine = bench.recipe_config(bench.parse_args([]), "8b")  # the recipe row's config
+    eager = copy.deepcopy(engine)
+    eager.rollout.decode = "eager"
+    assert eager.rollout.max_new_tokens == 1024
+    assert bench.fit_new_tokens(arch, eager, 250) in (128, 256, 512)
+    assert bench.fit_new_tokens(arch, engine, 250) == 1024
+    assert bench.fit_new_tokens(arch, eager, 10) is None

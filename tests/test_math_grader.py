@@ -471,13 +471,16 @@ HOLES = [
     (r"\boxed{1000000.5}", "1000000", False),
     (r"\boxed{12.3456789}", "12.3456791", False),
     (r"\boxed{0.3}", r"\frac{1}{3}", False),
-    (r"\boxed{1e-13}", "0", True),  # the only absolute tolerance: against an exact 0
+    (r"\boxed{1e-13}", "0", False),  # 0 is an integer, exact: 1e-13 is a gold of its own
     (r"\boxed{0.30000000000000004}", "0.3", True),  # floating-point noise
-    (r"\boxed{0.333333}", r"\frac{1}{3}", True),  # rounded as written, 6 significant digits
-    (r"\boxed{0.142857}", r"\frac{1}{7}", True),
-    (r"\boxed{0.0123457}", r"\frac{1}{81}", True),
+    # a fraction gold is exact: a rounded decimal also stands for other golds near it
+    (r"\boxed{0.333333}", r"\frac{1}{3}", False),
+    (r"\boxed{0.142857}", r"\frac{1}{7}", False),
+    (r"\boxed{0.0123457}", r"\frac{1}{81}", False),
     (r"\boxed{0.0123456}", r"\frac{1}{81}", False),  # truncated, not rounded
-    (r"\boxed{-0.666667}", r"-\frac{2}{3}", True),
+    (r"\boxed{-0.666667}", r"-\frac{2}{3}", False),
+    (r"\boxed{\frac{1}{3}}", "0.333333", True),  # a rounded gold: the exact answer rounds to it
+    (r"\boxed{-\frac{2}{3}}", "-0.666667", True),
     (r"\boxed{(0.333333, 2)}", r"(\frac{1}{3}, 2)", True),
 ]
 

@@ -225,14 +225,17 @@ def test_generation_estimate_of_distinct_prompts_tracks_live_tensors(policy, sha
     assert 0.9 <= predicted / mem.peak <= 1.3
 
 
+@pytest.mark.parametrize("path", ["eager", "graph"])
 @pytest.mark.parametrize(  # prefill-bound, then bound by the last step's logits
     "shape, P, T, decode", [(SHAPES[0], 200, 2, False), (SHAPES[1], 8, 8, True)]
 )
-def test_rollout_estimate_tracks_live_tensors(policy, shape, P, T, decode):
+def test_rollout_estimate_tracks_live_tensors(policy, shape, P, T, decode, path):
     """A rollout's generate() call of whole groups, as the trainer makes it: each group's prompt is
     prefilled once and its cache repeated to the group's rows (generation.prefixes.prefill), so the
-    prefill's working set is the prompts', not the rows'."""
-    from ibpo.generation import generate
+    prefill's working set is the prompts', not the rows'; decoded by HF generate (eager) or by
+    the decode engine at the planner's bucket (graph: its static cache and the prompt cache it
+    copies)."""
+    from ibpo.generation import DecodeEngine, generate
     from tests.conftest import make_tokenizer
 
     hidden, inter, vocab = shape
@@ -248,17 +251,24 @@ def test_rollout_estimate_tracks_live_tensors(policy, shape, P, T, decode):
             f"data.max_prompt_tokens={P}",
             f"rollout.max_new_tokens={T}",
             "repair.enabled=false",
+            f"rollout.decode={path}",
         ],
     )
     tok = make_tokenizer()
     texts = [("12+34=" * P)[:P], ("9*8-7=" * P)[:P]]
     assert [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts] == [P, P]
+    engine = None
+    if path == "graph":
+        engine = DecodeEngine(model)
+        engine.bucket = sizes.DECODE_BUCKET  # the planner's (CUDA's) bucket
     torch.manual_seed(0)
     with torch.no_grad(), LiveTensorBytes() as mem:
-        out = generate(model, tok, texts, G, T, G * prompts)
+        out = generate(model, tok, texts, G, T, G * prompts, engine=engine)
+        assert engine is None or engine.calls == 1  # the engine decoded
     assert out.prefill_tokens < G * prompts * P  # the group prefill ran
     parts = phases.phase_bytes(dims, cfg)["generation"]
-    assert ("sampling logits" in parts) == decode  # the case the parameters mean to test
+    logits = "sampling logits" if path == "eager" else "sampling logits (graph pool)"
+    assert (logits in parts) == decode  # the case the parameters mean to test
     predicted = _transient(parts)
     assert 0.9 <= predicted / mem.peak <= 1.3
 
@@ -460,8 +470,10 @@ def test_known_models_plan_without_the_hub(monkeypatch):
 
 # --- FSDP -----------------------------------------------------------------------------------------
 
+# decode=eager: under FSDP the trainer decodes with HF generate (the engine does not run on
+# sharded weights), and these tests compare sharding, not decoding
 FSDP_CFG = ["rollout.max_new_tokens=1024", "train.prompts_per_step=8", "model.lora_r=32",
-            "data.eval_size=64", "train.optimizer=adamw"]  # fmt: skip
+            "data.eval_size=64", "rollout.decode=eager", "train.optimizer=adamw"]  # fmt: skip
 
 
 def test_fsdp_on_one_gpu_equals_ddp():
@@ -536,7 +548,7 @@ def test_fsdp_needs_less_than_ddp_where_layers_dominate():
                 assert parts["FSDP gathered weights (generation)"] > parts["base weights (nf4)"]
     # a small model with a large vocabulary: its gathered embeddings outweigh half of its
     # decoder layers (the module docstring says so)
-    cfg = _cfg("data.eval_size=0")  # LoRA r 16, 8-bit AdamW: little state to shard
+    cfg = _cfg("data.eval_size=0", "rollout.decode=eager")  # LoRA r 16, 8-bit AdamW: little state
     ddp, fsdp = (plan.estimate("Qwen/Qwen3-0.6B", cfg, 2, 24.0, s) for s in ("ddp", "fsdp"))
     assert sum(fsdp.phases["generation"].values()) > sum(ddp.phases["generation"].values())
 

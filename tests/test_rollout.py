@@ -99,13 +99,18 @@ def _every_field_set(n: int, offset: int) -> Rollout:
         cut_off=[bool(r % 2 == 0) for r in rows],
         logprobs=-rows.float().unsqueeze(1).expand(n, 3).clone(),
         prefill_tokens=7 + offset,
+        decode_slots=20 + offset,
     )
 
 
 # The fields that are neither one entry per row (a tensor or a list) nor a list of rows, and
 # what select and concat_rollouts must make of them: a new such field fails the test below
 # until it is said here (and the two carry it).
-SCALARS = {"prompt_len": lambda a, b: a, "prefill_tokens": lambda a, b: a + b}
+SCALARS = {
+    "prompt_len": lambda a, b: a,
+    "prefill_tokens": lambda a, b: a + b,
+    "decode_slots": lambda a, b: a + b,
+}
 
 
 def test_select_and_concat_carry_every_field():

@@ -1,10 +1,13 @@
 """No socket file of the host reachable from inside, in every isolation mode that has a filesystem
 view of its own; a memory cap over all of a test's processes, stated in every result."""
 
+import contextlib
+import ctypes
 import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -371,7 +374,40 @@ def test_keyrings_are_out_of_every_test_s_reach(mode, request):
     before = _slot_keys()
     r = sandbox._run_one(code, TestCase("stdin", "", want), Limits(time_s=2), mode)
     assert r.status == "passed", r.reason
+    # the empty session keyring the test joined is freed by the kernel's key collector, which
+    # runs as soon as the test's last process is gone (asynchronously: wait for it)
+    for _ in range(200):
+        if _slot_keys() == before:
+            break
+        time.sleep(0.01)
     assert _slot_keys() == before
+
+
+@pytest.mark.parametrize("mode", KEY_MODES)
+def test_a_test_possesses_none_of_the_trainer_s_keys(mode, request):
+    """The trainer's session keyring is inherited by what it starts; a test joins an empty one
+    first, so /proc/keys (which lists the keys a process possesses or owns) shows none of the
+    trainer's."""
+    if mode != "bwrap" and mode != "namespaces":
+        mode = request.getfixturevalue("slot_uid_socket_patch")
+    if not os.path.exists("/proc/keys"):
+        pytest.skip("this kernel has no keyrings")
+    add_key, keyctl = _keyring_calls()
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"ibpo-trainer-{os.getpid()}".encode()
+    key = libc.syscall(ctypes.c_long(add_key), b"user", name, b"secret", ctypes.c_long(6),
+                       ctypes.c_long(-3))  # fmt: skip
+    if key < 0:
+        pytest.skip(f"cannot add a key here: {os.strerror(ctypes.get_errno())}")
+    try:
+        with open("/proc/keys") as f:
+            assert name.decode() in f.read()  # the trainer itself sees it
+        code = f"print({name.decode()!r} in open('/proc/keys').read())\n"
+        r = sandbox._run_one(code, TestCase("stdin", "", "False\n"), Limits(time_s=2), mode)
+        assert r.status == "passed", r.reason
+    finally:  # KEYCTL_UNLINK (9) from the session keyring
+        unlink = (ctypes.c_long(x) for x in (keyctl, 9, key, -3))
+        libc.syscall(*unlink)
 
 
 # x86_64 machine code for keyctl(KEYCTL_GET_KEYRING_ID, session, create) through the i386 ABI
@@ -402,3 +438,91 @@ def test_keyrings_stay_out_of_reach_through_the_other_abis(mode, abi, tmp_path):
         pytest.skip(f"this kernel runs no {abi} system calls ({host.stdout.strip() or 'crash'})")
     r = sandbox._run_one(code, TestCase("stdin", "", "-38\n"), Limits(time_s=2), mode)  # ENOSYS
     assert r.status == "passed", r.reason
+
+
+# Each attempt prints its errno's name, or "ok" when the kernel let it through.
+KERNEL_SURFACE = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+c = ctypes.c_long
+NR = {"x86_64": dict(unshare=272, setns=308, clone=56),
+      "aarch64": dict(unshare=97, setns=268, clone=220),
+      "riscv64": dict(unshare=97, setns=268, clone=220)}[os.uname().machine]
+def call(nr, *args):
+    r = libc.syscall(c(nr), *[c(a) for a in args])
+    if r == 0 and nr == NR["clone"]:
+        os._exit(0)  # the new process, if it ever existed
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+out = {
+    "unshare(NEWUSER)": call(NR["unshare"], 0x10000000),
+    "unshare(NEWNET)": call(NR["unshare"], 0x40000000),
+    "clone(NEWUSER)": call(NR["clone"], 0x10000000 | 17, 0, 0, 0, 0),
+    "clone3": call(435, 0, 0),
+    "setns": call(NR["setns"], os.open("/proc/self/ns/net", os.O_RDONLY), 0),
+    "io_uring_setup": call(425, 8, ctypes.addressof(ctypes.create_string_buffer(120))),
+    "io_uring_enter": call(426, 0, 0, 0, 0, 0),
+    "io_uring_register": call(427, 0, 0, 0, 0),
+}
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+out["fork"] = "ok" if os.waitpid(pid, 0)[1] >> 8 == 7 else "broken"
+pid = os.fork()
+if pid == 0:
+    os.execv("/bin/sh", ["sh", "-c", "exit 3"])
+out["exec"] = "ok" if os.waitpid(pid, 0)[1] >> 8 == 3 else "broken"
+for k, v in out.items():
+    print(k, v)
+"""
+KERNEL_SURFACE_SHUT = (
+    "unshare(NEWUSER) EPERM\nunshare(NEWNET) EPERM\nclone(NEWUSER) EPERM\nclone3 ENOSYS\n"
+    "setns EPERM\nio_uring_setup ENOSYS\nio_uring_enter ENOSYS\nio_uring_register ENOSYS\n"
+    "fork ok\nexec ok\n"
+)
+
+
+@pytest.mark.skipif(
+    os.uname().machine not in ("x86_64", "aarch64", "riscv64"), reason="system-call numbers"
+)
+@pytest.mark.parametrize("mode", KEY_MODES)
+def test_no_test_makes_namespaces_or_uses_io_uring(mode, request):
+    """A user namespace of a test's own would hold CAP_SYS_ADMIN and CAP_NET_ADMIN inside (the
+    route of nf_tables-class escalations), and io_uring is a kernel surface of its own: both are
+    shut in every mode, root or not, while fork and subprocesses keep working."""
+    if mode != "bwrap" and mode != "namespaces":
+        mode = request.getfixturevalue("slot_uid_socket_patch")
+    case = TestCase("stdin", "", KERNEL_SURFACE_SHUT)
+    r = sandbox._run_one(KERNEL_SURFACE, case, Limits(time_s=5), mode)
+    assert r.status == "passed", r.reason
+
+
+@pytest.mark.parametrize("mode", FS_MODES)
+def test_the_interpreter_s_prefix_shows_only_what_it_runs_on(mode, tmp_path):
+    """Configuration a user keeps in the interpreter's prefix (conda's .condarc, pip.conf, etc/)
+    and the base interpreter's site-packages stay out of sight; the standard library works."""
+    prefix = os.path.realpath(sys.base_prefix)
+    if prefix.startswith("/usr/") or not os.access(prefix, os.W_OK):
+        pytest.skip(f"the interpreter's prefix {prefix} is a system folder or not writable here")
+    site = sysconfig.get_paths(vars={"base": sys.base_prefix})["purelib"]
+    token = f"ibpo-planted-{uuid.uuid4().hex}"
+    planted = [os.path.join(prefix, ".condarc"), os.path.join(prefix, "pip.conf"),
+               os.path.join(site, "ibpo_planted.txt")]  # fmt: skip
+    fresh = [p for p in planted if not os.path.exists(p)]
+    if len(fresh) < len(planted):
+        pytest.skip("a file of that name is already in the prefix")
+    try:
+        for p in fresh:
+            Path(p).write_text(f"token: {token}\n")
+        code = (
+            "import json, ctypes, decimal, os\n"
+            f"for p in {planted!r}:\n"
+            "    print(os.path.exists(p))\n"
+            "print(sorted(os.listdir(os.path.dirname(" + repr(planted[2]) + "))))\n"
+        )
+        case = TestCase("stdin", "", "False\nFalse\nFalse\n[]\n")
+        r = sandbox._run_one(code, case, Limits(time_s=3), mode)
+        assert r.status == "passed", r.reason
+    finally:
+        for p in fresh:
+            with contextlib.suppress(OSError):
+                os.remove(p)

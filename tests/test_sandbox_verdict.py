@@ -259,3 +259,39 @@ def test_a_plain_exit_near_the_limit_stays_what_it_was():
         "error",
         "killed by SIGKILL",
     )
+
+
+CAP = 8 << 20  # Limits' default max_output_bytes
+
+
+@pytest.mark.parametrize(
+    "kind, out, res, verdict",
+    [
+        ("call", b"", b"V [" + b"0, " * (CAP // 3 - 2) + b"0]\n", "failed"),  # a forged value
+        ("call", b"", b"\n" * (CAP - 4) + b"V 6\n", "passed"),  # newlines before the record
+        ("check", b"", b"\n" * (CAP - 3) + b"D\n", "passed"),
+        ("stdin", b"\n" * (CAP - 4) + b"6\n", b"D\n", "failed"),  # newlines, then the answer
+        ("stdin", b"6" + b" " * (CAP - 4) + b"6\n", b"D\n", "failed"),  # spaces in one line
+    ],
+)
+def test_what_a_test_sends_back_is_read_within_a_bounded_memory(kind, out, res, verdict):
+    """The channels are read at most max_output_bytes each; then the trainer holds no more than
+    a few copies of that (the bound: 4 x the cap), never the objects a parse would make of it
+    (an 8 MB record parsed as JSON took 221 MB, 8 MB of newlines split 129 MB)."""
+    import tracemalloc
+
+    from ibpo.sandbox.run import Limits, TestCase
+
+    test = {
+        "call": TestCase("call", [2, 3], 6, fn_name="mul"),
+        "check": TestCase("check", CHECK, fn_name="mul"),
+        "stdin": TestCase("stdin", "", "6\n"),
+    }[kind]
+    tracemalloc.start()
+    try:
+        status, reason = classify(test, Limits(), 0, 0.1, False, out, b"", res)  # exit 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * CAP, peak
+    assert status == verdict, reason

@@ -477,6 +477,26 @@ def test_the_command_lines_name_every_override_an_arm_ran_with(study):
     assert study.seed_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
 
 
+def test_a_study_whose_runs_had_different_thread_counts_says_so_at_the_top(study):
+    """A run's summation order follows its threads: arms (or seeds) at different counts compute
+    different things, and the report says which runs had which before any figure."""
+    runs = []
+    for arm in ("on-ibpo", "on-dfpo"):
+        for seed in range(4):
+            r = _record(arm, study.ON, seed, 0.5)
+            threads = 2 if (arm, seed) in (("on-ibpo", 3), ("on-dfpo", 1)) else 1
+            runs.append({**r, "command": f"HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} ibpo train"})
+    warning = study.mixed_threads(runs)
+    assert warning.startswith("**Warning: these runs computed at different thread counts**")
+    assert "1 thread: on-ibpo seeds 0-2; on-dfpo seeds 0, 2-3" in warning
+    assert "2 threads: on-ibpo seeds 3; on-dfpo seeds 1" in warning
+    md = study.build_report(runs, [])[1]
+    assert warning in md.split("## ", 1)[0]  # above every section
+    same = [{**r, "command": "OMP_NUM_THREADS=1 ibpo train"} for r in runs]
+    assert study.mixed_threads(same) == ""
+    assert "different thread counts" not in study.build_report(same, [])[1]
+
+
 def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
     """--seconds-from: a run takes its rerun's step seconds when the rerun took the same steps
     (the same loss and reward at each); a run whose rerun differs, or that has none, is left out

@@ -311,3 +311,22 @@ def test_a_lora_config_and_held_out_rows_from_python(tiny_model_dir, tmp_path):
         ibpo.train(overrides=settings, dataset=ROWS, peft_config={"r": 4})
     with pytest.raises(ConfigError, match="held-out rows were given in Python"):
         ibpo.train(overrides={**settings, "data.eval.dataset": "in-memory"}, dataset=ROWS)
+
+
+def test_a_resume_without_the_rows_says_to_pass_them_and_changes_no_file(tiny_model_dir, tmp_path):
+    """A run trained on rows passed as dataset= resumes only with them: without them one clear
+    error, with other rows the checkpoint's stream refuses them; either way the run's files
+    (its config.yaml first) are as the finished run left them."""
+    out = tmp_path / "run"
+    settings = {**_settings(tiny_model_dir, out, steps=1, eval_size=0), "objective.name": "grpo"}
+    reward = lambda completions, **k: [float(len(c) % 2) for c in completions]  # noqa: E731
+    assert ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=reward).status == "completed"
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = {**settings, "run.resume_from": "latest", "train.steps": 2}
+    with pytest.raises(ConfigError, match=r"trained on rows passed as dataset=.*same rows"):
+        ibpo.train(overrides=again, reward_funcs=reward)
+    with pytest.raises(ConfigError, match="resume with the same data settings"):
+        ibpo.train(overrides=again, dataset=ROWS[:5], reward_funcs=reward)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    resumed = ibpo.train(overrides=again, dataset=ROWS, reward_funcs=reward)
+    assert resumed.status == "completed" and resumed.summary["steps"] == 2

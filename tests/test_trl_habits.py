@@ -37,18 +37,11 @@ def shorter_than(completions, limit, **kwargs):
     return [float(len(c) < limit) for c in completions]
 
 
-def test_a_partial_is_named_by_its_function_and_two_of_one_must_be_named():
+def test_a_partial_records_the_function_it_wraps_and_that_it_cannot_be_imported_back():
     brief = functools.partial(shorter_than, limit=3)
-    rs = reward_set([brief])
-    assert rs.names == ["shorter_than"]  # TRL's name for it, not "partial"
-    assert rs.score(["ab", "abcd"], {}, ["p", "p"]).totals == [1.0, 0.0]
+    assert reward_set([brief]).names == ["shorter_than"]
     assert import_path(brief) == f"{__name__}:shorter_than.<partial>"  # never imports back bare
-    wordy = functools.partial(shorter_than, limit=100)
-    with pytest.raises(ConfigError, match="two reward functions are named 'shorter_than'.*"
-                       r"set its `__name__` \(a functools.partial takes one"):  # fmt: skip
-        reward_set([brief, wordy])
-    wordy.__name__ = "under_100"
-    assert reward_set([brief, wordy]).names == ["shorter_than", "under_100"]
+    assert import_path(shorter_than) == f"{__name__}:shorter_than"
 
 
 # --- isolation -------------------------------------------------------------------------------
@@ -83,7 +76,7 @@ def test_each_reward_call_gets_values_no_earlier_call_could_change():
 # --- messages that end with the answer -----------------------------------------------------------
 
 
-def test_messages_ending_with_the_assistant_s_answer_are_cut_there(capsys):
+def test_messages_ending_with_the_answer_are_asked_without_it_also_streamed(capsys):
     def turns(q, a):
         return [{"role": "system", "content": "be brief"}, {"role": "user", "content": q},
                 {"role": "assistant", "content": a}]  # fmt: skip
@@ -92,8 +85,7 @@ def test_messages_ending_with_the_assistant_s_answer_are_cut_there(capsys):
     rows = [{"messages": turns("what is 2+3?", "5")}, {"messages": turns("what is 1+1?", "2")}]
     train, _ = load_splits(cfg, rows=rows)
     err = capsys.readouterr().err
-    assert err.count("'messages' ends with the assistant's answer") == 1
-    assert "left out of the prompt, as TRL's prompt-only conversion does" in err
+    assert "2 conversations in 'messages' end in the assistant's reply" in err
     ex = train[0]
     assert [m["role"] for m in ex.messages] == ["system", "user"] and ex.answer == "5"
     text = render_example(make_tokenizer(), ex, cfg)
@@ -102,6 +94,11 @@ def test_messages_ending_with_the_assistant_s_answer_are_cut_there(capsys):
     rows = [{"messages": turns("what is 2+3?", "it is 5"), "answer": "5"}]
     (ex,), _ = load_splits(cfg, rows=rows)
     assert ex.answer == "5" and len(ex.messages) == 2
+    # a stream of them says so at its first
+    stream = _iterable([{"messages": turns(f"what is {i}+1?", str(i + 1))} for i in range(3)])
+    train, _ = load_splits(cfg, rows=stream)
+    assert [ex.answer for ex in training_stream(train, 0).take(3)] == ["1", "2", "3"]
+    assert "the conversations in 'messages' end in the assistant's reply" in capsys.readouterr().err
 
 
 # --- streams -------------------------------------------------------------------------------------
@@ -241,9 +238,7 @@ def _files(folder):
     return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
 
 
-def test_a_stream_trains_resumes_and_a_failed_resume_leaves_the_run_alone(
-    tiny_model_dir, tmp_path
-):
+def test_a_stream_trains_resumes_and_a_failed_resume_leaves_the_run_alone(tiny_model_dir, tmp_path):
     drawn = []
 
     def parity(prompts, completions, **kwargs):
@@ -260,8 +255,8 @@ def test_a_stream_trains_resumes_and_a_failed_resume_leaves_the_run_alone(
     # a resume without the rows: one line naming the fix, before anything loads
     before = _files(out)
     settings.update({"run.resume_from": "latest", "train.steps": 3})
-    with pytest.raises(ConfigError, match="this run was trained on rows passed as dataset=; "
-                       "pass them again"):  # fmt: skip
+    with pytest.raises(ConfigError, match="was trained on rows passed as dataset=, and they "
+                       "were not passed again. Fix: pass the same rows"):  # fmt: skip
         ibpo.train(overrides=settings, reward_funcs=parity)
     # other rows than the run's: refused once the checkpoint is read, and nothing rewritten
     with pytest.raises(ConfigError, match="read its training rows as a stream"):

@@ -452,3 +452,72 @@ def test_a_lora_config_is_recorded_and_dora_turns_the_cpu_fold_off():
 
     model = torch.nn.Sequential(DoraLayer())
     assert not use_dequantized_base(ModelConfig(quantization="nf4"), torch.device("cpu"), model)
+
+
+# --- names and isolation ----------------------------------------------------------------------
+
+
+def test_a_partial_is_named_by_the_function_it_wraps_and_two_say_how_to_part_them():
+    import functools
+
+    def within(completions, limit, **kwargs):
+        return [float(len(c) <= limit) for c in completions]
+
+    short = functools.partial(within, limit=3)
+    assert reward_set(short).functions[0].name == "within"  # TRL's name for it
+    short.__name__ = "short"
+    assert reward_set(short).functions[0].name == "short"
+    with pytest.raises(ConfigError, match=r"named 'within'.*__name__"):
+        reward_set([functools.partial(within, limit=3), functools.partial(within, limit=9)])
+
+
+def test_no_call_sees_what_an_earlier_call_changed_in_place():
+    """A reward that appends to a list a row holds (or to a completion's messages) changes
+    nothing the next function, the next chunk or the next step gets."""
+    seen = []
+
+    def greedy(completions, tags, **kwargs):
+        seen.append([list(t) for t in tags])
+        for t in tags:
+            t.append("mine")  # in place
+        for c in completions:
+            c[0]["content"] += "!"
+        return [1.0] * len(completions)
+
+    def other(completions, tags, **kwargs):
+        seen.append([list(t) for t in tags])
+        return [float(c[0]["content"].endswith("!")) for c in completions]
+
+    rows = {"tags": [["a"], ["b"]]}
+    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    fns = reward_set([greedy, other], workers=2)
+    for _ in range(2):  # two steps over the same rows
+        grades = fns.score(completions, rows, ["q1", "q2"])
+        assert grades.per_function["other"] == [0.0, 0.0]
+    assert all(s in ([["a"], ["b"]], [["a"]], [["b"]]) for s in seen), seen
+    assert rows == {"tags": [["a"], ["b"]]} and completions[0][0]["content"] == "4"
+
+
+def test_a_whole_chat_ending_in_the_reply_asks_the_conversation_before_it(capsys):
+    """Rows whose `messages` end in the assistant's answer (a chat dataset): the reply is left
+    out of the prompt and, without an answer column, is the answer, as TRL's prompt-only
+    conversion reads them; one line says so."""
+    rows = [
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": f"what is {i} + 1?"},
+                      {"role": "assistant", "content": str(i + 1)}]}
+        for i in range(3)
+    ]  # fmt: skip
+    from ibpo.data.rows import RowList, rows_to_examples
+
+    cfg = DataConfig(question_column="messages")
+    examples = rows_to_examples(RowList(rows), cfg, "rows")
+    assert [ex.answer for ex in examples] == ["1", "2", "3"]
+    assert [m["role"] for m in examples[0].messages] == ["system", "user"]
+    assert examples[2].question == "what is 2 + 1?"
+    said = capsys.readouterr().err
+    assert "3 conversations in 'messages' end in the assistant's reply" in said
+    # with an answer column of its own, that one is the answer and the reply is still left out
+    with_answer = [{**r, "answer": "x"} for r in rows]
+    examples = rows_to_examples(RowList(with_answer), cfg, "rows")
+    assert [ex.answer for ex in examples] == ["x"] * 3 and len(examples[0].messages) == 2

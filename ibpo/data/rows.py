@@ -129,6 +129,9 @@ class RowList:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
 
 def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = True) -> list[Example]:
     """Rows -> examples. `need_answer=False` (no built-in grader reads the gold answer): a row
@@ -140,30 +143,27 @@ def rows_to_examples(rows, cfg: DataConfig, source: str, need_answer: bool = Tru
     return out
 
 
-def ends_with_answer(prompt: Any) -> bool:
-    """A chat whose last turn is the assistant's (TRL's conversational language-modeling
-    `messages`): the answer, not a prompt to continue."""
-    return is_chat(prompt) and len(prompt) > 1 and prompt[-1]["role"] == "assistant"
-
-
 class RowReader:
     """Reads a dataset's rows one at a time as examples (`example`), the same for a table read
-    whole and for a stream read as it is drawn: the columns checked once (TRL's `prompt` read
-    where `question` is missing), an unusable row an error naming it (or, with
-    data.skip_unusable, counted and left out), a chat ending in the assistant's answer cut
-    there (its last turn the gold answer where the row has no answer column), said once."""
+    whole (`report` then says what was left out or changed) and for a stream read as it is
+    drawn (`streamed`: said at the first occurrence): the columns checked once (TRL's `prompt`
+    read where `question` is missing), an unusable row an error naming it (or, with
+    data.skip_unusable, counted and left out), a conversation ending in the assistant's reply
+    cut there (the reply the answer where the row has no answer column)."""
 
-    def __init__(self, rows, cfg: DataConfig, source: str, need_answer: bool = True):
+    def __init__(
+        self, rows, cfg: DataConfig, source: str, need_answer: bool = True, streamed=False
+    ):
         cols = list(getattr(rows, "column_names", None) or _first_row_columns(rows))
         if cfg.question_column == "question" and "question" not in cols and "prompt" in cols:
             cfg = dataclasses.replace(cfg, question_column="prompt")
-        self.cfg, self.source, self.need_answer = cfg, source, need_answer
-        self.has_answer = _has_column(cols, cfg.answer_column)
-        needed = [cfg.question_column] + ([cfg.answer_column] if need_answer else [])
+        self.cfg, self.source, self.need_answer, self.streamed = cfg, source, need_answer, streamed
+        needed = (cfg.question_column, cfg.answer_column) if need_answer else (cfg.question_column,)
+        first = next(iter(rows), None)
+        if isinstance(first, dict) and ends_in_reply(first, cfg.question_column):
+            needed = (cfg.question_column,)  # the conversations' replies may be the answers
         for col in needed:
-            if _has_column(cols, col) or (
-                col == cfg.answer_column and self._answers_in_chats(rows)
-            ):
+            if col in cols or col.split(".")[0] in cols:
                 continue
             raise ConfigError(
                 f"dataset '{source}' has no column '{col.split('.')[0]}'; its columns are: "
@@ -171,17 +171,7 @@ class RowReader:
                 "path reads a field of a struct column)."
             )
         self.skipped, self.first_skipped, self.last_skipped = 0, "", ""  # data.skip_unusable
-        self.cut = 0  # chats whose trailing assistant turn was cut off
-
-    def _answers_in_chats(self, rows) -> bool:
-        """Whether the answers are the last turns of the question column's chats."""
-        row = next(iter(rows), None)
-        try:
-            return row is not None and ends_with_answer(
-                column_value(row, self.cfg.question_column, chat_as_text=False)
-            )
-        except KeyError:
-            return False
+        self.replies = 0  # conversations whose trailing reply was left out of the prompt
 
     def example(self, row: dict, i: int) -> Example | None:
         """Row i as an Example; None for an unusable row left out (data.skip_unusable)."""
@@ -207,6 +197,8 @@ class RowReader:
                 f"{first}. Fix: check data.question_column, data.answer_column and "
                 "data.answer_format against the file's rows."
             )
+        if self.replies:
+            self._say_replies(str(self.replies))
         if skipped:
             print(
                 f"ibpo: {source}: left out {skipped} of {skipped + kept} rows "
@@ -214,40 +206,33 @@ class RowReader:
                 file=sys.stderr,
             )
 
-    def _say_cut(self) -> None:
-        if self.cut == 1:
-            where = (
-                f"the row's '{self.cfg.answer_column}' is the gold answer"
-                if self.has_answer
-                else f"that turn is the gold answer (data.answer_format={self.cfg.answer_format})"
-            )
-            print(
-                f"ibpo: {self.source}: '{self.cfg.question_column}' ends with the assistant's "
-                "answer: that turn is left out of the prompt, as TRL's prompt-only conversion "
-                f"does, and {where}",
-                file=sys.stderr,
-            )
+    def _say_replies(self, how_many: str) -> None:
+        print(
+            f"ibpo: {self.source}: {how_many} conversations in '{self.cfg.question_column}' end "
+            "in the assistant's reply: it is left out of the prompt (and is the answer where the "
+            f"row has no '{self.cfg.answer_column}'), as TRL reads a whole chat",
+            file=sys.stderr,
+        )
 
     def _example(self, row: dict, i: int) -> Example:
         cfg, source = self.cfg, self.source
         prompt = _field(row, cfg.question_column, source, i, chat_as_text=False)
-        messages, final = None, None
-        if ends_with_answer(prompt):  # the answer is not shown to the model
-            final = prompt[-1]["content"]
-            prompt = prompt[:-1]
-            self.cut += 1
-            self._say_cut()
+        messages, reply = None, None
         if is_chat(prompt):  # a conversation: rendered whole; its last user message the question
+            prompt, reply = _without_reply(prompt)
             messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
             q = last_user_message(prompt)
+            self.replies += reply is not None
+            if self.streamed and reply is not None and self.replies == 1:
+                self._say_replies("the")
         else:
             q = prompt
         try:
             raw = _field(row, cfg.answer_column, source, i)
         except ConfigError:
-            if self.need_answer and final is None:
+            if self.need_answer and reply is None:
                 raise
-            raw = final
+            raw = reply  # the conversation's own last reply is its answer, as TRL reads it
         a = gold_answer(raw, cfg.answer_format)
         if q is None or not str(q).strip():
             raise ConfigError(f"dataset '{source}', row {i}: empty '{cfg.question_column}'")
@@ -260,14 +245,25 @@ class RowReader:
         return Example(str(q).strip(), a or "", dict(row), messages, given)
 
 
-def _has_column(cols: list[str], path: str) -> bool:
-    return path in cols or path.split(".")[0] in cols
-
-
 def _first_row_columns(rows) -> list[str]:
     """The columns of a stream whose features are not declared: its first row's."""
     row = next(iter(rows), None)
     return list(row) if isinstance(row, dict) else []
+
+
+def _without_reply(messages: list) -> tuple[list, str | None]:
+    """A conversation that ends in the assistant's reply (a whole chat, not a prompt): the
+    turns before it, and the reply's content (TRL's prompt-only conversion); else as it is."""
+    if len(messages) > 1 and messages[-1]["role"] == "assistant":
+        return list(messages[:-1]), str(messages[-1]["content"])
+    return list(messages), None
+
+
+def ends_in_reply(row: dict, column: str) -> bool:
+    """Whether a row's conversation ends in the assistant's reply (then dropped from its
+    prompt)."""
+    value = row.get(column.split(".")[0])
+    return is_chat(value) and len(value) > 1 and value[-1]["role"] == "assistant"
 
 
 def _field(row: dict, path: str, source: str, i: int, chat_as_text: bool = True) -> Any:

@@ -170,7 +170,7 @@ def _stream_splits(rows, cfg: DataConfig, need_answer: bool, eval_rows):
             "pass after pass. Fix: pass datasets.IterableDataset.from_generator(fn) (or "
             "Dataset.to_iterable_dataset())"
         )
-    reader = RowReader(rows, cfg, IN_MEMORY, need_answer)
+    reader = RowReader(rows, cfg, IN_MEMORY, need_answer, streamed=True)
     skip, held = 0, []
     if eval_rows is not None:
         table = _row_table(eval_rows, "eval_dataset", cfg.eval_size)

@@ -30,7 +30,7 @@ from ibpo.evaluation.evaluate import (
     run_benchmark,
     summarize,
 )
-from ibpo.generation import engine_kwargs, generate, import_vllm
+from ibpo.generation import decode_engine, engine_kwargs, generate, import_vllm
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.quiet import quiet_third_party
 
@@ -70,6 +70,7 @@ def hf_sampler(args) -> tuple[Sampler, object]:
         args.model, args.adapter, args.quantization, args.dtype, revision=args.model_revision
     )
     device = next(p for p in model.parameters()).device
+    engine = decode_engine(model, getattr(args, "decode", "auto"))
 
     def sample(prompts: list[str], seeds: list[int]) -> list[tuple[str, int, bool]]:
         from transformers import LogitsProcessorList
@@ -87,6 +88,7 @@ def hf_sampler(args) -> tuple[Sampler, object]:
             len(prompts),
             do_sample=False,
             logits_processor=processor,
+            engine=engine,
         )
         return list(zip(ro.texts, ro.lengths, ro.host_truncated()))
 
@@ -175,6 +177,13 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     )
     add("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add("--backend", choices=["hf", "vllm"], default="hf")
+    add(
+        "--decode",
+        choices=["auto", "graph", "eager"],
+        default="auto",
+        help="hf: graph = the package's decode engine (CUDA graphs on CUDA), eager = HF generate, "
+        "auto = graph on CUDA, eager on CPU (as rollout.decode)",
+    )
     add(
         "--max-model-len",
         type=int,

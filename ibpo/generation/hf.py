@@ -12,12 +12,14 @@ records its log-prob (sampling.py); the slices after the first draw from streams
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from functools import partial
 
 import torch
 from torch import nn
 
+from ibpo.generation.decode import DecodeEngine, Sampling, unsupported_reason
 from ibpo.generation.prefixes import (
     CACHE_KWARG,
     plan_shared_prefixes,
@@ -30,6 +32,8 @@ from ibpo.generation.rollout import Generator, Rollout, assemble, encode_prompts
 from ibpo.generation.sampling import SampledLogprobs
 from ibpo.generation.streams import sampling_stream, stream_position
 from ibpo.logprobs import unwrap
+
+log = logging.getLogger(__name__)
 
 
 def set_kv_cache(model: nn.Module, kind: str) -> None:
@@ -70,10 +74,13 @@ def generate(
     top_k: int = 0,
     logits_processor=None,
     share_prefixes: bool = True,
+    engine: DecodeEngine | None = None,
 ) -> Rollout:
     """`num_samples` completions of each prompt, grouped prompt-major: N = len(prompts) * G.
     `logits_processor`: extra processing after the model's (e.g. evaluation's per-row seeded
-    sampling over greedy decoding). A sampled rollout carries its behaviour log-probs."""
+    sampling over greedy decoding). A sampled rollout carries its behaviour log-probs.
+    `engine`: decode with the package's engine (decode.py) from the same prompt cache; None, or an
+    engine that turned itself off, decodes with HF generate."""
     device = next(p for p in model.parameters()).device
     # the host copies give each row's real ids (prefix sharing plans on them) without a read
     # from the device
@@ -143,6 +150,15 @@ def generate(
             else:
                 computed += sum(len(r) for r in real)
             with sampling_stream(device, key, k) if key and k else nullcontext():
+                decoded = None
+                if engine is not None:
+                    sampling = Sampling(do_sample, temperature, top_k, top_p)
+                    decoded = engine_decode(engine, gen_model, inputs, kwargs, sampling, processors)
+                if decoded is not None:
+                    pieces.append(decoded[0])
+                    if decoded[1] is not None:
+                        logprobs.append(decoded[1])
+                    continue
                 out = gen_model.generate(
                     logits_processor=processors + ([recorder] if recorder else []),
                     **inputs,
@@ -153,10 +169,66 @@ def generate(
                 logprobs.append(recorder.finish(pieces[-1]))
     finally:
         model.train(was_training)
-    return assemble(prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed)
+    slots = sum(p.shape[0] * p.shape[1] for p in pieces)  # each slice ran all its rows
+    return assemble(
+        prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed, slots
+    )
 
 
-def hf_generator(model: nn.Module, share_prefixes: bool = True) -> Generator:
+def engine_decode(engine: DecodeEngine, model, inputs: dict, kwargs: dict, sampling, processors):
+    """One slice through the engine: the cache of all but the last prompt column (hf.py's own,
+    taken out of `inputs` so that it is freed once copied, or one forward here) -> (tokens,
+    log-probs) as DecodeEngine.decode returns them; None when the engine is off (the caller
+    decodes with HF generate, from the prompt alone if its cache was taken)."""
+    if engine.disabled:
+        return None
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    if CACHE_KWARG not in inputs and ids.shape[1] > 1:
+        inputs[CACHE_KWARG] = prefill(model, ids, mask, 1)
+    config = unwrap(model).generation_config
+    engine.load(
+        ids,
+        mask,
+        inputs.pop(CACHE_KWARG, None),
+        max_new_tokens=kwargs["max_new_tokens"],
+        eos=kwargs["eos_token_id"],
+        pad_id=kwargs["pad_token_id"],
+        sampling=sampling,
+        min_new_tokens=getattr(config, "min_new_tokens", None) or 0,
+    )
+    return engine.decode(processors)
+
+
+_SAID: set[str] = set()
+
+
+def decode_engine(model: nn.Module, mode: str) -> DecodeEngine | None:
+    """The engine for rollout.decode=`mode`: graph, or auto on CUDA -> a DecodeEngine; eager, auto
+    on CPU, and graph where the engine cannot run this model (one log line saying why) -> None
+    (HF generate decodes)."""
+    if mode == "auto":
+        device = next(p for p in model.parameters()).device
+        mode = "graph" if device.type == "cuda" else "eager"
+    if mode == "eager":
+        return None
+    reason = unsupported_reason(model)
+    if reason is None and getattr(unwrap(model).generation_config, "min_length", 0):
+        reason = "the model's generation_config sets min_length"
+    if reason is not None:
+        if reason not in _SAID:  # once per reason and process, not once per phase
+            _SAID.add(reason)
+            log.warning(
+                "ibpo: rollout.decode=graph: %s; decoding with HF generate (rollout.decode=eager)",
+                reason,
+            )
+        return None
+    return DecodeEngine(model)
+
+
+def hf_generator(
+    model: nn.Module, share_prefixes: bool = True, engine: DecodeEngine | None = None
+) -> Generator:
     """The policy's own generate() as a Generator (rollout.backend=hf); `share_prefixes`: prompts
-    that begin alike run their common prefix once (off only to compare against it)."""
-    return partial(generate, model, share_prefixes=share_prefixes)
+    that begin alike run their common prefix once (off only to compare against it); `engine`:
+    decode with it (decode_engine; its owner releases it when the phase ends)."""
+    return partial(generate, model, share_prefixes=share_prefixes, engine=engine)

@@ -50,6 +50,10 @@ class Rollout:
     # rows share, counts once); None: not reported (the sum of host_prompt_lengths is the bound).
     # Work done, not a property of rows: a selection keeps its rollout's, a concatenation sums
     prefill_tokens: int | None = None
+    # row-steps the backend decoded: each call's rows x its steps, a row counting every step of
+    # its call, ended or not (decode_idle_share in the step's metrics); None: not reported.
+    # Work done, like prefill_tokens
+    decode_slots: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -98,6 +102,7 @@ class Rollout:
             cut_off=[cut[i] for i in rows],
             logprobs=None if self.logprobs is None else self.logprobs[idx],
             prefill_tokens=self.prefill_tokens,
+            decode_slots=self.decode_slots,
         )
 
 
@@ -117,6 +122,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         if r.logprobs is not None:
             logprobs.append(pad(r.logprobs, (0, right), value=0.0))
     prefill = [r.prefill_tokens for r in rollouts]
+    slots = [r.decode_slots for r in rollouts]
     return Rollout(
         input_ids=torch.cat(ids),
         attention_mask=torch.cat(att),
@@ -129,6 +135,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         cut_off=[c for r in rollouts for c in r.host_truncated()],
         logprobs=torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
         prefill_tokens=None if None in prefill else sum(prefill),
+        decode_slots=None if None in slots else sum(slots),
     )
 
 
@@ -171,10 +178,11 @@ def assemble(
     eos: list[int],
     logprobs: list[Tensor] | None = None,
     prefill_tokens: int | None = None,
+    decode_slots: int | None = None,
 ) -> Rollout:
     """Left-padded prompts [N, P] + completion slices (each [n, t], right-padded, EOS kept) and,
-    when the backend reports them, the slices' behaviour log-probs (each [n, t]) and the prompt
-    tokens it ran (Rollout.prefill_tokens)."""
+    when the backend reports them, the slices' behaviour log-probs (each [n, t]), the prompt
+    tokens it ran (Rollout.prefill_tokens) and its row-steps (Rollout.decode_slots)."""
     width = max(p.shape[1] for p in pieces)
     pad = nn.functional.pad
     completions = torch.cat(
@@ -204,4 +212,5 @@ def assemble(
         cut_off=truncated.tolist(),
         logprobs=behaviour,
         prefill_tokens=prefill_tokens,
+        decode_slots=decode_slots,
     )

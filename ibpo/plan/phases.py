@@ -67,6 +67,8 @@ from ibpo.sizes import (
     VLLM_BATCHED_TOKENS,
     VLLM_OVERHEAD_BYTES,
     ModelShape,
+    engine_columns,
+    engine_sampling_bytes,
     kv_cache_bytes,
     layer_saved_per_token,
     layer_transient_per_token,
@@ -140,13 +142,21 @@ def _fsdp_whole(shape: ModelShape, model: ModelConfig, b: int) -> int:
     return base + F32 * lora_parameter_count(shape, model.lora_r, model.lora_target_modules)
 
 
-def _generation(shape, model, b, batch, prompt, new, sampling, groups=None) -> dict[str, int]:
+def _generation(
+    shape, model, b, batch, prompt, new, sampling, groups=None, engine=False
+) -> dict[str, int]:
     """One generate() call: the larger of the prefill (short cache, wide working set) and the
-    last decoding step (full cache; torch.cat regrows a layer's cache, old and new coexist).
-    `groups`: the call's distinct prompts when its rows are groups of one prompt each: the
-    rollout runs each prompt once and repeats its cache to the group's rows
+    last decoding step. `groups`: the call's distinct prompts when its rows are groups of one
+    prompt each: the rollout runs each prompt once and repeats its cache to the group's rows
     (generation.prefixes.prefill), so the prefill holds the cache and working set of `groups`
-    rows; the repeated cache is the decoding steps' (counted there at full length)."""
+    rows; the repeated cache is the decoding steps' (counted there at full length).
+
+    Decoding with HF generate (`engine` False), torch.cat regrows a layer's cache, old and new
+    coexist. With the decode engine (generation/decode.py) the cache is static, allocated at
+    whole buckets (sizes.engine_columns) and filled from the prompt's cache, each layer of which
+    is freed once copied, before the first step; then its captured graphs keep the step's
+    temporaries (the sampling logits). The larger of the two is counted beside the static
+    cache."""
     deq = _dequant_bytes(shape, model, b)
     rows = batch if groups is None else groups
     full = kv_cache_bytes(shape, batch, prompt + new, b)
@@ -156,6 +166,18 @@ def _generation(shape, model, b, batch, prompt, new, sampling, groups=None) -> d
         "sampling logits": sampling,
         "4-bit dequant buffer": deq,
     }
+    if engine:  # the prompt's cache is freed before the first step samples
+        decode = {
+            "KV cache (static, whole buckets)": kv_cache_bytes(
+                shape, batch, engine_columns(prompt + new), b
+            ),
+            "4-bit dequant buffer": deq,
+        }
+        layer = kv_cache_bytes(shape, batch, prompt, b) // shape.layers
+        if layer > sampling:
+            decode["prompt cache, one layer (copied in)"] = layer
+        else:
+            decode["sampling logits (graph pool)"] = sampling
     prefill = {
         "KV cache": kv_cache_bytes(shape, rows, prompt, b),
         "prefill working set": int(rows * prompt * prefill_per_token(shape, b))
@@ -244,26 +266,31 @@ def phase_bytes(
     shards = gpus if sharding == "fsdp" else 1  # FSDP2 on one GPU: a mesh of one divides nothing
     P = cfg.data.max_prompt_tokens
     n = min(ro.generation_batch_size, cfg.train.prompts_per_step * ro.group_size)
-    sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
     G = ro.group_size  # a generate() call of whole groups prefills each group's prompt once
+    # the decode engine on CUDA (rollout.decode auto or graph; FSDP decodes with HF generate)
+    engine = ro.backend == "hf" and ro.decode != "eager" and sharding != "fsdp"
+    picking = engine_sampling_bytes if engine else sampling_bytes
+    sampling = picking(n, V, b, ro.top_p, sample=True)
     groups = n // G if n % G == 0 else None
     phases = {
-        "generation": _generation(shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, groups)
+        "generation": _generation(
+            shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, groups, engine
+        )
     }
     repair = repair_generation(cfg)
     if repair:
         n, p, t = repair
-        sampling = sampling_bytes(n, V, b, ro.top_p, sample=True)
-        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling)
+        sampling = picking(n, V, b, ro.top_p, sample=True)
+        phases["repair"] = _generation(shape, cfg.model, b, n, p, t, sampling, engine=engine)
     train = phases["training"] = _training(shape, cfg, b, sharding)
     train["LoRA grads (fp32)"] = math.ceil(train["LoRA grads (fp32)"] / shards)
     if gpus > 1 and sharding == "ddp":  # DDP copies the gradients into its reduction buckets
         train["DDP grad buckets"] = train["LoRA grads (fp32)"]
     if cfg.data.eval_size > 0:
         n = min(ro.generation_batch_size, math.ceil(cfg.data.eval_size / gpus))
-        sampling = sampling_bytes(n, V, b, 1.0, sample=False)
+        sampling = picking(n, V, b, 1.0, sample=False)
         phases["evaluation"] = _generation(
-            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling
+            shape, cfg.model, b, n, P, ro.eval_max_new_tokens, sampling, engine=engine
         )
     base = _persistent(shape, cfg, b, shards, fsdp=sharding == "fsdp")
     out = {name: {**base, **parts} for name, parts in phases.items()}

@@ -26,7 +26,7 @@ graders compare against). A function that takes only some of these takes `**kwar
 rest, as TRL's do; one that needs an argument nobody passes, or refuses one that is passed,
 is an error naming it before its first call runs.
 
-Each call gets values of its own (`fresh` copies, at every depth): what a function changes in
+Each call gets values of its own (`_own` copies, at every depth): what a function changes in
 its arguments (appending to a list inside a row's column) reaches no other call, no later step
 and not the dataset's rows.
 
@@ -200,13 +200,26 @@ def import_reward(path: str) -> RewardCallable:
     return fn
 
 
+def _own(values: list) -> list:
+    """A copy of a slice of a column (or of the prompts, completions, completion ids) that no
+    other call shares: deep, but for values deepcopy cannot copy, which are passed as they are."""
+    flat = (str, int, float, bool, type(None))
+    if all(isinstance(v, flat) for v in values):  # texts, answers: nothing to change in place
+        return list(values)
+    if all(isinstance(v, list) and all(isinstance(x, flat) for x in v) for v in values):
+        return [list(v) for v in values]  # token ids: as fast as a copy gets
+    try:
+        return copy.deepcopy(values)
+    except Exception:  # noqa: BLE001 - an object deepcopy refuses: shared, as TRL shares all
+        return [copy.copy(v) if isinstance(v, (list, dict, set)) else v for v in values]
+
+
 def reward_name(fn: RewardCallable) -> str:
     """The name a function's metric is logged under (TRL's: the function's __name__; a
-    functools.partial's is the wrapped function's, unless `__name__` is set on it)."""
-    own = getattr(fn, "__name__", None)
-    if own:
-        return own
-    inner = _unwrapped(fn)
+    functools.partial without a __name__ of its own: the wrapped function's)."""
+    inner = fn
+    while isinstance(inner, functools.partial) and not getattr(inner, "__name__", None):
+        inner = inner.func
     return getattr(inner, "__name__", None) or type(inner).__name__
 
 
@@ -329,8 +342,9 @@ class RewardSet:
         if dup:
             raise ConfigError(
                 f"two reward functions are named {dup[0]!r}; their metrics would collide. "
-                "Fix: give each its own name: set its `__name__` (a functools.partial takes one "
-                "too: p.__name__ = 'short_answers'), as TRL names a function by it"
+                "Fix: give each function its own name: def it under another name, or set "
+                f"`fn.__name__ = '{dup[0]}_2'` (two functools.partial of one function are both "
+                "named after it)"
             )
         self.functions, self.workers = list(functions), max(int(workers), 1)
         self.timeout = None if timeout is None or timeout <= 0 else float(timeout)
@@ -425,10 +439,11 @@ class RewardSet:
         return grades
 
     def _kwargs(self, r: RewardFunction, base: dict, lo: int, hi: int, grading: _Grading) -> dict:
-        """The keyword arguments of r's call on completions[lo:hi], values of its own (fresh:
-        what an earlier call changed in its arguments never reaches this one, nor the rows);
-        what it logs goes to `grading`."""
-        kw = {k: fresh(v[lo:hi]) if isinstance(v, list) else v for k, v in base.items()}
+        """The keyword arguments of r's call on completions[lo:hi]; what it logs goes to
+        `grading`."""
+        # each call gets values of its own: a function that changes a value in place (appends
+        # to a list a row holds) changes nothing another call, or a later step, sees
+        kw = {k: _own(v[lo:hi]) if isinstance(v, list) else v for k, v in base.items()}
         kw["log_extra"] = functools.partial(self._log_extra, grading, lo, hi)
         kw["log_metric"] = functools.partial(self._log_metric, grading)
         self._check_arguments(r, kw)
@@ -566,25 +581,6 @@ async def _caught(awaitable) -> tuple[Any, list[GraderFailure]]:
     that awaits it, as a synchronous call's are on its thread."""
     with grader_errors.collecting() as failures:
         return await awaitable, failures
-
-
-_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), range)
-
-
-def fresh(value: Any) -> Any:
-    """A copy no change to `value` reaches, nor a change to it reaches `value`: lists, dicts,
-    tuples and sets copied at every depth, immutable scalars as they are (the fast path for
-    what rows hold), anything else deep-copied."""
-    kind = type(value)
-    if kind in _IMMUTABLE:
-        return value
-    if kind is list:
-        return [fresh(v) for v in value]
-    if kind is dict:
-        return {k: fresh(v) for k, v in value.items()}
-    if kind is tuple:
-        return tuple(fresh(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def _short(value) -> str:

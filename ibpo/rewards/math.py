@@ -45,12 +45,14 @@ variable on its left (`x = 2`, `AB = 5`, `x_1 = 4`), so `1 = 2` and `f(x) = 3` a
 the gold is an equation too.
 
 Plain numbers (`12`, `0.5`, `1/2`, `\frac{1}{2}`, `1.5e3`, `6.02 \times 10^{23}`), and sets,
-intervals and tuples of them, are compared in Python: integers exactly; others within
-a relative REL_TOL (floating-point noise), within ZERO_TOL of an exact 0 (`0.0000004` is not 0),
-or when one side, as written with at least ROUNDED_DIGITS significant digits, is the other
-rounded to its decimal places (`0.333333` and `0.0123457` for `\frac{1}{3}` and `\frac{1}{81}`;
-`0.3` is not `\frac{1}{3}`, `1000000.5` is not 1000000); sets in any order, `[1,2)` is not
-`[1,2]`. Identical strings match. Sympy cannot tell what `\dots` stands for, so lists with an
+intervals and tuples of them, are compared in Python, exactly, with two readings that never let
+one answer equal two golds written at one precision: against a gold of at most FLOAT_DIGITS
+significant digits an answer's floating-point noise drops (`0.30000000000000004` is 0.3), and a
+gold written as a decimal of at least ROUNDED_DIGITS significant digits (`3.14159`) takes an
+answer that rounds to it. Integers and fractions are exact: `1000000.5` is not 1000000,
+`0.0000004` and `1e-13` are not 0, `0.333333` is not `\frac{1}{3}`. Sets in any order, `[1,2)`
+is not `[1,2]`. Identical strings match. Sympy
+cannot tell what `\dots` stands for, so lists with an
 ellipsis (`1, 3, 5, \dots`) are compared here, item by item in order, the ellipsis in the same
 places, and any other answer with one as text only. Only the rest (radicals, matrices,
 expressions, symbolic factorials such as `n \cdot (n-1)!`, ...) reaches sympy, through
@@ -94,6 +96,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 from fractions import Fraction
 
 from ibpo.rewards import errors as grader_errors
@@ -107,9 +110,7 @@ WORKER_CPU_S = 10  # kernel limit on the CPU seconds of one comparison inside a 
 MAX_ANSWER_CHARS = 400  # longer answers are compared as text only
 MAX_EXPONENT = 10_000  # a larger literal exponent is compared as text only
 MAX_FACTORIAL = 1_000  # likewise n! for larger n
-REL_TOL = 1e-9  # between non-integers: floating-point noise ("0.30000000000000004" is 0.3)
-ZERO_TOL = 1e-12  # the only absolute tolerance: against an exact 0
-ROUNDED_DIGITS = 6  # a decimal with this many significant digits may be the other side rounded
+ROUNDED_DIGITS = 6  # a gold decimal with this many significant digits may be a number rounded
 _MAX_WORKERS = 4  # concurrent comparisons; more threads wait for a free worker
 _WORKER_MEMORY = 4 << 30  # address-space cap of a worker (bytes)
 
@@ -118,7 +119,9 @@ _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
 _BOX_TOKEN = re.compile(r"[^\s$]+")
 # Greedy `.*` so the last "answer is" of a line wins.
-_ANSWER_LINE = re.compile(r"^.*(?:\banswer\s*(?:is|:|=)|####)\s*:?(.*)$", re.I | re.M)
+_ANSWER_LINE = re.compile(
+    r"^.*(?:\b(?:answer|option|choice)\s*(?:is|:|=)|####)\s*:?(.*)$", re.I | re.M
+)
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 _COEFFICIENT = re.compile(r"\d[A-Za-z](?![A-Za-z])")  # "3x" is not 3 (while "5cm" is 5)
 # A minus after a word or bracket is subtraction ("9-7" ends in 7, not -7).
@@ -185,11 +188,24 @@ def _boxes(text: str) -> list[tuple[int, int, str]] | None:
 
 
 def _unbox(content: str) -> str:
-    r"""A box's content without boxes inside it: `\boxed{\boxed{4}}` is 4."""
+    r"""A box's content without boxes inside it: `\boxed{\boxed{4}}` is 4. Linear in the
+    content: every brace is paired in one pass, then the pairs that wrap the whole text are
+    peeled from the outside in (`{{ {4} }}` is 4)."""
     s = _BOX.sub("", content).strip()
-    while s.startswith("{") and _closing_brace(s, 0) == len(s) - 1:
-        s = s[1:-1].strip()
-    return s
+    closing, stack = {}, []  # index of an opening brace -> index of its closing one
+    for i, c in enumerate(s):
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            closing[stack.pop()] = i
+    lo, hi = 0, len(s) - 1
+    while lo < hi and s[lo] == "{" and closing.get(lo) == hi:
+        lo, hi = lo + 1, hi - 1
+        while lo <= hi and s[lo].isspace():
+            lo += 1
+        while hi >= lo and s[hi].isspace():
+            hi -= 1
+    return s[lo : hi + 1]
 
 
 def last_boxed(text: str) -> str | None:
@@ -206,23 +222,96 @@ def last_boxed(text: str) -> str | None:
     return None if end is None else text[i + 1 : end].strip()
 
 
-def _context_qualifies(text: str, start: int, end: int) -> bool:
-    """Whether the prose around text[start:end] (an answer) negates, conditions or hedges it:
-    the last words of the clause before it ("not", "maybe", "about") or the rest of its
-    sentence ("if n is even", "is wrong", "or 5", "?")."""
-    before = text[max(0, start - _CONTEXT_CHARS) : start]
-    marks = list(_CLAUSE_MARK.finditer(before))
-    before = before[marks[-1].end() :] if marks else before
-    after = text[end : end + _CONTEXT_CHARS]
-    if stop := _SENTENCE_MARK.search(after):
-        after = after[: stop.end()]  # with its mark: "12?" is a question
-    words = " ".join(before.split()[-_WORDS_BEFORE:])
-    return bool(_qualifiers(words, prose=True) or _qualifiers(after, prose=True))
+def _context_qualifies(text: str, start: int, end: int, answer: str | None = None) -> bool:
+    """Whether the prose around text[start:end] (an answer, `answer` its content) negates,
+    conditions or hedges it:
+    * before it, in its sentence: the last words of the clause that leads to it ("not",
+      "maybe", "about"; a clause ending in a colon leads on: "Definitely not: 4"), and a hedge
+      in the clause before that ("Maybe, I think the answer is 4");
+    * after it, the rest of its sentence ("if n is even", "is wrong", "or 5", "?"), less the
+      remarks about something else (_remarks: "or 25%" for 1/4, "not 5", "hours, not
+      minutes", "which is more than 10");
+    * the next sentence, when it takes the answer back ("Wait, that is wrong.")."""
+    before = _scan_text(text[max(0, start - _CONTEXT_CHARS) : start])
+    marks = list(_SENTENCE_MARK.finditer(before))
+    clauses = [c for c in _CLAUSE_SPLIT.split(before[marks[-1].end() :] if marks else before)]
+    clauses = [c for c in clauses if c.split()]  # the answer may follow a comma directly
+    lead = " ".join(clauses[-1].split()[-_WORDS_BEFORE:]) if clauses else ""
+    earlier = clauses[-2] if len(clauses) > 1 else ""
+    if _qualifiers(lead, prose=True) or "hedge" in _qualifiers(earlier, prose=True):
+        return True
+    after = _scan_text(text[end : end + _CONTEXT_CHARS])
+    stop = _SENTENCE_MARK.search(after)
+    rest, following = (after[: stop.end()], after[stop.end() :]) if stop else (after, "")
+    if _qualifiers(_remarks(rest, answer), prose=True):
+        return True
+    nxt = _SENTENCE_MARK.search(following)
+    return bool(_RETRACTION.search(following[: nxt.end()] if nxt else following))
+
+
+# A clause ends at a comma or semicolon; a colon leads on to what follows it.
+_CLAUSE_SPLIT = re.compile(r";|,(?:\s|$)")
+# A sentence that takes the answer before it back.
+_RETRACTION = re.compile(
+    r"(?i)^\W*(?:wait|no\b|nope|oops|hmm+|actually\b|scratch that|never\s*mind|"
+    r"on second thought|not quite|correction)"
+    r"|\b(?:that|this|it|which|the (?:above|answer|result)|my (?:answer|result))\s*"
+    r"(?:'s|is|was|seems|looks|must be|might be)?\s*(?:not\s+(?:right|correct|true|it)|wrong|"
+    r"incorrect|false|a mistake|mistaken|an error|off)\b"
+)
+# Remarks after an answer that are about something else: another form of the same value
+# ("or 25%"), a value or unit the answer is not ("not 5", "not minutes"), a comparison of the
+# answer with something ("which is more than 10").
+_OTHER_FORM = re.compile(r"(?i),?\s*\b(?:or|i\.?e\.?|that is|equivalently)\s+\$?([^\s,;$]+)\$?")
+_NOT_THIS = re.compile(r"(?i),?\s*\bnot\s+(?:an?\s+|the\s+)?\$?([^\s,;.!?$]+)\$?")
+_COMPARISON = re.compile(
+    r"(?i),?\s*\b(?:which|that|and that|this)\s+(?:is|are|was)\s+(?:much\s+|a lot\s+)?"
+    r"(?:more|less|greater|fewer|smaller|larger|bigger|higher|lower)\s+than\s+\$?[^\s,;$]+\$?"
+)
+# What "not" may reject after an answer without rejecting it: nouns a value is counted in.
+_UNIT_NOUNS = frozenset(
+    "seconds second minutes minute hours hour days day weeks week months month years year "
+    "meters meter metres metre centimeters centimetres cm mm km kilometers kilometres inches "
+    "inch feet foot miles mile yards grams gram kg kilograms pounds ounces tons liters litres "
+    "milliliters ml dollars dollar cents cent euros euro pounds degrees degree radians radian "
+    "percent units unit squares square cubes cube points point people persons ways".split()
+)
+
+
+def _remarks(rest: str, answer: str | None) -> str:
+    """`rest` (what follows an answer in its sentence) without the remarks about something
+    else than the answer: "or X" / "i.e. X" where X is the answer's own value, "not X" where X
+    is another value or a unit, "which is more than X". Without the answer, `rest` as it is."""
+    if answer is None:
+        return rest
+
+    def same(x: str) -> bool:
+        value = x.rstrip(".")
+        if value.endswith("%") and (n := _as_number(value[:-1].rstrip("\\"))) is not None:
+            value = str(n / 100)  # 25% as a value: 1/4
+        return _answers_match(value, answer)
+
+    def other_form(m: re.Match) -> str:
+        return "" if same(m.group(1)) else m.group(0)
+
+    def not_this(m: re.Match) -> str:
+        x = m.group(1).rstrip(".").lower()
+        unit = x in _UNIT_NOUNS
+        other = _as_number(_normalize(x)) is not None and not same(x)
+        return "" if unit or other else m.group(0)
+
+    rest = _OTHER_FORM.sub(other_form, rest)
+    rest = _NOT_THIS.sub(not_this, rest)
+    return _COMPARISON.sub("", rest)
+
+
+_MARKDOWN_EMPHASIS = re.compile(r"\*\*|__|(?<![\w\\])\*(?!\s)|(?<=\S)\*(?![\w])")
 
 
 def _answer_span(span: str) -> str:
     """The answer part of what follows "answer is": a $...$ span or the first sentence. A
     sentence that qualifies its answer ("not 4", "4 if n is even") is kept whole."""
+    span = _MARKDOWN_EMPHASIS.sub("", span).strip()  # "**(C)**": the option, not the stars
     delim = "$$" if span.startswith("$$") else "$" if span.startswith("$") else ""
     sentence = _SENTENCE_END.split(span, maxsplit=1)[0].strip()
     if delim and (close := span.find(delim, len(delim))) > 0:
@@ -246,7 +335,7 @@ def _final_answer(text: str, choices: dict | None) -> str | None:
         if boxes is None or len(boxes) > MAX_BOXES:
             return None  # cut off inside a box, or boxes by the dozen
         answer = _one_answer([a for _, _, c in boxes if (a := _unbox(c))], choices)
-        if answer is None or any(_context_qualifies(text, s, e) for s, e, _ in boxes):
+        if answer is None or any(_context_qualifies(text, s, e, answer) for s, e, _ in boxes):
             return None  # "\boxed{4} is not the answer"
         return answer
     for span in reversed(_ANSWER_LINE.findall(text)):
@@ -303,7 +392,10 @@ _ASCII_BRACKET = re.compile(r"(?<![A-Za-z\\])(floor|ceil)\s*\(")
 _ASCII_LATEX = {"floor": ("\\lfloor ", "\\rfloor"), "ceil": ("\\lceil ", "\\rceil")}
 # ASCII sums and products, as CHAMP writes them: `sum_(k=1)^n 1/k` -> `\sum_{k=1}^{n} 1/k`
 # (math-verify reads the ASCII form as the number 1, whatever follows it).
-_ASCII_SUM = re.compile(r"(?<![A-Za-z\\])(sum|prod)_\(([^()]*)\)\^(\([^()]*\)|\{[^{}]*\}|\w+)")
+# a bare upper limit is one letter or one number, as after LaTeX's ^: `^n1/k` is n, then 1/k
+_ASCII_SUM = re.compile(
+    r"(?<![A-Za-z\\])(sum|prod)_\(([^()]*)\)\^(\([^()]*\)|\{[^{}]*\}|\d+|[A-Za-z])"
+)
 
 
 def _ascii_sum(m: re.Match) -> str:
@@ -459,13 +551,42 @@ _PROSE_CONDITION = re.compile(
 # Environment names (`cases`, `aligned`) are no words of the answer.
 _ENVIRONMENT = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
-_PROSE_WORD = re.compile(r"[A-Za-z]+(?:['’][A-Za-z]+)?")
+_PROSE_WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)?")
+# Negations of other languages (a policy may write its "not" in any): words, and the
+# characters that negate in scripts written without spaces.
+_FOREIGN_NEGATION = re.compile(
+    r"(?i)\b(?:nicht|nein|kein|keine|keinen|keiner|niemals|non(?!-)|pas|jamais|aucun|aucune|nie|"
+    r"niet|nee|geen|nunca|nada|ningun|ninguno|ninguna|nessuno|niente|mai|não|nao|nem|нет|не|"
+    r"ни|никогда|nej|ikke|inte|hayır|değil|yok|không|chẳng|tidak|bukan|नहीं|لا|ليس|לא)\b"
+    r"|[不没沒非否无無未莫勿]|ない|いいえ|아니|않"
+)
+
+
+# Invisible characters a word can hide behind ("n<ZWSP>ot"), and letters of other scripts that
+# look like Latin ones ("nоt" with a Cyrillic o): gone, or read as Latin, before any qualifier
+# scan (NFKC folds full-width and styled letters).
+_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f"
+                        "\u200b-\u200f\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f"
+                        "\ufeff\uffa0]")  # fmt: skip
+_LOOKALIKE = str.maketrans(
+    "аеорсухіјѕԁԛԝАВЕКМНОРСТХІЈЅαεορτυνικχΑΒΕΗΙΚΜΝΟΡΤΥΧΖ",
+    "aeopcyxijsdqwABEKMHOPCTXIJSaeoptuvikxABEHIKMNOPTYXZ",
+)
+
+
+def _scan_text(s: str) -> str:
+    """`s` as the qualifier scans read it: NFKC, invisible characters dropped, look-alike
+    letters of other scripts as the Latin ones."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", s)).translate(_LOOKALIKE)
 
 
 @functools.lru_cache(maxsize=4096)
 def _qualifiers(s: str, prose: bool = False) -> frozenset[str]:
     """The kinds of qualifier `s` holds (see QUALIFIERS); `prose`: only _PROSE_WORDS count."""
+    s = _scan_text(s)
     kinds = {kind for pattern, kind in _QUALIFIER_MARKS if pattern.search(s)}
+    if _FOREIGN_NEGATION.search(s):
+        kinds.add("negation")
     if prose and _PROSE_CONDITION.search(s):
         kinds.add("condition")
     words = _LATEX_COMMAND.sub(" ", _ENVIRONMENT.sub(" ", s))
@@ -507,7 +628,7 @@ _CHOICE_MARKS = [  # one style per list: "(A)", "A)" after a space, "A." / "A:" 
 _MARKED_ITEM = re.compile(r"\s*\(?\s*([A-J])\s*[).:]\s*(.*)", re.DOTALL)
 # How an answer names an option: "(C)", "C", "C)", "C.", "\textbf{(C)}\ 12", "(C) 12".
 _CHOSEN = re.compile(
-    r"(?:(?:option|choice)\s*)?(?:\(\s*([A-J])\s*\)|([A-J])(?:\s*[).:]|$))\s*:?\s*(.*)",
+    r"(?:(?i:option|choice)\s*)?(?:\(\s*([A-J])\s*\)|([A-J])(?:\s*[).:]|$))\s*:?\s*(.*)",
     re.DOTALL,
 )
 _CHOICE_CHARS = 4000  # the end of a longer problem text is where its options are read
@@ -577,6 +698,9 @@ def choices_of(value) -> dict[str, str] | None:
     return {_LETTERS[i]: v.strip() for i, v in enumerate(items)}
 
 
+_LOWER_LETTER = re.compile(r"(?i:option|choice)?\s*\(?\s*([a-j])\s*\)?\.?")
+
+
 def _chosen(s: str) -> tuple[str, str | None] | None:
     """(letter, the value written after it or None) of an answer naming an option, else None."""
     m = _CHOSEN.fullmatch(_unwrap(s).strip())
@@ -592,6 +716,8 @@ def _match_choice(pred: str, gold: str, choices: dict | None) -> bool | None:
     with them; without them, a letter matches the same letter and a letter with a value matches
     by its value."""
     p, g = _chosen(pred), _chosen(gold)
+    if p is None and choices and (m := _LOWER_LETTER.fullmatch(_unwrap(pred).strip())):
+        p = (m.group(1).upper(), None)  # "c", "(c)": with the options given, a letter
     if p is None and g is None:
         return None
     options = choices or {}
@@ -650,18 +776,45 @@ def _as_number(s: str) -> Fraction | None:
 
 
 def _same_number(a: Fraction, b: Fraction, text_a: str = "", text_b: str = "") -> bool:
-    """Integers exactly; otherwise within REL_TOL of each other (floating-point noise), within
-    ZERO_TOL of an exact 0, or one side, as written (text_a / text_b), is the other rounded to
-    its decimal places with at least ROUNDED_DIGITS significant digits ("0.333333" is 1/3)."""
+    """Whether the answer `a` (as written: text_a) is the gold `b` (text_b): exactly, with two
+    readings that keep one answer to at most one gold of each written precision:
+    * floating-point noise: against a gold of at most FLOAT_DIGITS significant digits, an answer
+      written as a decimal of more is read at FLOAT_DIGITS ("0.30000000000000004" is 0.3: one
+      value);
+    * a rounded gold: a gold written as a decimal of at least ROUNDED_DIGITS significant digits
+      ("3.14159") may stand for a longer number, so an answer that rounds to it at its places
+      is it (one gold per number of places).
+    Nothing else: an integer or a fraction gold takes its exact value only (1000000000000.5 is
+    neither 10^12 nor 10^12 + 1, 1e-13 is not 0, 0.333333 is not 1/3)."""
     if a == b:
         return True
-    if a.denominator == 1 and b.denominator == 1:
-        return False  # integers are exact: 1000001 is not 1000000
-    if a == 0 or b == 0:
-        return abs(a - b) <= ZERO_TOL  # 0.0000004 is not 0
-    if abs(a - b) <= REL_TOL * max(abs(a), abs(b)):
-        return True
-    return _rounded_as_written(a, b, text_b) or _rounded_as_written(b, a, text_a)
+    if _digits(text_b) <= FLOAT_DIGITS and (a := _denoised(a, text_a)) == b:
+        return True  # a gold of a float's precision or coarser: the answer's noise digits drop
+    return _rounded_as_written(a, b, text_b)
+
+
+# significant digits of a decimal beyond which it is read as a float's printout (noise)
+FLOAT_DIGITS = 15
+
+
+def _denoised(x: Fraction, written: str) -> Fraction:
+    """`x`, or, when written as a plain decimal of more than FLOAT_DIGITS significant digits,
+    x rounded to FLOAT_DIGITS of them: one value, so it can equal at most one gold."""
+    if not _PLAIN_DECIMAL.fullmatch(written) or x == 0 or _digits(written) <= FLOAT_DIGITS:
+        return x
+    whole, fraction = written.lstrip("-").split(".")
+    whole = whole.lstrip("0")  # x's leading digit is at 10^exponent:
+    exponent = len(whole) - 1 if whole else -(len(fraction) - len(fraction.lstrip("0"))) - 1
+    scale = Fraction(10) ** (FLOAT_DIGITS - 1 - exponent)
+    return Fraction(round(x * scale)) / scale
+
+
+def _digits(written: str) -> int:
+    """Significant digits of a number as written (0 for anything else)."""
+    if not _DECIMAL.fullmatch(written) or "/" in written:
+        return 0
+    mantissa = written.lstrip("-").lower().split("e")[0].replace(".", "")
+    return len(mantissa.lstrip("0"))
 
 
 def _rounded_as_written(exact: Fraction, value: Fraction, written: str) -> bool:
@@ -789,6 +942,21 @@ def _same_listing(pred: str, gold: str) -> bool:
     return True
 
 
+def _chained_values(s: str) -> list[str] | None:
+    """The values a chain of equalities states, outside braces: "x = 2+2 = 4" -> ["2+2", "4"]
+    (its left side a variable), [] when that side is no variable; None for fewer than two "=".
+    Each value is an answer: "x = 4 = 3" holds 4 and 3."""
+    s, cuts, depth = s.strip(), [], 0
+    for i, c in enumerate(s):
+        depth += (c == "{") - (c == "}")
+        if depth == 0 and c == "=" and _RELATION.match(s, i) and (i == 0 or s[i - 1] not in "<>!="):
+            cuts.append(i)
+    if len(cuts) < 2:
+        return None
+    parts = [s[a + 1 : b].strip() for a, b in zip(cuts, [*cuts[1:], len(s)])]
+    return parts if _ASSIGN.fullmatch(s[: cuts[0] + 1].strip()) else []
+
+
 def _equations_assign(s: str) -> bool:
     """Whether every equation in `s` (its parts between commas and "or"/"and") has a variable
     for its left side: "x = 2, y = 3" and "x = 2 \\text{ or } x = 3" do, "1 = 2" does not."""
@@ -847,8 +1015,12 @@ def _answers_match(pred: str, gold: str, choices: dict | None = None) -> bool:
         return False  # several values for one ("\{3, 6\}1", of which math-verify reads a 6)
     if _JUXTAPOSED.search(_unbraced(pred)) and not _JUXTAPOSED.search(_unbraced(gold)):
         return False
-    if not _RELATION.search(_outside_braces(gold)) and not _equations_assign(pred):
-        return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
+    if not _RELATION.search(_outside_braces(gold)):
+        chains = [c for p in _CANDIDATES.split(pred) if (c := _chained_values(p)) is not None]
+        if chains:  # a chain of equalities: every value it states is the gold ("x = 4 = 3")
+            return all(c and all(_answers_match(v, gold, choices) for v in c) for c in chains)
+        if not _equations_assign(pred):
+            return False  # an equation whose left side is no variable ("1 = 2", "f(x) = 3")
     a, b = _as_number(pred), _as_number(gold)
     if a is not None and b is not None:
         return _same_number(a, b, pred, gold)

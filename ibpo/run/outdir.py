@@ -7,7 +7,7 @@
   fails leaves it in place, and nothing is ever deleted (removing it is the user's to do).
 * A run cut short mid-step gets its last checkpoint's adapter as <output_dir>/adapter.
 * A run trained on rows given in Python resumes only with them given again: said before
-  anything loads (check_resume_rows).
+  anything loads (check_resumed_data).
 * Resuming applies a changed train.learning_rate on purpose (the restored optimizer and
   scheduler would keep the old one) and names every other setting that differs
   from the checkpoint's run (its config.json) and changes what a step computes.
@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from ibpo.config import Config, ConfigError, RunConfig
-from ibpo.data import IN_MEMORY
+from ibpo.data.splits import IN_MEMORY
 from ibpo.recipe import from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
 from ibpo.step import StepParts
@@ -119,29 +119,25 @@ def keep_checkpoint_adapter(last: Path | None, adapter: Path) -> Path | None:
 _RESUMABLE_CHANGES = {
     "train": {"steps", "eval_every", "micro_batch_groups", "learning_rate"},
     "run": {f.name for f in dataclasses.fields(RunConfig)},
-    "rollout": {"generation_batch_size", "backend"},
+    "rollout": {"generation_batch_size", "backend", "decode"},
     "model": {"offload_activations"},
     "repair": {"batch_size"},
 }  # fmt: skip
 
 
-def check_resume_rows(checkpoint: Path, rows_given: bool, eval_rows_given: bool) -> None:
-    """A ConfigError naming the fix when the checkpoint's run read its training (held-out) rows
-    from Python (data.dataset, data.eval.dataset: in-memory) and none are given now: the data a
-    resume would read instead is not the run's."""
-    try:
-        data = json.loads((Path(checkpoint) / "config.json").read_text()).get("data") or {}
-    except (OSError, ValueError):  # an older checkpoint without config.json: nothing known
+def check_resumed_data(checkpoint: Path, cfg: Config, given_rows: bool) -> None:
+    """Before anything loads: a run trained on rows given in Python (ibpo.train(dataset=...))
+    resumes only with those rows given again, said as such (its checkpoint's data stream
+    would not fit another training set)."""
+    saved = Path(checkpoint) / "config.json"
+    if given_rows or not saved.is_file():
         return
-    if data.get("dataset") == IN_MEMORY and not rows_given:
+    data = json.loads(saved.read_text()).get("data", {})
+    if data.get("dataset") == IN_MEMORY and cfg.data.dataset != IN_MEMORY:
         raise ConfigError(
-            f"this run was trained on rows passed as dataset=; pass them again: "
-            f"ibpo.train(..., dataset=rows) (resuming from {checkpoint})"
-        )
-    if (data.get("eval") or {}).get("dataset") == IN_MEMORY and not eval_rows_given:
-        raise ConfigError(
-            "this run's held-out rows were passed as eval_dataset=; pass them again: "
-            f"ibpo.train(..., eval_dataset=rows) (resuming from {checkpoint})"
+            f"this run ({checkpoint.parent.parent}) was trained on rows passed as dataset=, "
+            "and they were not passed again. Fix: pass the same rows, "
+            "ibpo.train(..., dataset=rows, overrides={'run.resume_from': 'latest', ...})"
         )
 
 

@@ -13,10 +13,11 @@ open its /proc/<pid>/fd or /proc/<pid>/mem; every other descriptor is closed bef
 solution runs, the test code reaches only the harness's process, through its own unnamed fd, and
 the harness imports nothing from the working directory, which the solution may write.
 
-Before any of the tested code runs, the child also makes the keyring system calls fail for
-itself and everything it starts (_child_keyrings). A check test's harness whose solution's
-process was killed (its CPU limit) ends as a killed test is reported, so the verdict is a
-timeout there too.
+Before any of the tested code runs, the child also shuts the system calls that reach what no
+namespace contains, for itself and everything it starts: keyrings (after leaving the trainer's
+session keyring for an empty one), io_uring and new namespaces (_child_syscalls). A check
+test's harness whose solution's process was killed (its CPU limit) ends as a killed test is
+reported, so the verdict is a timeout there too.
 
 Not here: choosing the isolation, starting and timing the child, or judging its output
 (run.py, verdict.py). Nothing here is called in the parent process.
@@ -87,6 +88,8 @@ def _child_sandbox(job, libc):
             os.makedirs(path, exist_ok=True)
         if kind == "bind":
             mount(entry[1], path, None, bind | rec)
+        elif kind == "empty":  # over a bound folder; read-only with the rest, below
+            mount("tmpfs", path, "tmpfs", nosuid | nodev | noexec, "size=4k,mode=755")
     os.mkdir(root + "/proc")
     mount("proc", root + "/proc", "proc", nosuid | nodev | noexec)
     os.mkdir(root + "/dev")
@@ -148,55 +151,91 @@ def _child_limit(job, libc):
                 _child_die("capabilities remain")
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries stay powerless
         _child_die("no_new_privs")
-    _child_keyrings(libc)  # after no_new_privs, which an unprivileged filter needs
+    _child_syscalls(libc)  # after no_new_privs, which an unprivileged filter needs
     for res, val in job["rlimits"]:
         if libc.setrlimit(res, (ctypes.c_ulong * 2)(val, val)) != 0:
             _child_die(f"setrlimit {res}")
 
 
-def _child_keyrings(libc):
-    """Kernel keyrings belong to no namespace of bwrap's or ours: a test would share the
-    trainer's session keyring, its slot uid's user and persistent keyrings would carry keys to
-    the next test and outlive the trainer, and in a user namespace the test's uid could write
-    the user's own keyrings. So the keyring system calls (add_key, request_key, keyctl) fail
-    with ENOSYS, as in a kernel without keys, for this process and everything it starts
-    (a seccomp filter, which no later call can lift); a system-call ABI not listed here fails
-    every call."""
+def _child_syscalls(libc):
+    """System calls no test needs and that reach what no namespace contains, shut for this
+    process and everything it starts by a seccomp filter (which no later call can lift):
+    * the keyring calls (add_key, request_key, keyctl) fail with ENOSYS, as in a kernel without
+      keys: keyrings belong to no namespace, so a test's keys would reach the next test of its
+      slot uid and outlive the trainer. Before the filter the child joins a new, empty session
+      keyring, so that it no longer possesses the trainer's (whose keys /proc/keys would list);
+    * io_uring (setup, enter, register) fails with ENOSYS: a large kernel surface of its own;
+    * new namespaces fail with EPERM: unshare and setns always, clone with a CLONE_NEW* flag, and
+      clone3 (whose flags a filter cannot read) with ENOSYS, so that the C library falls back to
+      clone. A user namespace of its own would hold every capability inside (CAP_SYS_ADMIN,
+      CAP_NET_ADMIN: the route of nf_tables-class privilege escalations).
+    A system-call ABI not listed here fails every call."""
     import ctypes
     import os
 
-    # audit arch -> (add_key, request_key, keyctl); x32 sets bit 30 of x86_64's numbers
+    # audit arch -> (add_key, request_key, keyctl, unshare, setns, clone, clone3, clone's flags
+    # argument offset in seccomp_data); io_uring is 425-427 everywhere; x32 sets bit 30 of
+    # x86_64's numbers
     abis = {
-        0xC000003E: (248, 249, 250),  # x86_64 (and x32)
-        0x40000003: (286, 287, 288),  # i386
-        0xC00000B7: (217, 218, 219),  # aarch64
-        0x40000028: (309, 310, 311),  # arm
-        0xC00000F3: (217, 218, 219),  # riscv64
-        0xC0000102: (217, 218, 219),  # loongarch64
-        0xC0000015: (269, 270, 271),  # ppc64le
-        0x80000015: (269, 270, 271),  # ppc64
-        0x80000016: (278, 279, 280),  # s390x
+        0xC000003E: (248, 249, 250, 272, 308, 56, 435, 16),  # x86_64 (and x32)
+        0x40000003: (286, 287, 288, 310, 346, 120, 435, 16),  # i386
+        0xC00000B7: (217, 218, 219, 97, 268, 220, 435, 16),  # aarch64
+        0x40000028: (309, 310, 311, 337, 375, 120, 435, 16),  # arm
+        0xC00000F3: (217, 218, 219, 97, 268, 220, 435, 16),  # riscv64
+        0xC0000102: (217, 218, 219, 97, 268, 220, 435, 16),  # loongarch64
+        0xC0000015: (269, 270, 271, 282, 350, 120, 435, 16),  # ppc64le
+        0x80000015: (269, 270, 271, 282, 350, 120, 435, 20),  # ppc64: big-endian low word
+        0x80000016: (278, 279, 280, 303, 339, 120, 435, 28),  # s390x: flags second, big-endian
     }
-    native = ("x86_64", "aarch64", "riscv64", "loongarch64", "ppc64le", "ppc64", "s390x")
-    if os.uname().machine not in native:
+    native = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7, "riscv64": 0xC00000F3,
+              "loongarch64": 0xC0000102, "ppc64le": 0xC0000015, "ppc64": 0x80000015,
+              "s390x": 0x80000016}  # fmt: skip
+    arch = native.get(os.uname().machine)
+    if arch is None:
         ctypes.set_errno(38)
-        _child_die(f"no keyring filter for {os.uname().machine}")
-    ld, jeq, ret, and_ = 0x20, 0x15, 0x06, 0x54  # BPF_LD|W|ABS, JMP|JEQ|K, RET|K, ALU|AND|K
-    allow, enosys = 0x7FFF0000, 0x00050000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO(ENOSYS)
-    blocks = []  # per ABI: its syscall number (x32's bit cleared) against its keyring calls
-    for nrs in abis.values():
-        blocks.append(
-            [(ld, 0, 0, 0), (and_, 0, 0, 0xBFFFFFFF)]
-            + [(jeq, 3 - i, 0, nr) for i, nr in enumerate(nrs)]  # true: to the ENOSYS below
-            + [(ret, 0, 0, allow), (ret, 0, 0, enosys)]
-        )
-    # seccomp_data.arch, then one test per ABI jumping to its block (BPF jumps: pc + 1 + jt)
-    prog = [(ld, 0, 0, 4)]
-    for i, arch in enumerate(abis):
-        prog.append((jeq, len(abis) - i + sum(len(b) for b in blocks[:i]), 0, arch))
-    prog.append((ret, 0, 0, enosys))  # an ABI not listed: no system call at all
-    for b in blocks:
-        prog += b
+        _child_die(f"no system-call filter for {os.uname().machine}")
+    # KEYCTL_JOIN_SESSION_KEYRING (1) with no name: a new anonymous session keyring
+    if libc.syscall(ctypes.c_long(abis[arch][2]), ctypes.c_long(1), None) < 0:
+        if ctypes.get_errno() not in (38, 1):  # ENOSYS (no keys here) or EPERM: nothing held
+            _child_die("join an empty session keyring")
+    ld, jeq, jset, ret, and_ = 0x20, 0x15, 0x45, 0x06, 0x54  # BPF_LD|W|ABS, JMP|JEQ|K, ...
+    allow, enosys, eperm = 0x7FFF0000, 0x00050000 | 38, 0x00050000 | 1
+    new_ns = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+    prog, labels, fixups = [], {}, []  # fixups: (index, true label, false label)
+
+    def op(code, k, t=None, f=None):
+        if t is not None or f is not None:
+            fixups.append((len(prog), t, f))
+        prog.append([code, 0, 0, k])
+
+    op(ld, 4)  # seccomp_data.arch
+    for i, a in enumerate(abis):
+        op(jeq, a, f"abi{i}", None)
+    op(ret, enosys)  # an ABI not listed: no system call at all
+    for i, nrs in enumerate(abis.values()):
+        add_key, request_key, keyctl, unshare, setns, clone, clone3, flags = nrs
+        labels[f"abi{i}"] = len(prog)
+        op(ld, 0)  # seccomp_data.nr
+        op(and_, 0xBFFFFFFF)
+        for nr in (add_key, request_key, keyctl, 425, 426, 427, clone3):
+            op(jeq, nr, f"enosys{i}", None)
+        for nr in (unshare, setns):
+            op(jeq, nr, f"eperm{i}", None)
+        op(jeq, clone, f"clone{i}", None)
+        op(ret, allow)
+        labels[f"clone{i}"] = len(prog)
+        op(ld, flags)  # the low word of clone's flags
+        op(jset, new_ns, f"eperm{i}", None)
+        op(ret, allow)
+        labels[f"eperm{i}"] = len(prog)
+        op(ret, eperm)
+        labels[f"enosys{i}"] = len(prog)
+        op(ret, enosys)
+    for at, t, f in fixups:  # jumps are relative to the next instruction
+        prog[at][1] = 0 if t is None else labels[t] - at - 1
+        prog[at][2] = 0 if f is None else labels[f] - at - 1
+        if not (0 <= prog[at][1] < 256 and 0 <= prog[at][2] < 256):
+            _child_die("system-call filter: a jump out of range")
 
     class Insn(ctypes.Structure):
         _fields_ = [
@@ -212,7 +251,7 @@ def _child_keyrings(libc):
     insns = (Insn * len(prog))(*(Insn(*x) for x in prog))
     fprog = Prog(len(prog), insns)
     if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, MODE_FILTER
-        _child_die("keyring filter (seccomp)")
+        _child_die("system-call filter (seccomp)")
 
 
 def _child_entry(job, g):
@@ -345,7 +384,13 @@ def _child_reply(reply):
         return _child_decode(reply["ok"])
     name, msg = (list(reply["err"]) + ["", ""])[:2]
     cls = getattr(builtins, str(name), None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+    # The harness may test for the class a solution raises (`except ValueError`), so it keeps
+    # its class, but for the ones Python's own protocols read as a signal: a StopIteration out
+    # of a call inside map(), filter(), zip() or iter(f, sentinel) ends that iteration as if it
+    # were exhausted, so `all(map(...))` would hold and `any(map(...))` fail without a single
+    # answer checked. Those arrive as RuntimeError, as PEP 479 turns them inside generators.
+    signals = (StopIteration, StopAsyncIteration)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, signals):
         cls = RuntimeError
     raise cls(f"{name}: {msg}" if cls is RuntimeError else str(msg))
 
@@ -459,7 +504,7 @@ def _child_run(job):
 
 # What run.py sends, in this order, followed by a call of _child_main().
 FUNCTIONS = (
-    *(_child_die, _child_sandbox, _child_limit, _child_keyrings, _child_entry, _child_call),
+    *(_child_die, _child_sandbox, _child_limit, _child_syscalls, _child_entry, _child_call),
     _child_encode,
     *(_child_decode, _child_send, _child_recv, _child_serve, _child_reply, _child_check),
     *(_child_run, _child_main),

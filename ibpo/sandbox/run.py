@@ -56,9 +56,10 @@ works, stated in every result (`isolation`):
 
 * "bwrap" (bubblewrap installed): new PID, network, IPC, UTS and cgroup namespaces; a root
   filesystem holding only read-only binds of /usr, /bin, /sbin, /lib*, of ETC_ALLOWED in /etc
-  and of the interpreter's prefix, a fresh /proc and /dev, and a size-capped private /tmp as working
-  directory, so no socket file of the host exists inside. As root the child then becomes a
-  uid of its own per worker slot; otherwise bwrap's user namespace holds it, no capabilities.
+  and of what the interpreter needs of its prefix, a fresh /proc and /dev, and a size-capped
+  private /tmp as working directory, so no socket file of the host exists inside. As root the
+  child then becomes a uid of its own per worker slot; otherwise bwrap's user namespace holds
+  it, no capabilities.
 * "namespaces" (util-linux `unshare` works): network, PID and IPC namespaces and a mount
   namespace in which the child builds the same view as bwrap's (_view: a tmpfs root holding
   read-only binds of the system directories and the interpreter, a fresh /proc, a minimal
@@ -97,6 +98,7 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -427,6 +429,8 @@ def _bwrap_root() -> tuple[str, ...]:
             out += ["--symlink", *paths]
         elif kind == "dir":  # bwrap would copy the host's modes (e.g. root's 0700 home)
             out += ["--perms", "0755", "--dir", paths[0]]
+        elif kind == "empty":  # an empty, read-only folder over what the bind above shows
+            out += ["--size", "4096", "--tmpfs", paths[0], "--remount-ro", paths[0]]
         else:
             out += ["--ro-bind", paths[0], paths[0]]
     return tuple(out)
@@ -442,10 +446,11 @@ ETC_ALLOWED = ("ld.so.cache",)
 def _view() -> tuple[tuple[str, ...], ...]:
     """What a test sees of the host besides a fresh /proc, a minimal /dev and a private /tmp, in
     bwrap and namespaces modes alike: read-only binds of the system directories, of the files
-    of /etc in ETC_ALLOWED and of the interpreter's prefix, with traversable parents, nothing
+    of /etc in ETC_ALLOWED and of what the interpreter needs of its prefix (_interpreter_view),
+    with traversable parents, nothing
     else (no homes, no project, no /opt, /var, /run or /srv, so no socket file of the host
     either). Entries: ("bind", path) of a folder or a file, ("symlink", target, path),
-    ("dir", path)."""
+    ("dir", path), ("empty", path): an empty folder over one a bind shows."""
     out: list[tuple[str, ...]] = []
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(d):
@@ -459,11 +464,33 @@ def _view() -> tuple[tuple[str, ...], ...]:
             out.append(("symlink", os.readlink(path), path))
         elif os.path.isfile(path):
             out.append(("bind", path))
-    for p in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}):
-        if not p.startswith("/usr/"):
-            out += [("dir", parent) for parent in reversed(_parents(p)[:-1])]
-            out.append(("bind", p))
+    out += _interpreter_view()
     return tuple(out)
+
+
+def _interpreter_view() -> list[tuple[str, ...]]:
+    """What the interpreter needs of its prefix when that lies outside the system directories
+    (pyenv, conda, a self-built Python): the executable, the library folders (the standard
+    library, its extension modules and the shared libraries they load), and nothing else of
+    the prefix, whose top holds configuration a user may have put a token in (.condarc,
+    pip.conf, etc/). The standard library's site-packages shows empty: the child runs with -S,
+    so it imports nothing from there, and its files are the user's, not the interpreter's."""
+    exe = os.path.realpath(sys.executable)
+    # the base interpreter's paths (a virtual environment's own site-packages is not bound)
+    paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    libs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
+    libs |= {os.path.realpath(d) for d in (sysconfig.get_config_var("LIBDIR"),) if d}
+    system = ("/usr/", "/bin/", "/sbin/", "/lib")
+    wanted = sorted(p for p in {exe, *libs} if os.path.exists(p) and not p.startswith(system))
+    out: list[tuple[str, ...]] = []
+    for p in wanted:
+        if any(p.startswith(q + "/") for q in wanted if q != p):
+            continue  # inside a folder bound already (the stdlib inside LIBDIR)
+        out += [("dir", parent) for parent in reversed(_parents(p)[:-1])]
+        out.append(("bind", p))
+    site = {os.path.realpath(paths[k]) for k in ("purelib", "platlib")}
+    out += [("empty", d) for d in sorted(site) if os.path.isdir(d) and not d.startswith(system)]
+    return list(dict.fromkeys(out))  # parents shared by two paths: once
 
 
 @cache

@@ -107,10 +107,18 @@ def _killed(status: int, err: bytes) -> bool:
     return code == 128 + signal.SIGKILL or (code == 1 and b"sigprocmask unblock failed" in err)
 
 
+def _last_record(res: bytes) -> str:
+    """The result channel's last line, decoded: found from the end, so that megabytes of lines
+    before it (a test may write anything there) are never split or decoded."""
+    body = res.rstrip(b"\r\n")
+    start = max(body.rfind(b"\n"), body.rfind(b"\r")) + 1
+    return body[start:].decode("utf-8", "replace")
+
+
 def _classify(test, limits, status, cpu, wall_killed, out, err, res) -> tuple[str, str]:
     cap = limits.max_output_bytes
-    records = res.decode("utf-8", "replace").splitlines()
-    last = records[-1] if records else ""
+    records = bool(res.strip(b"\r\n"))  # the channel holds a record
+    last = _last_record(res) if records else ""
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED and not records:
         return "error", _last_line(err) or "sandbox setup failed"
     killed = not records and _killed(status, err)
@@ -142,13 +150,15 @@ def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
     if test.kind in ("script", "check"):
         return ("passed", "") if last == "D" else ("failed", "program stopped before the end")
     if test.kind == "stdin":
-        got = out.decode("utf-8", "replace")
         if last != "D":
             return "failed", "program stopped before the end"
+        got = out.decode("utf-8", "replace")
         if stdout_matches(got, test.expected):
             return "passed", ""
         return "failed", f"wrong answer: expected {_short(test.expected)} got {_short(got)}"
     if last.startswith("V "):
+        if len(last) > _room(test.expected):  # parsed, it could not be the expected value
+            return "failed", f"wrong answer: a return value of {len(last)} characters"
         try:  # written by the child: untrusted, may be anything
             got = json.loads(last[2:])
         except (ValueError, RecursionError):
@@ -165,13 +175,38 @@ def _compare(test: TestCase, out: bytes, last: str) -> tuple[str, str]:
     return "error", "no return value reported"
 
 
+# What a test sends back is parsed only within this much of the expected answer's own size: an
+# equal answer is never longer than ROOM_FACTOR x the expected's JSON or text (`true` for 1,
+# `1.0` for 1) plus ROOM_BYTES, and anything longer is a wrong answer without being parsed, so
+# a forged megabyte record costs the trainer its bytes read and no more.
+ROOM_FACTOR, ROOM_BYTES = 4, 1024
+
+
+def _room(expected) -> int:
+    """The most characters (or bytes) an answer equal to `expected` can take, written out."""
+    size = len(expected) if isinstance(expected, str) else len(json.dumps(expected, default=repr))
+    return ROOM_FACTOR * size + ROOM_BYTES
+
+
 def stdout_matches(got: str, expected: str) -> bool:
     """Line-by-line comparison ignoring trailing whitespace, blank trailing lines, and spacing
-    between tokens; tokens with a decimal point or exponent compare as floats within 1e-6."""
-    g, e = _lines(got), _lines(expected)
+    between tokens; tokens with a decimal point or exponent compare as floats within 1e-6.
+    Within the expected's size: the output is split into lines and tokens only as far as the
+    expected has them (a megabyte of newlines or spaces is a mismatch, never a list)."""
+    e = _lines(expected)
+    body = got.replace("\r\n", "\n").rstrip()
+    if body.count("\n") + 1 != max(len(e), 1) and (e or body):
+        return False
+    g = _lines(got)
     if len(g) != len(e):
         return False
-    return all(a == b or _tokens_match(a.split(), b.split()) for a, b in zip(g, e))
+    for a, b in zip(g, e):
+        if a == b:
+            continue
+        want = b.split()
+        if not _tokens_match(a.split(None, len(want)), want):
+            return False
+    return True
 
 
 def _lines(text: str) -> list[str]:
