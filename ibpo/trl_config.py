@@ -319,7 +319,8 @@ NAMES: tuple[Name, ...] = (
     Name("output_dir", "`trainer_output`", "`run.output_dir`", "`outputs/ibpo-demo`",
          _plain("run.output_dir"), lambda c, w: c.run.output_dir),
     Name("report_to", "none", "`run.log_with`", "none",
-         _report_to, lambda c, w: c.run.log_with or "none"),
+         _report_to, lambda c, w: [c.run.log_with] if isinstance(c.run.log_with, str)
+         else list(c.run.log_with or [])),
     Name("logging_steps", "10", "(none: ignored, with a warning)", "every step is logged",
          _ignored("every step is logged"), lambda c, w: 1),
     Name("log_completions", "false", "(none: ignored, with a warning)",
@@ -512,7 +513,10 @@ class TrainingArgs:
         self.should_log = self.should_save = process_index == 0
 
     def __getattr__(self, name: str) -> Any:  # only for what __init__ did not set
-        return getattr(self.__dict__["config"], name)
+        config = self.__dict__.get("config")
+        if config is None or name.startswith("__"):  # copy and pickle probe dunder names
+            raise AttributeError(name)
+        return getattr(config, name)
 
     def to_dict(self) -> dict[str, Any]:
         return {n.trl: getattr(self, n.trl) for n in NAMES}

@@ -3,6 +3,7 @@ an error naming each value or field without an ibpo meaning), a GRPOConfig objec
 recipe goes (only the fields set away from its defaults count), the docs' table being the
 code's, and the TrainingArguments-like `args` callbacks get."""
 
+import copy
 import dataclasses
 import warnings
 from pathlib import Path
@@ -152,6 +153,7 @@ def test_callbacks_args_read_back_as_trl_names_and_translate_to_the_same_run(mon
     assert (args.generation_batch_size, args.loss_type, args.scale_rewards) == (24, "grpo", "group")
     assert (args.world_size, args.should_log, args.should_save) == (2, False, False)
     assert args.train.steps == 7 and args.config is cfg  # the Config behind it
+    assert copy.deepcopy(args).max_steps == 7 and not hasattr(args, "no_such_setting")
     # every name the view shows translates back to the same settings (its own table's inverse)
     ignored = ("logging_steps", "log_completions")
     given = {k: v for k, v in args.to_dict().items() if k not in ignored}
