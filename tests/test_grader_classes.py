@@ -317,3 +317,16 @@ def test_a_negation_hidden_by_invisible_or_lookalike_characters_still_negates(te
 )
 def test_retractions_colons_earlier_hedges_and_other_languages_do_not_score(completion):
     assert math_reward(completion, "4") == 0.0
+
+
+@pytest.mark.parametrize(
+    "retraction",
+    ["Hmm, no.", "Is that right?", "But wait, that can't be right.", "I'm not sure about this.",
+     "Wrong.", "Never mind.", "Hold on, let me redo this.", "Oops, I made a mistake."],
+)  # fmt: skip
+def test_a_retraction_in_any_later_sentence_zeroes_every_kind_of_answer(retraction):
+    for joint in [". ", "\n\n", ". Let me check once more. "]:
+        assert math_reward(f"\\boxed{{4}}{joint}{retraction}", "4") == 0.0, joint
+    assert math_reward(f"The answer is 4. {retraction}", "4") == 0.0
+    assert math_reward(f"So she has 4 apples. {retraction}", "4") == 0.0
+    assert math_reward("The answer is 4. Let me check once more: 2 + 2 = 4.", "4") == 1.0

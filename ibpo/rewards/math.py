@@ -245,16 +245,30 @@ def _context_qualifies(text: str, start: int, end: int, answer: str | None = Non
     rest, following = (after[: stop.end()], after[stop.end() :]) if stop else (after, "")
     if _qualifiers(_remarks(rest, answer), prose=True):
         return True
-    nxt = _SENTENCE_MARK.search(following)
-    return bool(_RETRACTION.search(following[: nxt.end()] if nxt else following))
+    return _retracted(following)
+
+
+def _retracted(text: str) -> bool:
+    """Whether a sentence of `text` (what follows an answer's sentence, read up to
+    _CONTEXT_CHARS x 2) takes the answer back."""
+    text = _scan_text(text[: 2 * _CONTEXT_CHARS])
+    start = 0
+    for mark in [*_SENTENCE_MARK.finditer(text), None]:
+        end = mark.end() if mark else len(text)
+        if _RETRACTION.search(text[start:end]):
+            return True
+        start = end
+    return False
 
 
 # A clause ends at a comma or semicolon; a colon leads on to what follows it.
 _CLAUSE_SPLIT = re.compile(r";|,(?:\s|$)")
 # A sentence that takes the answer before it back.
 _RETRACTION = re.compile(
-    r"(?i)^\W*(?:wait|no\b|nope|oops|hmm+|actually\b|scratch that|never\s*mind|"
-    r"on second thought|not quite|correction)"
+    r"(?i)^\W*(?:(?:but\s+)?wait|no\b|nope|oops|hmm+|actually\b|scratch that|never\s*mind|"
+    r"on second thought|not quite|correction|hold on|wrong\b|is (?:that|this|it) right)"
+    r"|\b(?:i'?m|i am) not (?:sure|certain|confident)|\b(?:made|make) a mistake|\blet me redo"
+    r"|\bcan'?t be right\b"
     r"|\b(?:that|this|it|which|the (?:above|answer|result)|my (?:answer|result))\s*"
     r"(?:'s|is|was|seems|looks|must be|might be)?\s*(?:not\s+(?:right|correct|true|it)|wrong|"
     r"incorrect|false|a mistake|mistaken|an error|off)\b"
@@ -338,9 +352,12 @@ def _final_answer(text: str, choices: dict | None) -> str | None:
         if answer is None or any(_context_qualifies(text, s, e, answer) for s, e, _ in boxes):
             return None  # "\boxed{4} is not the answer"
         return answer
-    for span in reversed(_ANSWER_LINE.findall(text)):
-        if ans := _answer_span(span.strip()):
-            return ans
+    for line in reversed(list(_ANSWER_LINE.finditer(text))):
+        if ans := _answer_span(line.group(1).strip()):
+            # taken back in a later sentence: "The answer is 4. Wait, that is wrong."
+            rest = text[line.start(1) :]
+            stop = _SENTENCE_MARK.search(rest)
+            return None if stop and _retracted(rest[stop.end() :]) else ans
     nums = list(_NUMBER.finditer(text))
     if not nums or _context_qualifies(text, nums[-1].start(), nums[-1].end()):
         return None  # "so it is not 12", "12?"
