@@ -374,6 +374,7 @@ def test_keyrings_are_out_of_every_test_s_reach(mode, request):
     before = _slot_keys()
     r = sandbox._run_one(code, TestCase("stdin", "", want), Limits(time_s=2), mode)
     assert r.status == "passed", r.reason
+
     # the empty session keyring the test joined is freed by the kernel's key collector, which
     # runs as soon as the test's last process is gone (asynchronously: wait for it)
     def added() -> dict[int, int]:  # keys a slot uid holds beyond what it held before
