@@ -115,7 +115,6 @@ class DecodeEngine:
     each call's graphs anew (`capture_seconds` adds up what that cost)."""
 
     def __init__(self, model: nn.Module, capture: bool | None = None):
-        self.model = model
         base = unwrap(model)
         self.inner, self.lm_head = base.model, base.lm_head
         self.layers = list(self.inner.layers)
