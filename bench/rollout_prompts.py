@@ -8,8 +8,8 @@ seed fixes its prompt stream, so each step's prompts are rebuilt from the run's 
 (its command line in study_run.json) and the model's tokenizer, and counted as generate()
 counts them when a group's prompt is prefilled once for its G samples: (L - 1) + G per prompt of
 L tokens. The counts go into a copy of the study's run folders (the given folders are never
-changed), and the copy gets the study report. Per run it prints the rebuilt tokens (total, the
-least and the most in a step).
+changed; packed runs, studies/<name>.tar.xz, are read from their archive), and the copy gets
+the study report. Per run it prints the rebuilt tokens (total, the least and the most in a step).
 
 It assumes what held for those runs: the hf backend, groups whole in one generate() call
 (rollout.generation_batch_size a multiple of G), no dynamic sampling's extra rounds (a round
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -53,12 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("study", type=Path, help="a study's --out (its runs/ folders)")
     p.add_argument("copy", type=Path, help="where the copy with rebuilt counts goes (replaced)")
     p.add_argument("--tokenizer", default=None, help="default: the runs' model (model.name)")
+    p.add_argument("--packed", type=Path, default=Path("studies"), help="packed studies' folder")
     ns = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from study_report import report
+    from study_runs import copy_runs
+
     from ibpo.modeling import load_tokenizer, resolve_model_path
     from ibpo.recipe import load_config
 
-    shutil.rmtree(ns.copy, ignore_errors=True)
-    shutil.copytree(ns.study, ns.copy, ignore=shutil.ignore_patterns("checkpoints", "adapter"))
+    copy_runs(ns.study, ns.copy, ns.packed)
     tokenizers = {}
     for meta in sorted(ns.copy.glob("*/*/study_run.json")):
         command = json.loads(meta.read_text())["command"]
@@ -75,10 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         spread = f"{min(counts.values())}-{max(counts.values())}"
         print(f"{meta.parent.name}: {sum(counts.values())} rebuilt ({spread} a step)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import study
-
-    print(study.report(ns.copy))
+    print(report(ns.copy))
     return 0
 
 

@@ -17,41 +17,84 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def study():
+    """bench/study.py, the command line; its modules (bench/study_*.py) import one another from
+    bench/, as they do when it runs as a script."""
+    sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("study", ROOT / "bench/study.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["study"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     yield mod
     sys.modules.pop("study", None)
+    sys.path.remove(str(ROOT / "bench"))
 
 
-def test_sign_test_is_exact_and_two_sided(study):
-    assert study.sign_test([0.1] * 5) == pytest.approx(2 / 32)  # 5 of 5: the floor at 5 seeds
-    assert study.sign_test([-0.1] * 6) == pytest.approx(2 / 64)
-    assert study.sign_test([1] * 8 + [-1] * 2) == pytest.approx(2 * (1 + 10 + 45) / 1024)
-    assert study.sign_test([1, -1, 0, 0]) == 1.0  # ties are left out; 1 vs 1 caps at 1
-    assert study.sign_test([0, 0]) == 1.0
+def _module(name: str):
+    return importlib.import_module(f"study_{name}")
 
 
-def test_t_interval_of_a_known_list(study):
-    mean, low, high = study.mean_ci([1, 2, 3, 4, 5])
+@pytest.fixture(scope="module")
+def stats(study):
+    return _module("stats")
+
+
+@pytest.fixture(scope="module")
+def grid(study):
+    return _module("grid")
+
+
+@pytest.fixture(scope="module")
+def reading(study):
+    return _module("runs")
+
+
+@pytest.fixture(scope="module")
+def compare(study):
+    return _module("compare")
+
+
+@pytest.fixture(scope="module")
+def report(study):
+    return _module("report")
+
+
+@pytest.fixture(scope="module")
+def workers(study):
+    return _module("workers")
+
+
+@pytest.fixture(scope="module")
+def archive(study):
+    return _module("archive")
+
+
+def test_sign_test_is_exact_and_two_sided(stats):
+    assert stats.sign_test([0.1] * 5) == pytest.approx(2 / 32)  # 5 of 5: the floor at 5 seeds
+    assert stats.sign_test([-0.1] * 6) == pytest.approx(2 / 64)
+    assert stats.sign_test([1] * 8 + [-1] * 2) == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert stats.sign_test([1, -1, 0, 0]) == 1.0  # ties are left out; 1 vs 1 caps at 1
+    assert stats.sign_test([0, 0]) == 1.0
+
+
+def test_t_interval_of_a_known_list(stats):
+    mean, low, high = stats.mean_ci([1, 2, 3, 4, 5])
     half = 2.7764451 * math.sqrt(2.5) / math.sqrt(5)  # t(0.975, 4) x sd / sqrt(n)
     assert mean == 3 and low == pytest.approx(3 - half) and high == pytest.approx(3 + half)
     # printed tables (4 decimals), where a series expansion of the normal quantile is off by 2e-3
     for df, t in ((11, 2.2010), (12, 2.1788), (13, 2.1604), (30, 2.0423), (100, 1.9840)):
-        assert study.t_critical(df) == pytest.approx(t, abs=1e-4)
+        assert stats.t_critical(df) == pytest.approx(t, abs=1e-4)
     # df = 1: the Cauchy distribution, tan(0.475 pi)
-    assert study.t_critical(1) == pytest.approx(math.tan(0.475 * math.pi))
-    assert math.isnan(study.t_critical(0))
-    assert math.isnan(study.mean_ci([0.5])[1])
+    assert stats.t_critical(1) == pytest.approx(math.tan(0.475 * math.pi))
+    assert math.isnan(stats.t_critical(0))
+    assert math.isnan(stats.mean_ci([0.5])[1])
 
 
-def test_bootstrap_is_reproducible_and_bounded(study):
+def test_bootstrap_is_reproducible_and_bounded(stats):
     diffs = [0.1, -0.05, 0.2, 0.0, 0.15]
-    low, high = study.bootstrap_ci(diffs)
-    assert (low, high) == study.bootstrap_ci(diffs)  # fixed RNG seed
+    low, high = stats.bootstrap_ci(diffs)
+    assert (low, high) == stats.bootstrap_ci(diffs)  # fixed RNG seed
     assert min(diffs) <= low < sum(diffs) / 5 < high <= max(diffs)
-    assert study.bootstrap_ci([0.1] * 5) == pytest.approx((0.1, 0.1))
+    assert stats.bootstrap_ci([0.1] * 5) == pytest.approx((0.1, 0.1))
 
 
 def _record(arm, regime, seed, after):
@@ -68,14 +111,14 @@ def _record(arm, regime, seed, after):
     }  # fmt: skip
 
 
-def test_repair_success_is_pooled_over_attempts(study):
+def test_repair_success_is_pooled_over_attempts(grid, report, reading):
     # 1 of 2 and 2 of 8: 3 of 10 attempts succeeded, though the per-step rates average 0.375
-    assert study.pooled_repair_success([2.0, 8.0], [0.5, 0.25]) == pytest.approx(0.3)
-    assert study.pooled_repair_success([0.0, 4.0], [0.0, 0.0]) == 0.0
-    assert study.pooled_repair_success([0.0, None], [0.0, None]) is None  # no repairs: no rate
-    runs = [_record("on-ibpo", study.ON, s, 0.6) for s in range(2)]
-    runs.append({**_record("on-dfpo", study.ON, 0, 0.5), "repair_success": None})
-    _, md = study.build_report(runs, pending=[])
+    assert reading.pooled_repair_success([2.0, 8.0], [0.5, 0.25]) == pytest.approx(0.3)
+    assert reading.pooled_repair_success([0.0, 4.0], [0.0, 0.0]) == 0.0
+    assert reading.pooled_repair_success([0.0, None], [0.0, None]) is None  # no repairs: no rate
+    runs = [_record("on-ibpo", grid.ON, s, 0.6) for s in range(2)]
+    runs.append({**_record("on-dfpo", grid.ON, 0, 0.5), "repair_success": None})
+    _, md = report.build_report(runs, pending=[])
     table = md.split("## Per arm")[1].split("## Paired")[0]
     cells = {r.split("|")[1].strip(): r.split("|") for r in table.splitlines() if r.startswith("|")}
     assert "repair success" in cells["arm"][8]
@@ -89,52 +132,52 @@ def test_against_a_folder_without_a_study_is_one_clear_error(study, tmp_path):
         study.main(["--report-only", "--out", str(tmp_path / "s"), "--against", str(tmp_path)])
 
 
-def test_the_report_says_how_long_the_runs_took(study):
+def test_the_report_says_how_long_the_runs_took(grid, report):
     runs = [
-        {**_record("on-ibpo", study.ON, s, 0.5), "wall": w} for s, w in enumerate([60, 600, 120])
+        {**_record("on-ibpo", grid.ON, s, 0.5), "wall": w} for s, w in enumerate([60, 600, 120])
     ]
-    _, md = study.build_report(runs, pending=[])
+    _, md = report.build_report(runs, pending=[])
     assert "Wall time per run: 1.0-10.0 min, median 2.0; 0.2 hours in all." in md
 
 
-def test_the_f_test_against_closed_forms(study):
+def test_the_f_test_against_closed_forms(stats):
     # F(4, 4): P(F > f) = 1 - I_x(2, 2) = 1 - (3x^2 - 2x^3) with x = f / (1 + f)
     f = 1.5**2
     x = f / (1 + f)
-    assert study.f_test_greater(1.5, 5, 1.0, 5) == pytest.approx(1 - (3 * x**2 - 2 * x**3))
-    assert study.f_test_greater(1.0, 5, 1.0, 5) == pytest.approx(0.5)
+    assert stats.f_test_greater(1.5, 5, 1.0, 5) == pytest.approx(1 - (3 * x**2 - 2 * x**3))
+    assert stats.f_test_greater(1.0, 5, 1.0, 5) == pytest.approx(0.5)
     # F(2, 2): P(F > f) = 1 / (1 + f); F(1, 1): 1 - (2 / pi) atan(sqrt(f))
-    assert study.f_test_greater(2.0, 3, 1.0, 3) == pytest.approx(1 / 5)
-    assert study.f_test_greater(3.0, 2, 1.0, 2) == pytest.approx(1 - 2 / math.pi * math.atan(3))
+    assert stats.f_test_greater(2.0, 3, 1.0, 3) == pytest.approx(1 / 5)
+    assert stats.f_test_greater(3.0, 2, 1.0, 2) == pytest.approx(1 - 2 / math.pi * math.atan(3))
 
 
-def test_pairs_are_compared_step_by_step_and_against_another_study(study):
+def test_pairs_are_compared_step_by_step_and_against_another_study(compare, grid, report, stats):
     def arm(name, rewards, after):
-        return [{**_record(name, study.ON, s, a), "reward": r} for s, (r, a) in
+        return [{**_record(name, grid.ON, s, a), "reward": r} for s, (r, a) in
                 enumerate(zip(rewards, after))]  # fmt: skip
 
     arms = {"a": arm("a", [[0.0, 0.5, 0.25], [0.0, 0.0, 0.0]], [0.6, 0.5]),
             "b": arm("b", [[0.0, 0.25, 0.25], [0.0, 0.5, 0.5]], [0.5, 0.5])}  # fmt: skip
-    c = study.compare(arms, "a", "b")
+    c = compare.compare(arms, "a", "b")
     # step 1 left out of the gap: seed 0 differs by 0.25 then 0, seed 1 by 0.5 twice
     assert c["reward_gap"] == pytest.approx((0.125 + 0.5) / 2)
     assert c["equal_reward_steps"] == [2, 1]
     here = [{"label": "x", **c}]
     there = [{"label": "x", **c, "diffs": [0.3, -0.1], "mean": 0.1, "reward_gap": 0.4}]
-    md = study.against_md(here, there, "old")
+    md = report.against_md(here, there, "old")
     row = [r for r in md.splitlines() if r.startswith("| x |")][0].split("|")
-    sd_here, sd_there = study.sd([0.1, 0.0]), study.sd([0.3, -0.1])
+    sd_here, sd_there = stats.sd([0.1, 0.0]), stats.sd([0.3, -0.1])
     assert float(row[6]) == pytest.approx((sd_there / sd_here) ** 2, abs=0.005)
-    assert float(row[7]) == pytest.approx(study.f_test_greater(sd_there, 2, sd_here, 2), abs=0.005)
+    assert float(row[7]) == pytest.approx(stats.f_test_greater(sd_there, 2, sd_here, 2), abs=0.005)
     assert row[8].strip() == "0.312" and row[9].strip() == "0.400"
 
 
-def test_report_pairs_seeds_and_says_what_is_significant(study):
+def test_report_pairs_seeds_and_says_what_is_significant(compare, grid, report):
     seeds = range(6)
-    records = [_record("on-ibpo", study.ON, s, 0.6) for s in seeds]
-    records += [_record("on-dfpo", study.ON, s, 0.5) for s in seeds]
-    records += [_record("on-grpo", study.ON, s, 0.5 + (0.1 if s % 2 else -0.1)) for s in seeds]
-    data, md = study.build_report(records, pending=[])
+    records = [_record("on-ibpo", grid.ON, s, 0.6) for s in seeds]
+    records += [_record("on-dfpo", grid.ON, s, 0.5) for s in seeds]
+    records += [_record("on-grpo", grid.ON, s, 0.5 + (0.1 if s % 2 else -0.1)) for s in seeds]
+    data, md = report.build_report(records, pending=[])
     comps = {c["label"]: c for c in data["comparisons"]}
     ibpo = comps["on-policy ibpo - dfpo (Part 2: repairs)"]
     assert ibpo["wins"] == 6 and ibpo["sign_p"] == pytest.approx(2 / 64)
@@ -142,17 +185,17 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     grpo = comps["on-policy dfpo - grpo (Part 1: the objective)"]
     assert (grpo["wins"], grpo["losses"]) == (3, 3) and grpo["sign_p"] == 1.0
     assert "so it is significant at 0.05" in md and "so it is not significant at 0.05" in md
-    assert ibpo["t_ci"] == pytest.approx([0.1, 0.1]) and study.significant(ibpo)
-    assert not study.significant(grpo)
+    assert ibpo["t_ci"] == pytest.approx([0.1, 0.1]) and compare.significant(ibpo)
+    assert not compare.significant(grpo)
     # a consistent difference: both intervals exclude 0; a spread one: only the bootstrap does
-    close = study.compare(
-        {"a": [_record("a", study.ON, s, 0.5 + d) for s, d in enumerate([0.04, 0.1, 0.16, 0.08])],
-         "b": [_record("b", study.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
-    assert close["bootstrap_ci"][0] > 0 and study.significant(close)
-    wide = study.compare(
-        {"a": [_record("a", study.ON, s, 0.5 + d) for s, d in enumerate([0.01, 0.3, 0.02, 0.25])],
-         "b": [_record("b", study.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
-    assert wide["bootstrap_ci"][0] > 0 and not study.significant(wide)
+    close = compare.compare(
+        {"a": [_record("a", grid.ON, s, 0.5 + d) for s, d in enumerate([0.04, 0.1, 0.16, 0.08])],
+         "b": [_record("b", grid.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
+    assert close["bootstrap_ci"][0] > 0 and compare.significant(close)
+    wide = compare.compare(
+        {"a": [_record("a", grid.ON, s, 0.5 + d) for s, d in enumerate([0.01, 0.3, 0.02, 0.25])],
+         "b": [_record("b", grid.ON, s, 0.5) for s in range(4)]}, "a", "b")  # fmt: skip
+    assert wide["bootstrap_ci"][0] > 0 and not compare.significant(wide)
     # final accuracy, then the mean curve over the evaluations
     assert "| on-ibpo | on-policy | 6 | 0.600 [0.600, 0.600] | 0.400 -> 0.600 | +0.200" in md
     assert "| 0.0000 | 80.0% -> 50.0% |" in md  # truncation, first step -> last
@@ -165,19 +208,19 @@ def test_report_pairs_seeds_and_says_what_is_significant(study):
     )
 
 
-def test_the_report_tells_whether_the_edit_mask_acted(study):
-    ibpo = [_record("on-ibpo", study.ON, s, 0.6) for s in range(2)]
-    shaping = [_record("ablation-shaping-only", study.ABLATION, s, 0.6) for s in range(2)]
+def test_the_report_tells_whether_the_edit_mask_acted(compare, grid, report):
+    ibpo = [_record("on-ibpo", grid.ON, s, 0.6) for s in range(2)]
+    shaping = [_record("ablation-shaping-only", grid.ABLATION, s, 0.6) for s in range(2)]
     shaping[1] = {**shaping[1], "loss": [0.1, 0.25], "after": 0.55}  # parted at step 2
-    assert study.first_difference(ibpo[0], shaping[0]) is None
-    assert study.first_difference(ibpo[1], shaping[1]) == 2
-    _, md = study.build_report(ibpo + shaping, pending=[])
+    assert compare.first_difference(ibpo[0], shaping[0]) is None
+    assert compare.first_difference(ibpo[1], shaping[1]) == 2
+    _, md = report.build_report(ibpo + shaping, pending=[])
     assert "| 0 | 2 of 2 | never: the mask did not act | 0.600 | 0.600 |" in md
     assert "| 1 | 2 of 2 | 2 | 0.600 | 0.550 |" in md
 
 
-def test_the_report_gives_each_repairing_run_its_success_locality_and_mask_action(study):
-    ibpo = _record("on-ibpo", study.ON, 0, 0.6)
+def test_the_report_gives_each_repairing_run_its_success_locality_and_mask_action(grid, report):
+    ibpo = _record("on-ibpo", grid.ON, 0, 0.6)
     # step 1: a success that kept 30% of the attempt, the mask lowered 2% of the tokens' blame;
     # step 2: a success that kept 10%, the mask did not act (the repaired member was lifted)
     ibpo.update(edited_token_fraction=[0.7, 0.9], lifted_blame_fraction=[0.02, 0.0])
@@ -185,9 +228,9 @@ def test_the_report_gives_each_repairing_run_its_success_locality_and_mask_actio
     ibpo.update(repairs_skipped=[0.0, 6.0], repair_cost_share=[0.4, 0.2])
     # the repair phase took 3 of step 1's 10 seconds and 1 of step 2's 10: 0.20 of the seconds
     ibpo.update(time_repair=[3.0, 1.0], step_time=[10.0, 10.0])
-    old = {**_record("on-ibpo", study.ON, 1, 0.5), "edited_token_fraction": [None, None]}
-    dfpo = {**_record("on-dfpo", study.ON, 0, 0.5), "repairs": [0.0, 0.0], "repair_success": None}
-    _, md = study.build_report([ibpo, old, dfpo], pending=[])
+    old = {**_record("on-ibpo", grid.ON, 1, 0.5), "edited_token_fraction": [None, None]}
+    dfpo = {**_record("on-dfpo", grid.ON, 0, 0.5), "repairs": [0.0, 0.0], "repair_success": None}
+    _, md = report.build_report([ibpo, old, dfpo], pending=[])
     table = md.split("## Repairs per run")[1].split("## Did")[0]
     row = "| on-ibpo | 0 | 10 | 6 | 0.300 | 2 of 2 | 0.200 | 1 of 2 | 0.0100 | 0.30 | 0.20 "
     assert row + "| 0.600 |" in table
@@ -197,13 +240,13 @@ def test_the_report_gives_each_repairing_run_its_success_locality_and_mask_actio
     assert "on-dfpo" not in table  # no repairs, no row
 
 
-def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
+def test_smoke_end_to_end_and_resume(grid, study, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--smoke", "--model", str(tiny_model_dir), "--out", str(out), "--threads", "1"]
     assert study.main(argv) == 0
     data = json.loads((out / "study.json").read_text())
-    assert {r["arm"] for r in data["runs"]} == set(study.SMOKE_ARMS)
-    assert len(data["runs"]) == 2 * len(study.SMOKE_ARMS) and not data["pending"]
+    assert {r["arm"] for r in data["runs"]} == set(grid.SMOKE_ARMS)
+    assert len(data["runs"]) == 2 * len(grid.SMOKE_ARMS) and not data["pending"]
     for run in data["runs"]:
         assert [s for s, _ in run["curve"]] == [0, 1, 2]  # start, every step, end
         assert run["n_eval"] == 4 and run["generated_tokens"] > 0 and len(run["kl"]) == 2
@@ -249,10 +292,10 @@ def test_smoke_end_to_end_and_resume(study, tiny_model_dir, tmp_path, capsys):
     assert study.main([*argv, "--report-only"]) == 0 and (out / "study.md").read_text() == md
 
 
-def test_every_planned_run_is_a_valid_config(study, tmp_path):
+def test_every_planned_run_is_a_valid_config(grid, study, tmp_path):
     from ibpo.recipe import load_config
 
-    runs = study.plan(study.parse([]), tmp_path)
+    runs = grid.plan(study.parse([]), tmp_path)
     assert len(runs) == 13 * 5 and len({r.dir for r in runs}) == len(runs)
     assert [r.seed for r in runs[:13]] == [0] * 13  # seeds are the outer loop
     cfgs = {r.arm.name: load_config(None, r.args) for r in runs if r.seed == 0}
@@ -266,27 +309,27 @@ def test_every_planned_run_is_a_valid_config(study, tmp_path):
     assert cfgs["ablation-shaping-only"].repair.unchanged_weight == 1
     assert cfgs["ablation-mask-only"].repair.shaping_lambda == 0
     assert cfgs["ablation-k3"].repair.references == 2
-    steps = study.plan(study.parse(["--equal-by", "steps", "objective.kl_coef=0.01"]), tmp_path)
+    steps = grid.plan(study.parse(["--equal-by", "steps", "objective.kl_coef=0.01"]), tmp_path)
     equal = next(r for r in steps if r.arm.name == "equal-dfpo")
     assert load_config(None, equal.args).train.steps == 30
     assert all(load_config(None, r.args).objective.kl_coef == 0.01 for r in steps[:2])
-    sweep = study.plan(study.parse(["--sweep", "--lrs", "1e-4,1e-3"]), tmp_path)
+    sweep = grid.plan(study.parse(["--sweep", "--lrs", "1e-4,1e-3"]), tmp_path)
     lrs = sorted((r.arm.name, load_config(None, r.args).train.learning_rate) for r in sweep)
     assert lrs == [("sweep-dfpo-lr1e-3", 1e-3), ("sweep-dfpo-lr1e-4", 1e-4),
                    ("sweep-grpo-lr1e-3", 1e-3), ("sweep-grpo-lr1e-4", 1e-4)]  # fmt: skip
     assert {r.seed for r in sweep} == {0} and all("sweep" in str(r.dir) for r in sweep)
 
 
-def test_claims_and_unfinished_runs(study, tmp_path):
+def test_claims_and_unfinished_runs(reading, workers, tmp_path):
     run = tmp_path / "run"
-    assert study.claim(run) and not study.claim(run)  # this process holds it
+    assert workers.claim(run) and not workers.claim(run)  # this process holds it
     (run / ".claimed").write_text("999999999")  # a process that is gone: taken over
-    assert study.claim(run) and (run / ".claimed").read_text() == str(__import__("os").getpid())
+    assert workers.claim(run) and (run / ".claimed").read_text() == str(__import__("os").getpid())
     (run / "train").mkdir()
     (run / "train/summary.json").write_text(json.dumps({"eval_after": None}))
-    assert not study.is_done(run)  # written before the final evaluation: not done
+    assert not reading.is_done(run)  # written before the final evaluation: not done
     (run / "train/summary.json").write_text(json.dumps({"eval_after": {"accuracy": 0.5}}))
-    assert study.is_done(run)
+    assert reading.is_done(run)
 
 
 def test_workers_run_each_run_once_in_its_own_process(study, tiny_model_dir, tmp_path, capsys):
@@ -321,38 +364,38 @@ def test_smoke_sweep_is_its_own_table(study, tiny_model_dir, tmp_path):
 # --- equal compute ---------------------------------------------------------------------------
 
 
-def test_interpolation_reads_between_evaluations_and_never_beyond(study):
+def test_interpolation_reads_between_evaluations_and_never_beyond(stats):
     curve = [(0.0, 0.2), (600.0, 0.5), (800.0, 0.7)]
-    assert study.interpolate(curve, 400.0) == pytest.approx(0.2 + 0.3 * 400 / 600)
-    assert study.interpolate(curve, 600.0) == 0.5 and study.interpolate(curve, 0.0) == 0.2
-    assert study.interpolate(curve, 700.0) == pytest.approx(0.6)
+    assert stats.interpolate(curve, 400.0) == pytest.approx(0.2 + 0.3 * 400 / 600)
+    assert stats.interpolate(curve, 600.0) == 0.5 and stats.interpolate(curve, 0.0) == 0.2
+    assert stats.interpolate(curve, 700.0) == pytest.approx(0.6)
     # no compute between two evaluations: the later (more trained) one
-    assert study.interpolate([(0.0, 0.2), (0.0, 0.3), (10.0, 0.5)], 0.0) == 0.3
+    assert stats.interpolate([(0.0, 0.2), (0.0, 0.3), (10.0, 0.5)], 0.0) == 0.3
     for x in (-1.0, 801.0):
         with pytest.raises(ValueError, match="outside"):
-            study.interpolate(curve, x)
+            stats.interpolate(curve, x)
     # the cheaper run at its end, the other between its evaluations; and along the way
     cheap = [(0.0, 0.2), (200.0, 0.4), (400.0, 0.6)]
-    assert study.at_equal_compute(curve, cheap) == pytest.approx((400.0, 0.4, 0.6))
-    assert study.at_equal_compute(curve, cheap, 0.25) == pytest.approx((100.0, 0.25, 0.3))
+    assert stats.at_equal_compute(curve, cheap) == pytest.approx((400.0, 0.4, 0.6))
+    assert stats.at_equal_compute(curve, cheap, 0.25) == pytest.approx((100.0, 0.25, 0.3))
 
 
-def test_seed_counts_from_the_t_interval_and_the_t_test_power(study):
+def test_seed_counts_from_the_t_interval_and_the_t_test_power(stats):
     spread = 0.0906  # the sd of the 11-seed study's paired differences (docs/study.md)
-    assert study.seeds_for_half_width(spread) == 16
+    assert stats.seeds_for_half_width(spread) == 16
     t = {15: 2.1314, 14: 2.1448}  # t(0.975, df), printed tables
     assert t[15] * spread / math.sqrt(16) <= 0.05 < t[14] * spread / math.sqrt(15)
-    assert study.seeds_for_power(spread) == 28
+    assert stats.seeds_for_power(spread) == 28
     # power against a simulation of the paired t-test: 40,000 studies of 27 and of 28 seeds
     rng = np.random.default_rng(7)
     for n in (27, 28):
         d = rng.normal(0.05, spread, size=(40_000, n))
         t_stat = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
-        found = float((abs(t_stat) > study.t_critical(n - 1)).mean())
-        assert found == pytest.approx(study.t_power(n, spread, 0.05), abs=0.01)
-    assert study.t_power(28, spread, 0.0) == pytest.approx(0.05)  # the test's size
-    assert math.isnan(study.seeds_for_half_width(float("nan")))
-    assert math.isnan(study.seeds_for_power(0.0))
+        found = float((abs(t_stat) > stats.t_critical(n - 1)).mean())
+        assert found == pytest.approx(stats.t_power(n, spread, 0.05), abs=0.01)
+    assert stats.t_power(28, spread, 0.0) == pytest.approx(0.05)  # the test's size
+    assert math.isnan(stats.seeds_for_half_width(float("nan")))
+    assert math.isnan(stats.seeds_for_power(0.0))
 
 
 def _write_run(out, arm, seed, *, evals, final, step_tokens, step_seconds, repair_prompts=0.0,
@@ -397,18 +440,18 @@ def _study_where_verdicts_differ(out, seeds=4, rollout_prompts=50.0, repair_prom
     return [0.05 + (0.0, 0.01, -0.01, 0.02)[s] for s in range(seeds)]
 
 
-def test_equal_steps_and_equal_tokens_can_disagree(study, tmp_path):
+def test_equal_steps_and_equal_tokens_can_disagree(compare, report, reading, tmp_path):
     at_steps = _study_where_verdicts_differ(tmp_path)
-    data, md = study.build_report(*study.collect(tmp_path))
+    data, md = report.build_report(*reading.collect(tmp_path))
     found = {c["axis"]: c for c in data["equal_compute"] if c["a"] == "on-ibpo"}
     assert set(found) == {"steps", "decode", "tokens", "seconds"}
     steps, decode = found["steps"], found["decode"]
-    assert steps["diffs"] == pytest.approx(at_steps) and study.verdict(steps) == "higher"
+    assert steps["diffs"] == pytest.approx(at_steps) and compare.verdict(steps) == "higher"
     assert steps["diffs"] == pytest.approx(data["comparisons"][0]["diffs"])  # = final accuracy
     # at 400 decoded tokens: ibpo 0.2 + (0.3 + e) x 400 / 600, dfpo its final 0.6 + e
     e = [0.02 * s for s in range(4)]
     want = [0.2 + (0.3 + x) * 2 / 3 - (0.6 + x) for x in e]
-    assert decode["diffs"] == pytest.approx(want) and study.verdict(decode) == "lower"
+    assert decode["diffs"] == pytest.approx(want) and compare.verdict(decode) == "lower"
     assert decode["budgets"] == [400.0] * 4 and decode["ratios"] == [2.0] * 4
     assert (decode["wins"], decode["losses"]) == (0, 4)
     # prompt + decode: ibpo 550 a step (200 + 50 + 300), dfpo 150; compared at dfpo's 600
@@ -433,9 +476,11 @@ def test_equal_steps_and_equal_tokens_can_disagree(study, tmp_path):
 
 
 @pytest.mark.parametrize("unlogged", ["rollout_prompts", "repair_prompts"])
-def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path, unlogged):
+def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(
+    report, reading, study, tmp_path, unlogged
+):
     _study_where_verdicts_differ(tmp_path, **{unlogged: None})
-    data, md = study.build_report(*study.collect(tmp_path))
+    data, md = report.build_report(*reading.collect(tmp_path))
     assert {c["axis"] for c in data["equal_compute"]} == {"steps", "decode", "seconds"}
     (why,) = [line for line in md.splitlines() if ", not at equal " in line]
     assert why.startswith("on-policy ibpo - dfpo (Part 2: repairs), not at equal prompt + decode")
@@ -449,55 +494,55 @@ def test_prompt_tokens_are_left_out_where_runs_did_not_log_them(study, tmp_path,
     assert "## At equal compute" in (tmp_path / "study.md").read_text()
 
 
-def test_the_headline_pair_at_sixteen_seeds_is_one_command(study, tmp_path):
-    assert study.seed_list("0-4,9,3") == [0, 1, 2, 3, 4, 9]
+def test_the_headline_pair_at_sixteen_seeds_is_one_command(grid, study, tmp_path):
+    assert grid.seed_list("0-4,9,3") == [0, 1, 2, 3, 4, 9]
     ns = study.parse(["--seeds", "0-15", "--arms", "on-ibpo,on-dfpo"])
-    runs = study.plan(ns, tmp_path)
+    runs = grid.plan(ns, tmp_path)
     assert sorted({r.seed for r in runs}) == list(range(16)) and len(runs) == 32
     assert {r.arm.name for r in runs} == {"on-ibpo", "on-dfpo"}
     with pytest.raises(SystemExit, match="numbers or ranges"):
-        study.seed_list("0-x")
+        grid.seed_list("0-x")
 
 
-def test_the_command_lines_name_every_override_an_arm_ran_with(study):
+def test_the_command_lines_name_every_override_an_arm_ran_with(grid, report):
     """An override some of an arm's runs had (the thread count of runs started by another
     invocation) is listed with its seeds, never hidden behind the first run's."""
     runs = []
     for seed in range(5):
-        r = _record("on-ibpo", study.ON, seed, 0.5)
+        r = _record("on-ibpo", grid.ON, seed, 0.5)
         threads = 2 if seed in (2, 3) else 1
         runs.append({**r, "command": f"OMP_NUM_THREADS={threads} {r['command']}"})
-    runs.append(_record("on-dfpo", study.ON, 0, 0.5))
-    md = study.commands_md(runs)
+    runs.append(_record("on-dfpo", grid.ON, 0, 0.5))
+    md = report.commands_md(runs)
     assert (
         "| on-ibpo | `objective.name=on-ibpo`; by seed: `OMP_NUM_THREADS=1` (seeds 0-1, 4), "
         "`OMP_NUM_THREADS=2` (seeds 2-3) |" in md
     )
     assert "| on-dfpo | `objective.name=on-dfpo` |" in md
-    assert study.seed_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
+    assert report.seed_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
 
 
-def test_a_study_whose_runs_had_different_thread_counts_says_so_at_the_top(study):
+def test_a_study_whose_runs_had_different_thread_counts_says_so_at_the_top(grid, report):
     """A run's summation order follows its threads: arms (or seeds) at different counts compute
     different things, and the report says which runs had which before any figure."""
     runs = []
     for arm in ("on-ibpo", "on-dfpo"):
         for seed in range(4):
-            r = _record(arm, study.ON, seed, 0.5)
+            r = _record(arm, grid.ON, seed, 0.5)
             threads = 2 if (arm, seed) in (("on-ibpo", 3), ("on-dfpo", 1)) else 1
             runs.append({**r, "command": f"HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} ibpo train"})
-    warning = study.mixed_threads(runs)
+    warning = report.mixed_threads(runs)
     assert warning.startswith("**Warning: these runs computed at different thread counts**")
     assert "1 thread: on-ibpo seeds 0-2; on-dfpo seeds 0, 2-3" in warning
     assert "2 threads: on-ibpo seeds 3; on-dfpo seeds 1" in warning
-    md = study.build_report(runs, [])[1]
+    md = report.build_report(runs, [])[1]
     assert warning in md.split("## ", 1)[0]  # above every section
     same = [{**r, "command": "OMP_NUM_THREADS=1 ibpo train"} for r in runs]
-    assert study.mixed_threads(same) == ""
-    assert "different thread counts" not in study.build_report(same, [])[1]
+    assert report.mixed_threads(same) == ""
+    assert "different thread counts" not in report.build_report(same, [])[1]
 
 
-def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
+def test_step_seconds_from_reruns_that_reproduced_the_runs(report, reading, study, tmp_path):
     """--seconds-from: a run takes its rerun's step seconds when the rerun took the same steps
     (the same loss and reward at each); a run whose rerun differs, or that has none, is left out
     of the comparison at equal step seconds, and the report says how many were taken."""
@@ -507,7 +552,7 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
         _write_run(rerun, "on-dfpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.0)
         _write_run(rerun, "on-ibpo", s, evals={}, final=0.0, step_tokens=0.0, step_seconds=1.5,
                    reward=0.25 if s == 3 else 0.5)  # fmt: skip
-    data, md = study.build_report(*study.collect(out, [rerun]))
+    data, md = report.build_report(*reading.collect(out, [rerun]))
     found = {c["axis"]: c for c in data["equal_compute"] if c["a"] == "on-ibpo"}
     seconds = found["seconds"]
     assert seconds["seeds"] == [0, 1, 2] and seconds["ratios"] == [1.5] * 3
@@ -521,9 +566,9 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
     ibpo = next(r for r in per_run.splitlines() if r.startswith("| on-ibpo |"))
     assert ibpo.endswith("| 6.0 (6.0-6.0), 3 runs |")
     # without --seconds-from the runs' own seconds stand; a folder without runs is one error
-    plain = {c["axis"]: c for c in study.build_report(*study.collect(out))[0]["equal_compute"]}
+    plain = {c["axis"]: c for c in report.build_report(*reading.collect(out))[0]["equal_compute"]}
     assert plain["seconds"]["ratios"] == [3.0] * 4
-    assert "timed run" not in study.build_report(*study.collect(out))[1]
+    assert "timed run" not in report.build_report(*reading.collect(out))[1]
     with pytest.raises(SystemExit, match="--seconds-from .*no study runs there"):
         study.main(["--report-only", "--out", str(out), "--seconds-from", str(tmp_path / "x")])
     # several folders: the first timed run that reproduced a run gives its seconds. A second
@@ -548,7 +593,9 @@ def test_step_seconds_from_reruns_that_reproduced_the_runs(study, tmp_path):
     assert seconds["seconds"]["ratios"] == [1.5, 1.5, 1.5, 2.0]
 
 
-def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach(study, tmp_path):
+def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach(
+    report, reading, tmp_path
+):
     """Runs without the evaluation before training and without periodic ones (a timing rerun)
     have one point on each curve: the report compares them at equal steps, reads nothing it
     would have to extrapolate, and does not fail."""
@@ -559,7 +606,7 @@ def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach
             summary = tmp_path / "runs" / f"{arm}-s{s}" / "train" / "summary.json"
             data = json.loads(summary.read_text())
             summary.write_text(json.dumps({**data, "eval_before": None}))
-    data, md = study.build_report(*study.collect(tmp_path))
+    data, md = report.build_report(*reading.collect(tmp_path))
     found = {c["axis"]: c for c in data["equal_compute"]}
     assert set(found) == {"steps", "seconds"}  # the token axes end at different budgets
     assert found["steps"]["diffs"] == pytest.approx([0.0, 0.01, 0.02])
@@ -574,7 +621,7 @@ def test_runs_with_only_a_final_evaluation_are_compared_where_their_curves_reach
     assert all("do not both reach the budget they share" in w for w in why)
 
 
-def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path):
+def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(report, reading, tmp_path):
     """The rule's figures in the report (repairs run and skipped, successes, repairing steps and
     probes, steps under the floor) are counted from each run's metrics and its saved floor."""
     for s in range(2):
@@ -594,9 +641,9 @@ def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path)
                            repair_success_rate=rate, repair_probe=float(probe),
                            repair_running_success=r)  # fmt: skip
             (train / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    records, pending = study.collect(tmp_path)
+    records, pending = reading.collect(tmp_path)
     assert {r["min_success"] for r in records} == {0.1}
-    md = study.build_report(records, pending)[1]
+    md = report.build_report(records, pending)[1]
     (line,) = [x for x in md.splitlines() if x.startswith("* on-")]  # dfpo planned no repairs
     assert line == (
         "* on-ibpo, 2 runs, 8 steps (floor 0.1): 20 repairs ran and 12 were skipped (38% of "
@@ -608,14 +655,14 @@ def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path)
     for s in range(2):
         config = tmp_path / "runs" / f"on-ibpo-s{s}" / "train" / "config.yaml"
         config.write_text("repair:\n  min_success: 0\n")
-    md = study.build_report(*study.collect(tmp_path))[1]
+    md = report.build_report(*reading.collect(tmp_path))[1]
     (line,) = [x for x in md.splitlines() if x.startswith("* on-")]
     assert line.startswith("* on-ibpo, 2 runs, 8 steps (floor 0.0): 20 repairs ran and 12 were")
     assert line.endswith("Repairs ran at 6 steps; with no floor, only the budget skipped repairs.")
     (tmp_path / "runs" / "on-ibpo-s0" / "train" / "config.yaml").write_text(
         "repair:\n  min_success: 0.1\n"
     )
-    md = study.build_report(*study.collect(tmp_path))[1]
+    md = report.build_report(*reading.collect(tmp_path))[1]
     (line,) = [x for x in md.splitlines() if x.startswith("* on-")]
     assert "(floor 0.0, 0.1)" in line and line.endswith(
         "probes and steps under it are not counted."
@@ -626,10 +673,10 @@ def test_the_spending_rule_is_summed_per_arm_from_the_runs_logs(study, tmp_path)
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         rows = [{k: v for k, v in r.items() if k != "repairs_skipped"} for r in rows]
         metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    assert "spending rule" not in study.build_report(*study.collect(tmp_path))[1]
+    assert "spending rule" not in report.build_report(*reading.collect(tmp_path))[1]
 
 
-def test_against_another_study_pairs_the_seeds_of_a_changed_arm(study, tmp_path):
+def test_against_another_study_pairs_the_seeds_of_a_changed_arm(report, tmp_path):
     """A study that reruns arm a with a change and keeps arm b's very runs: the report's
     against-section gives arm a here minus arm a there, seed by seed, and says b's runs are
     the same; where b's runs differ it says so."""
@@ -642,7 +689,7 @@ def test_against_another_study_pairs_the_seeds_of_a_changed_arm(study, tmp_path)
         data = json.loads(summary.read_text())
         data["eval_after"]["accuracy"] += up
         summary.write_text(json.dumps(data))
-    md = study.report(here, against=there)
+    md = report.report(here, against=there)
     (row,) = [r for r in md.splitlines() if r.startswith("| on-policy ibpo - dfpo")][-1:]
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1:3] == ["4", "yes"]
@@ -653,6 +700,6 @@ def test_against_another_study_pairs_the_seeds_of_a_changed_arm(study, tmp_path)
     data = json.loads(summary.read_text())
     data["eval_after"]["accuracy"] += 0.1
     summary.write_text(json.dumps(data))
-    md = study.report(here, against=there)
+    md = report.report(here, against=there)
     row = [r for r in md.splitlines() if r.startswith("| on-policy ibpo - dfpo")][-1]
     assert row.split("|")[3].strip() == "no"
