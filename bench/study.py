@@ -170,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
     out = Path(ns.out)
     if ns.pack:
-        path, from_disk, total = pack(out, ns.packed)
+        path, folders, total = pack(out, ns.packed)
+        parents = " ".join(sorted({str(f.parent) for f in folders}))
         print(
-            f"packed {from_disk} run folders of {out} into {path} ({total} runs in it); the "
-            f"report reads them there, so the folders may go: rm -r {out}/runs {out}/sweep"
+            f"packed {len(folders)} run folders of {out} into {path} ({total} runs in it); "
+            f"the report reads them there, so the folders may go: rm -r {parents}"
         )
         return 0
     out.mkdir(parents=True, exist_ok=True)

@@ -88,11 +88,11 @@ def write_archive(path: Path, files: dict[str, bytes]) -> None:
     os.replace(partial, path)
 
 
-def pack(out: Path, packed: Path) -> tuple[Path, int, int]:
+def pack(out: Path, packed: Path) -> tuple[Path, list[Path], int]:
     """Pack the run folders on disk under `out` (<out>/<runs|sweep>/<run>/study_run.json) into
     the study's archive, with the runs it already held: a folder on disk replaces the packed
     run of its name whole (a run rerun or resumed since), the others stay. -> (the archive,
-    runs packed from disk, runs in it)."""
+    the run folders packed from disk, the number of runs in it)."""
     path = archive_of(out, packed)
     runs = sorted(meta.parent for meta in out.glob("*/*/study_run.json"))
     if not runs:
@@ -109,4 +109,4 @@ def pack(out: Path, packed: Path) -> tuple[Path, int, int]:
         files.update(folder_files(run))
     write_archive(path, files)
     count = len({n.rsplit("/", 1)[0] for n in files if n.endswith("/study_run.json")})
-    return path, len(runs), count
+    return path, runs, count
