@@ -38,6 +38,7 @@ Not here: training, or choosing a default (docs/repairs.md records what a measur
     python bench/bench_repairs.py                 # embedded model, default grid
     python bench/bench_repairs.py --model DIR --seeds 0 1 2
     python bench/bench_repairs.py --quick --model TINY_DIR   # smoke run
+    tar -xJf studies/crn11.tar.xz                                 # the 11-seed study's runs, then
     python bench/bench_repairs.py --replay docs/study/crn11/runs   # the spending rule, replayed
 """
 

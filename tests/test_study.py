@@ -4,9 +4,11 @@ runs, and its smoke mode end to end on the tiny model (json, md, plots; a rerun 
 import importlib.util
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -703,3 +705,62 @@ def test_against_another_study_pairs_the_seeds_of_a_changed_arm(report, tmp_path
     md = report.report(here, against=there)
     row = [r for r in md.splitlines() if r.startswith("| on-policy ibpo - dfpo")][-1]
     assert row.split("|")[3].strip() == "no"
+
+
+def test_a_packed_study_reads_as_its_folders_did_and_packs_to_the_same_bytes(
+    study, archive, grid, reading, report, tmp_path
+):
+    out, packed = tmp_path / "work" / "mine", tmp_path / "studies"
+    _study_where_verdicts_differ(out)
+    (out / "runs" / "on-ibpo-s0" / "train" / "checkpoints").mkdir()  # never packed
+    (out / "runs" / "on-ibpo-s0" / "train" / "checkpoints" / "state.pt").write_bytes(b"x" * 64)
+    on_disk = report.report_text(out)
+    path, folders, total = archive.pack(out, packed)
+    assert path == packed / "mine.tar.xz" and len(folders) == total == 8
+    first = path.read_bytes()
+    assert archive.pack(out, packed)[0].read_bytes() == first  # packed again: the same bytes
+    with tarfile.open(path, "r:xz") as tar:
+        members = tar.getmembers()
+    assert [m.name for m in members] == sorted(m.name for m in members)
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.mode) for m in members} == {(0, 0, 0, "", 0o644)}
+    assert not any("checkpoints" in m.name for m in members)
+    assert all(m.name.startswith(f"{out.as_posix()}/runs/") for m in members)
+    shutil.rmtree(out / "runs")
+    assert reading.collect(out)[0] == []  # without the archive: nothing
+    assert report.report_text(out, packed=packed) == on_disk  # run paths, figures, text
+    # a run added on disk joins the packed ones; the same folder again replaces its packed run
+    _write_run(out, "on-grpo", 0, evals={}, final=0.5, step_tokens=100.0, step_seconds=1.0)
+    assert len(reading.collect(out, packed=packed)[0]) == 9
+    assert archive.pack(out, packed)[1:] == ([out / "runs" / "on-grpo-s0"], 9)
+    # the command line reads the archive too, and its runner skips what is packed and done
+    shutil.rmtree(out / "runs")
+    argv = ["--out", str(out), "--packed", str(packed), "--arms", "on-ibpo,on-grpo"]
+    runs = grid.plan(study.parse([*argv, "--seeds", "0-4"]), out)
+    left = {(r.arm.name, r.seed) for r in study.not_packed(runs, out, packed)}
+    assert left == {("on-ibpo", 4), ("on-grpo", 1), ("on-grpo", 2), ("on-grpo", 3), ("on-grpo", 4)}
+    assert study.main([*argv, "--report-only"]) == 0
+    assert (out / "study.md").read_text().count("| on-ibpo | on-policy | 4 |") == 1
+
+
+def test_packing_never_overwrites_another_folders_study(archive, tmp_path):
+    packed = tmp_path / "studies"
+    _study_where_verdicts_differ(tmp_path / "a" / "study", seeds=1)
+    _study_where_verdicts_differ(tmp_path / "b" / "study", seeds=1)
+    archive.pack(tmp_path / "a" / "study", packed)
+    with pytest.raises(SystemExit, match=r"holds the runs of .*a/study, not of .*b/study"):
+        archive.pack(tmp_path / "b" / "study", packed)
+    assert archive.packed_members(tmp_path / "b" / "study", packed) == {}  # not b's runs
+
+
+def test_docs_hold_no_runs_and_the_crn16_report_regenerates_from_its_archives(report, monkeypatch):
+    """docs/ holds the reports only; the 16-seed report, with its comparison against the
+    11-seed study and the step seconds of its timed reruns, comes back byte for byte from the
+    packed runs, read where the report names them (docs/study/...)."""
+    assert not list((ROOT / "docs").rglob("study_run.json"))
+    monkeypatch.chdir(ROOT)
+    here = Path("docs/study/crn16")
+    data, md = report.report_text(
+        here, Path("docs/study/crn11"), [Path("docs/study/crn16-seconds")], Path("studies")
+    )
+    assert md == (here / "study.md").read_text()
+    assert json.dumps(data, indent=1) + "\n" == (here / "study.json").read_text()
