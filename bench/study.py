@@ -144,17 +144,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     add("overrides", nargs="*", help="section.key=value applied to every run")
     ns = p.parse_args(argv)
-    if ns.smoke:  # the tiny shapes, where an option was left at its default
-        for key, value in SMOKE.items():
-            if getattr(ns, key) == p.get_default(key):
-                setattr(ns, key, value)
-        # the smoke checks the repairs' accounting, so every planned repair runs: 4-token
-        # completions leave no budget for a repair prompt, and the tiny model is never
-        # correct, so no sibling is a correct reference
-        for key, value in (("cost_share", "1"), ("reference_selection", "correct_first")):
-            if not any(o.startswith(f"repair.{key}=") for o in ns.overrides):
-                ns.overrides = [*ns.overrides, f"repair.{key}={value}"]
+    if ns.smoke:
+        smoke_defaults(ns, p)
     return ns
+
+
+def smoke_defaults(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """--smoke's tiny shapes, where an option was left at its default."""
+    for key, value in SMOKE.items():
+        if getattr(ns, key) == p.get_default(key):
+            setattr(ns, key, value)
+    # the smoke checks the repairs' accounting, so every planned repair runs: 4-token
+    # completions leave no budget for a repair prompt, and the tiny model is never
+    # correct, so no sibling is a correct reference
+    for key, value in (("cost_share", "1"), ("reference_selection", "correct_first")):
+        if not any(o.startswith(f"repair.{key}=") for o in ns.overrides):
+            ns.overrides = [*ns.overrides, f"repair.{key}={value}"]
 
 
 def not_packed(runs: list[Run], out: Path, packed: Path) -> list[Run]:

@@ -728,6 +728,9 @@ def test_a_packed_study_reads_as_its_folders_did_and_packs_to_the_same_bytes(
     shutil.rmtree(out / "runs")
     assert reading.collect(out)[0] == []  # without the archive: nothing
     assert report.report_text(out, packed=packed) == on_disk  # run paths, figures, text
+    copy = tmp_path / "copy"  # what bench/rollout_prompts.py rebuilds counts in
+    reading.copy_runs(out, copy, packed)
+    assert report.report_text(copy)[0]["comparisons"] == on_disk[0]["comparisons"]
     # a run added on disk joins the packed ones; the same folder again replaces its packed run
     _write_run(out, "on-grpo", 0, evals={}, final=0.5, step_tokens=100.0, step_seconds=1.0)
     assert len(reading.collect(out, packed=packed)[0]) == 9
