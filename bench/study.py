@@ -55,7 +55,7 @@ one in study.json) and accuracy.png, dynamics.png (sweep.png after
 a sweep). It does not choose the learning rate (read the sweep and pass --lr), judges a
 difference significant only when its paired t 95% interval excludes 0 (`significant`). The t
 quantile, the noncentral t of the power and the F-test come from scipy.stats (`pip install
-'ibpo[study]'`); the exact sign test and the bootstrap are written here (math, random).
+'ibpo[study]'`); the exact sign test and the bootstrap are written in study_stats.py.
 
 This file is the command line; the rest is by topic: study_grid.py (the arms, the comparisons,
 the plan), study_workers.py (running the runs), study_runs.py (reading them, on disk or packed:

@@ -61,9 +61,6 @@ class Run:
         return f"HF_HUB_OFFLINE=1 OMP_NUM_THREADS={threads} {shlex.join(cli)}"
 
 
-# --- the grid ------------------------------------------------------------------------------------
-
-
 def _arm(regime: str, name: str, objective: str, updates: int, *extra: str) -> Arm:
     prefix = {ON: "on", OFF: "off", ABLATION: "ablation", EQUAL: "equal", SWEEP: "sweep"}[regime]
     overrides = (f"objective.name={objective}", f"train.updates_per_rollout={updates}", *extra)
