@@ -38,7 +38,7 @@ LAYERS = {
     "algo": 1,
     "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "generation": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2, "catalog": 2, "trl_config": 2,
+    "quiet": 2, "catalog": 2, "trl_config": 2, "tools": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,
