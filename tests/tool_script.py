@@ -1,8 +1,6 @@
 """Test helpers for tool rollouts: a character tokenizer whose chat template describes tools
 and renders tool turns, a tiny Qwen3 for it, and a logits processor that scripts turns."""
 
-import torch
-
 from tests.conftest import CHARS, SPECIALS, make_tiny_qwen3
 
 TOOL_CHARS = CHARS + [
@@ -30,6 +28,8 @@ def tool_tokenizer():
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
+    # as in Qwen3's tokenizer, the tags are tokens of their own (not special: decoding keeps them)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool>", HEADER])
     tok.chat_template = TOOL_TEMPLATE
     tok.padding_side = "left"
     return tok
@@ -43,10 +43,11 @@ def tool_model(tok, seed: int = 0):
     return model
 
 
-def call_text(code: str, name: str = "python") -> str:
+def call_text(name: str, **arguments) -> str:
     import json
 
-    return "<tool_call>" + json.dumps({"name": name, "arguments": {"code": code}}) + "</tool_call>"
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+    return "<tool_call>" + body + "</tool_call>"
 
 
 class ScriptedTurns:

@@ -156,10 +156,11 @@ class ToolRollouts:
         text = tokenizer.decode(turn, skip_special_tokens=False)
         calls = parse_tool_calls(text) if ended else []
         message: dict = {"role": "assistant", "content": text}
-        if calls:
+        readable = [c for c in calls if c.error is None]
+        if readable:  # as TRL's conversations hold them (an unreadable call is only text)
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
+                for c in readable
             ]
         r.trace.messages.append(message)
         if not ended:
