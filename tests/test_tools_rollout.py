@@ -224,3 +224,80 @@ def test_the_token_budget_cuts_a_tool_turn_and_counts_tool_tokens(model, tok):
     ro, _ = rollout(model, tok, [call, "done"], G=1, tools=(), fns=[add], budget=n_call + 3)
     assert ro.lengths == [n_call + 3] and ro.host_truncated() == [True]
     assert ro.policy_lengths == [n_call]  # the rest is the tool turn, cut at the budget
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("tiny-tool-qwen3")
+    tool_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+class _Scripted(ToolRollouts):
+    """ToolRollouts whose rows' first turn is a scripted python call (the rest sampled)."""
+
+    def __call__(self, tokenizer, *args, **kwargs):
+        script = ScriptedTurns(tokenizer, [call_text("python", code="print(6*7)"), None])
+        kwargs["logits_processor"] = [*(kwargs.get("logits_processor") or []), script]
+        return super().__call__(tokenizer, *args, **kwargs)
+
+
+def _train(model_dir, out, steps, monkeypatch, resume=False):
+    """ibpo.train with the python tool, each rollout's first turn a scripted call."""
+    import ibpo
+    from ibpo import step as step_mod
+
+    monkeypatch.setattr(step_mod, "ToolRollouts", _Scripted)
+    settings = {
+        "model.name": model_dir,
+        "model.quantization": "none",
+        "train.steps": steps,
+        "train.prompts_per_step": 1,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 70,
+        "data.eval_size": 0,
+        "train.log_reference_kl": False,
+        "run.save_every": 1,
+        "run.output_dir": str(out),
+        **({"run.resume_from": "latest"} if resume else {}),
+    }
+    rows = [{"question": f"what is {i}*7?", "answer": str(i * 7)} for i in range(4)]
+    return ibpo.train(overrides=settings, dataset=rows, reward_funcs=odd_answer, tools=["python"])
+
+
+def odd_answer(completions, tool_calls, **kwargs):
+    """A reward with signal on the tiny model: the parity of the final turn's length, read
+    from the conversation the rollout's completions are."""
+    assert all(c[1]["role"] == "tool" and c[1]["content"] == "42" for c in completions)
+    return [float(len(c[-1]["content"]) % 2) for c in completions]
+
+
+def _lines(run):
+    import json
+
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_with_tools_trains_logs_its_calls_and_resumes_mid_run_exactly(
+    tool_model_dir, tmp_path, monkeypatch
+):
+    from safetensors.torch import load_file
+
+    ref = _train(tool_model_dir, tmp_path / "ref", 2, monkeypatch)
+    assert ref.status == "completed" and ref.summary["steps"] == 2
+    metrics = _lines(tmp_path / "ref")
+    assert [m["tool_calls"] for m in metrics] == [2.0, 2.0]  # one call per completion
+    assert all(m["tool_errors"] == 0.0 and m["tool_tokens"] > 0 for m in metrics)
+    assert all("repairs" not in m or m["repairs"] == 0 for m in metrics)  # ibpo: repairs off
+    # stopped after step 1, then resumed from its checkpoint: the same adapter and metrics
+    first = _train(tool_model_dir, tmp_path / "run", 1, monkeypatch)
+    assert first.status == "completed"
+    again = _train(tool_model_dir, tmp_path / "run", 2, monkeypatch, resume=True)
+    assert again.status == "completed" and again.summary["steps"] == 2
+    got = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    want = load_file(tmp_path / "ref" / "adapter" / "adapter_model.safetensors")
+    assert any(want[k].abs().sum() > 0 for k in want if "lora_B" in k)  # it did learn
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    resumed = _lines(tmp_path / "run")
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics]
