@@ -281,22 +281,24 @@ def generating(model, cfg: Config, device: torch.device, engine=None, tools=None
     fast = use_dequantized_base(cfg.model, device, model)
     with gathered(model):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
-            if tools:
-                yield tool_rollouts(model, cfg, tools)
-                return
             decoder = decode_engine(model, cfg.rollout.decode)
             try:
-                yield hf_generator(model, engine=decoder)
+                if tools:
+                    yield tool_rollouts(model, cfg, tools, decoder)
+                else:
+                    yield hf_generator(model, engine=decoder)
             finally:
                 if decoder is not None:  # its cache is as large as the phase's: free it now
                     decoder.release()
 
 
-def tool_rollouts(model, cfg: Config, tools: dict) -> ToolRollouts:
-    """The multi-turn Generator of a run with tools: its limits from the rollout section."""
+def tool_rollouts(model, cfg: Config, tools: dict, decoder=None) -> ToolRollouts:
+    """The multi-turn Generator of a run with tools: its limits from the rollout section,
+    decoding each turn with `decoder` (the package's engine) where there is one."""
     ro, data = cfg.rollout, cfg.data
     chat = {} if data.enable_thinking is None else {"enable_thinking": data.enable_thinking}
-    return ToolRollouts(model, tools, ro.max_tool_calls, ro.tool_workers, ro.tool_timeout, chat)
+    limits = (ro.max_tool_calls, ro.tool_workers, ro.tool_timeout)
+    return ToolRollouts(model, tools, *limits, chat, engine=decoder)
 
 
 # DAPO's dynamic sampling: extra rounds of rollouts that refill the groups it dropped

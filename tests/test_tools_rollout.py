@@ -301,3 +301,22 @@ def test_a_run_with_tools_trains_logs_its_calls_and_resumes_mid_run_exactly(
     assert all(torch.equal(got[k], want[k]) for k in want)
     resumed = _lines(tmp_path / "run")
     assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics]
+
+
+def test_the_decode_engine_gives_the_tool_rollouts_hf_generate_gives(model, tok):
+    """rollout.decode=graph with tools: each turn decoded by the package's engine (eager on
+    CPU) from the whole context, the same tokens, conversation and behaviour log-probs."""
+    from ibpo.generation.decode import DecodeEngine
+
+    turns = [call_text("python", code="print(6*7)"), None]
+    out = {}
+    for name, engine in (("hf", None), ("engine", DecodeEngine(model))):
+        gen = ToolRollouts(model, resolve_tools(["python"]), 4, 4, 10.0, engine=engine)
+        prompt = gen.render(tok, PROBLEM, DataConfig(prompt_template=None))
+        torch.manual_seed(5)
+        out[name] = gen(tok, [prompt], 3, 90, 8, logits_processor=[ScriptedTurns(tok, turns)])
+    hf, eng = out["hf"], out["engine"]
+    assert hf.tokens == eng.tokens and torch.equal(hf.completion_mask, eng.completion_mask)
+    assert [t.messages for t in hf.tool_traces] == [t.messages for t in eng.tool_traces]
+    assert torch.allclose(hf.logprobs, eng.logprobs, atol=1e-4)
+    assert eng.tool_traces[0].calls == 1

@@ -31,7 +31,8 @@ from torch import nn
 
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import prompt_messages
-from ibpo.generation.hf import generate_kwargs
+from ibpo.generation.decode import DecodeEngine, Sampling
+from ibpo.generation.hf import engine_decode, generate_kwargs
 from ibpo.generation.rollout import Rollout, encode_prompts, eos_ids
 from ibpo.generation.sampling import SampledLogprobs
 from ibpo.tools import Tool, ToolCall, ToolResult, parse_tool_calls, run_calls
@@ -66,11 +67,13 @@ class ToolRollouts:
     """The policy's own generate() with tools (the Generator contract of rollout.py):
     `tools` by name (tools.resolve_tools), rollout.max_tool_calls, tool_workers and
     tool_timeout; `chat_kwargs`: what the chat template gets besides the messages
-    (enable_thinking). `render` gives a problem's prompt with the tools described."""
+    (enable_thinking); `engine`: decode each turn with the package's engine (hf.decode_engine;
+    None: HF generate). `render` gives a problem's prompt with the tools described."""
 
     def __init__(self, model: nn.Module, tools: dict[str, Tool], max_calls: int, workers: int,
-                 timeout: float, chat_kwargs: dict | None = None):  # fmt: skip
-        self.model, self.tools, self.max_calls = model, tools, max_calls
+                 timeout: float, chat_kwargs: dict | None = None,
+                 engine: DecodeEngine | None = None):  # fmt: skip
+        self.model, self.tools, self.max_calls, self.engine = model, tools, max_calls, engine
         self.workers, self.timeout = workers, timeout
         self.chat_kwargs = dict(chat_kwargs or {})
         self._turns: dict[tuple[int, str], list[str]] = {}
@@ -130,16 +133,7 @@ class ToolRollouts:
         for i, c in enumerate(contexts):
             mask[i, : width - len(c)] = 0
         room = [budget - len(r.tokens) for r in rows]
-        recorder = SampledLogprobs(*sampler) if sampler else None
-        gen_model = getattr(self.model, "module", self.model)  # DDP has no .generate
-        out = gen_model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            logits_processor=list(processors or []) + ([recorder] if recorder else []),
-            **generate_kwargs(self.model, tokenizer, max(room), eos),
-        )
-        new = out[:, width:]
-        logp = recorder.finish(new).tolist() if recorder else None
+        new, logp = self._decode(ids, mask, tokenizer, eos, max(room), sampler, processors)
         work["prefill"] += sum(len(c) for c in contexts)
         work["slots"] += new.shape[0] * new.shape[1]
         for i, (r, row) in enumerate(zip(rows, new.tolist())):
@@ -151,6 +145,30 @@ class ToolRollouts:
             r.policy += [1.0] * len(turn)
             r.logp += logp[i][:take] if logp else [0.0] * len(turn)
             self._read_turn(r, turn[:-1] if ended else turn, ended, tokenizer)
+
+    def _decode(self, ids, mask, tokenizer, eos, max_new, sampler, processors):
+        """One generate call from the rows' whole contexts -> (new tokens [n, t], their
+        behaviour log-probs as lists, or None when greedy): the engine's where it runs, else
+        HF generate's with ibpo's sampler as its last logits processor."""
+        kwargs = generate_kwargs(self.model, tokenizer, max_new, eos)
+        gen_model = getattr(self.model, "module", self.model)  # DDP has no .generate
+        processors = list(processors or [])
+        if self.engine is not None:
+            sampling = Sampling(sampler is not None, *(sampler or (1.0, 0, 1.0)))
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            decoded = engine_decode(self.engine, gen_model, inputs, kwargs, sampling, processors)
+            if decoded is not None:
+                new, logp = decoded
+                return new, None if logp is None else logp.tolist()
+        recorder = SampledLogprobs(*sampler) if sampler else None
+        out = gen_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            logits_processor=processors + ([recorder] if recorder else []),
+            **kwargs,
+        )
+        new = out[:, ids.shape[1] :]
+        return new, recorder.finish(new).tolist() if recorder else None
 
     def _read_turn(self, r: _Row, turn: list[int], ended: bool, tokenizer) -> None:
         text = tokenizer.decode(turn, skip_special_tokens=False)
