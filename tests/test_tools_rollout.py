@@ -320,3 +320,34 @@ def test_the_decode_engine_gives_the_tool_rollouts_hf_generate_gives(model, tok)
     assert [t.messages for t in hf.tool_traces] == [t.messages for t in eng.tool_traces]
     assert torch.allclose(hf.logprobs, eng.logprobs, atol=1e-4)
     assert eng.tool_traces[0].calls == 1
+
+
+def test_the_math_evaluation_scripts_take_tools_and_report_calls_per_problem(
+    tool_model_dir, tmp_path, monkeypatch
+):
+    import json
+    import runpy
+    from pathlib import Path
+
+    from ibpo.evaluation import cli as eval_cli
+
+    monkeypatch.setattr(eval_cli, "ToolRollouts", _Scripted)  # each answer's first turn calls
+    root = Path(__file__).resolve().parents[1]
+    script = runpy.run_path(str(root / "scripts" / "eval_math500.py"), run_name="eval_script")
+    out = tmp_path / "eval"
+    args = [
+        *("--model", tool_model_dir, "--quantization", "none", "--tools", "python"),
+        *("--data", str(root / "tests/fixtures/benchmarks/math500.jsonl"), "--limit", "2"),
+        *("--n", "2", "--max-new-tokens", "80", "--output-dir", str(out), "--no-progress"),
+    ]  # fmt: skip
+    assert script["run"](args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tools"] == ["python"] and summary["max_tool_calls"] == 4
+    assert summary["tool_calls_per_problem"] == 1.0 and summary["tool_errors"] == 0
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    for s in samples:
+        chat = s["conversation"]
+        assert chat[1] == {"role": "tool", "name": "python", "content": "42"}
+        assert s["completion"] == chat[-1]["content"]  # what was graded: the last turn
+        assert s["length"] > len(chat[0]["content"])  # every turn's tokens
