@@ -525,7 +525,8 @@ def score_round(
     )
     if rollout.decode_slots:  # the share of decoding spent on rows that had ended
         stats["decode_slot_steps"] = float(rollout.decode_slots)
-        stats["decode_slot_tokens"] = stats["generated_tokens"]
+        # the tokens decoded: a tool turn's are appended, not decoded
+        stats["decode_slot_tokens"] = float(sum(rollout.host_policy_lengths()))
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])

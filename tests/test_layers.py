@@ -10,7 +10,7 @@ Layers, bottom to top (a module imports only from its own layer or below):
                               repairs, run), sizes (shapes and byte counts, which the planner and
                               the vLLM engine share), quiet (third-party noise filters), catalog
                               (the packaged recipes), trl_config (TRL's GRPOConfig names), rewards/,
-                              sandbox/
+                              sandbox/, tools/ (tools rollouts call)
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), api (ibpo.train), cli
