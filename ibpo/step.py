@@ -891,7 +891,7 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
-        trained_tokens=float(n_tokens),
+        trained_tokens=float(sum(rollout.host_policy_lengths())),  # a tool turn's are not
         trained_sequences=float(rollout.num_sequences),
         truncated=sum(truncated) / len(truncated),
         # TRL's names for two of these
