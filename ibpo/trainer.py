@@ -429,7 +429,8 @@ class Run:
         if not self.eval_examples:
             return None
         cfg = self.cfg
-        with generating(self.parts.model, cfg, self.accelerator.device, self.engine) as generate:
+        model, device = self.parts.model, self.accelerator.device
+        with generating(model, cfg, device, self.engine, self.tools) as generate:
             return evaluate_accuracy(
                 generate,
                 self.tokenizer,

@@ -256,13 +256,14 @@ def _train(model_dir, out, steps, monkeypatch, resume=False):
         "train.prompts_per_step": 1,
         "rollout.group_size": 2,
         "rollout.max_new_tokens": 70,
-        "data.eval_size": 0,
+        "rollout.eval_max_new_tokens": 70,
+        "data.eval_size": 2,  # answered with the tools too: odd_answer checks
         "train.log_reference_kl": False,
         "run.save_every": 1,
         "run.output_dir": str(out),
         **({"run.resume_from": "latest"} if resume else {}),
     }
-    rows = [{"question": f"what is {i}*7?", "answer": str(i * 7)} for i in range(4)]
+    rows = [{"question": f"what is {i}*7?", "answer": str(i * 7)} for i in range(6)]
     return ibpo.train(overrides=settings, dataset=rows, reward_funcs=odd_answer, tools=["python"])
 
 
@@ -286,6 +287,7 @@ def test_a_run_with_tools_trains_logs_its_calls_and_resumes_mid_run_exactly(
 
     ref = _train(tool_model_dir, tmp_path / "ref", 2, monkeypatch)
     assert ref.status == "completed" and ref.summary["steps"] == 2
+    assert ref.summary["eval_after"] is not None  # held out with the tools (odd_answer checks)
     metrics = _lines(tmp_path / "ref")
     assert [m["tool_calls"] for m in metrics] == [2.0, 2.0]  # one call per completion
     assert all(m["tool_errors"] == 0.0 and m["tool_tokens"] > 0 for m in metrics)

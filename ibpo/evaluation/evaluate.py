@@ -55,6 +55,7 @@ import torch
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
 from ibpo.generation import Generator
+from ibpo.generation.multiturn import ToolRollouts, tool_columns
 from ibpo.rewards.functions import RewardSet, grade_completions, logged_metrics
 from ibpo.rewards.math import answers_match, text_to_grade
 
@@ -83,7 +84,8 @@ def evaluate_accuracy(
     batch_size: int,
     accelerator=None,
 ) -> dict:
-    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length,
+    """Greedy accuracy and mean completion length on `examples` (a run with tools: answered
+    with them, as its rollouts are) -> {accuracy, n, mean_length,
     grader_errors, metrics}. A completion is correct when the run's weighted reward
     (rewards/functions.py) reaches its correct threshold (objective.correct_threshold); one no
     reward applies to is not. `grader_errors`: the graders' own failures (scored 0), over all
@@ -95,9 +97,13 @@ def evaluate_accuracy(
     gradings = []
     for s in range(0, len(shard), batch_size):
         batch = shard[s : s + batch_size]
-        prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
+        if isinstance(generator, ToolRollouts):  # answers with the run's tools, as rollouts do
+            prompts = [generator.render(tokenizer, ex, data_cfg) for ex in batch]
+        else:
+            prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
-        grades = grade_completions(reward_fns, batch, prompts, out.texts, out.host_tokens())
+        tools = tool_columns(out.tool_traces)
+        grades = grade_completions(reward_fns, batch, prompts, out.texts, out.host_tokens(), tools)
         correct += sum(t >= reward_fns.correct for t in grades.totals)
         tokens += float(sum(out.lengths))
         gradings.append(grades)
