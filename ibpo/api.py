@@ -25,7 +25,10 @@ in TRL's convention, or a list of them, where a string is a built-in name, an im
 reward model's Hub id, and a pair (model, tokenizer) a reward model
 (ibpo/rewards/functions.py); `reward_weights`: one weight each. `callbacks`: objects with
 TRL-like hooks (ibpo/run/callbacks.py). `eval_dataset`: held-out rows in place of
-data.eval.dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys. The run's
+data.eval.dataset. `peft_config`: a peft.LoraConfig in place of the model.lora_* keys.
+`tools`: functions the policy may call in its rollouts, as TRL's tools= (type hints and a
+docstring describe each), or names as rollout.tools takes them (`"python"`: the built-in
+sandboxed interpreter; docs/tools.md). The run's
 config.yaml records a Python function by its import path `module:qualname`, which resumes from
 YAML only for a function defined at a module's top level; passing the functions again always
 does.
@@ -51,7 +54,11 @@ from ibpo.config import Config, ConfigError
 from ibpo.data import IN_MEMORY
 from ibpo.recipe import load_config
 from ibpo.rewards.functions import import_path
+from ibpo.tools.schema import BUILTIN
 from ibpo.trainer import train as run_recipe
+
+# a built-in tool passed as a function is recorded by its name (ibpo.tools.schema.BUILTIN)
+BUILTIN_NAMES = {fn: name for name, fn in BUILTIN.items()}
 
 
 @dataclass
@@ -78,6 +85,7 @@ def train(
     callbacks: Sequence[Any] | None = None,
     eval_dataset=None,
     peft_config=None,
+    tools: Sequence[Callable | str] | None = None,
 ) -> TrainResult:
     """Train: the recipe with its overrides, on `dataset` when given, graded by `reward_funcs`
     when given, observed and steered by `callbacks`, held out on `eval_dataset`, with the
@@ -105,12 +113,23 @@ def train(
         extra["objective.reward"] = names if len(names) > 1 else names[0]
     if reward_weights is not None:
         extra["objective.reward_weights"] = [float(w) for w in reward_weights]
+    if tools is not None:  # recorded by name, as reward functions are; built-ins by theirs
+        tools = list(tools)
+        extra["rollout.tools"] = [
+            t if isinstance(t, str) else BUILTIN_NAMES.get(t, None) or import_path(t) for t in tools
+        ]
     cfg = load_config(recipe, _with_overrides(overrides, extra))
-    return run_loaded(cfg, dataset, funcs, callbacks, eval_dataset, peft_config)
+    return run_loaded(cfg, dataset, funcs, callbacks, eval_dataset, peft_config, tools)
 
 
 def run_loaded(
-    cfg: Config, rows=None, reward_funcs=None, callbacks=None, eval_rows=None, peft_config=None
+    cfg: Config,
+    rows=None,
+    reward_funcs=None,
+    callbacks=None,
+    eval_rows=None,
+    peft_config=None,
+    tools=None,
 ) -> TrainResult:
     """Run a config as load_config returned it (checked and resolved; `ibpo train` loads it
     once and calls this), with what `train` was given in Python. -> TrainResult."""
@@ -122,6 +141,7 @@ def run_loaded(
         callbacks=callbacks,
         eval_rows=eval_rows,
         peft_config=peft_config,
+        tools=tools,
     )
     adapter = summary.get("adapter")
     return TrainResult(summary, Path(adapter) if adapter else None, Path(cfg.run.output_dir))

@@ -260,6 +260,16 @@ class RolloutConfig:
     # names the backend and the likely causes (run/alarm.py); above mismatch_stop_kl the run
     # saves and stops (exit code 5).
     mismatch_stop_kl: float | None = positive(None, null="never stop")
+    # Tool-integrated reasoning (docs/tools.md): the tools a rollout may call, `python` (its code
+    # run in the sandbox with the code reward's limits) or import paths package.module:function
+    # (ibpo.train(tools=[fn]) passes callables); [] = none. A row decodes until it ends its turn,
+    # the calls in it run and their results are appended as a tool turn, and it goes on.
+    tools: list[str] = field(default_factory=list)
+    # the calls one completion may make; later ones are answered with an error, and a turn with
+    # calls after the limit ends the completion
+    max_tool_calls: int = at_least(0, 4)
+    tool_workers: int = positive(4, "tool calls run at once, across the rows of a round")
+    tool_timeout: float = positive(30.0, "seconds a tool call may take before it is abandoned")
 
 
 @dataclass
@@ -557,5 +567,10 @@ def check_across(cfg: Config) -> Config:
         raise ConfigError(
             f"rollout.generation_batch_size must be <= {VLLM_BATCHED_TOKENS} with the vllm "
             "backend (its sequences at once may not exceed its tokens per step)"
+        )
+    if ro.tools and ro.backend == "vllm":
+        raise ConfigError(
+            "rollout.tools: tool calls run in the hf backend's multi-turn rollouts. Fix: set "
+            "rollout.backend=hf, or rollout.tools=[] to train with vllm"
         )
     return cfg

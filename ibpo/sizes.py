@@ -313,9 +313,9 @@ def repair_template_tokens(template: str) -> int:
 
 def repair_generation(cfg) -> tuple[int, int, int] | None:
     """(batch, prompt tokens, new tokens) of a resolved config's repair generations (IBPO.md
-    Part 2), None when repairs are off."""
+    Part 2), None when repairs are off (as they are for rollouts that call tools: step.py)."""
     rep, ro = cfg.repair, cfg.rollout
-    if not rep.enabled:
+    if not rep.enabled or ro.tools:
         return None
     jobs = cfg.train.prompts_per_step * min(rep.max_repairs_per_group, ro.group_size)
     jobs *= rep.references

@@ -42,6 +42,7 @@ mismatch), model loading.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import resource
@@ -92,6 +93,7 @@ from ibpo.generation import (
     decode_engine,
     hf_generator,
 )
+from ibpo.generation.multiturn import ToolRollouts, tool_columns
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import (
     dequantized_base,
@@ -109,6 +111,8 @@ from ibpo.rewards.functions import (
     run_reward_set,
 )
 from ibpo.sizes import CHUNK_TOKENS
+
+log = logging.getLogger(__name__)
 
 # --- what the stages hand each other ------------------------------------------------------------
 
@@ -197,13 +201,15 @@ def rl_step(
     step: int,
     reward_fns: RewardSet | None = None,
     table: list[dict] | None = None,
+    tools: dict | None = None,
 ) -> dict[str, float]:
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
     before this one, which seeds this step's sampling streams (generation.SamplingStreams).
     `reward_fns`: the run's reward functions (rewards/functions.py; None: objective.reward's);
     the metrics they logged (log_metric) join the step's. `table`: this process's completions
-    of the step are appended to it (ScoredBatch.table)."""
+    of the step are appended to it (ScoredBatch.table). `tools`: the run's tools by name
+    (tools.resolve_tools; None or empty: rollouts without tool calls)."""
     model, device = parts.model, accelerator.device
     if reward_fns is None:
         reward_fns = run_reward_set(cfg.objective)
@@ -218,7 +224,7 @@ def rl_step(
         spending = (decide(parts.spending, rep.min_success, rep.probe_every), parts.spending)
     # 1-5. prompts, rollout, rewards, (IBPO) repairs, token advantages [N, T]: each process
     # scores and normalises the groups it generated
-    with generating(model, cfg, device, engine) as generator:
+    with generating(model, cfg, device, engine, tools) as generator:
         batch = collect_batch(
             generator,
             tokenizer,
@@ -262,11 +268,12 @@ def rl_step(
 
 
 @contextmanager
-def generating(model, cfg: Config, device: torch.device, engine=None):
+def generating(model, cfg: Config, device: torch.device, engine=None, tools=None):
     """A Generator (generation/rollout.py) for one generation phase: the vLLM engine serving the
     current adapter (rollout.backend=vllm), or the policy's own generate() - under FSDP on
     gathered weights, on CPU with a 4-bit base dequantised once and the adapter folded in -
-    decoding with the package's engine where rollout.decode=graph (hf.decode_engine)."""
+    decoding with the package's engine where rollout.decode=graph (hf.decode_engine), or with
+    `tools` (by name) multi-turn rollouts that call them (generation/multiturn.py)."""
     if engine is not None:
         with engine.serving(model) as generator:
             yield generator
@@ -276,10 +283,22 @@ def generating(model, cfg: Config, device: torch.device, engine=None):
         with dequantized_base(model, merge_lora=True) if fast else nullcontext():
             decoder = decode_engine(model, cfg.rollout.decode)
             try:
-                yield hf_generator(model, engine=decoder)
+                if tools:
+                    yield tool_rollouts(model, cfg, tools, decoder)
+                else:
+                    yield hf_generator(model, engine=decoder)
             finally:
                 if decoder is not None:  # its cache is as large as the phase's: free it now
                     decoder.release()
+
+
+def tool_rollouts(model, cfg: Config, tools: dict, decoder=None) -> ToolRollouts:
+    """The multi-turn Generator of a run with tools: its limits from the rollout section,
+    decoding each turn with `decoder` (the package's engine) where there is one."""
+    ro, data = cfg.rollout, cfg.data
+    chat = {} if data.enable_thinking is None else {"enable_thinking": data.enable_thinking}
+    limits = (ro.max_tool_calls, ro.tool_workers, ro.tool_timeout)
+    return ToolRollouts(model, tools, *limits, chat, engine=decoder)
 
 
 # DAPO's dynamic sampling: extra rounds of rollouts that refill the groups it dropped
@@ -310,13 +329,27 @@ def observe_repairs(accelerator, state: SpendingState, mode: str, stats: dict) -
 
 def repairs_enabled(cfg: Config, objective: ResolvedObjective) -> bool:
     """repair.enabled as recipe.resolve filled it from the objective's registration: read, not
-    re-derived, so an unresolved config is refused rather than guessed."""
+    re-derived, so an unresolved config is refused rather than guessed. Off for rollouts that
+    call tools (docs/tools.md: a repair would have to re-run the tools on a rewritten turn),
+    said once."""
     if cfg.repair.enabled is None:
         raise ValueError(
             f"repair.enabled is unresolved for objective {objective.name!r}: build the config "
             "with ibpo.recipe.load_config or pass it through ibpo.recipe.resolve"
         )
+    if cfg.repair.enabled and cfg.rollout.tools:
+        if not _SAID_NO_REPAIRS:
+            _SAID_NO_REPAIRS.append(True)
+            log.warning(
+                "ibpo: repairs are off for rollouts that call tools (rollout.tools); %s trains "
+                "on the graded rollouts alone (docs/tools.md)",
+                objective.name,
+            )
+        return False
     return cfg.repair.enabled
+
+
+_SAID_NO_REPAIRS: list[bool] = []
 
 
 def collect_batch(
@@ -452,7 +485,10 @@ def score_round(
     step's decision, a share of the tokens this round's rollout ran."""
     ro, G = cfg.rollout, cfg.rollout.group_size
     t0 = time.perf_counter()
-    prompts = [render_example(tokenizer, ex, cfg.data) for ex in examples]
+    if isinstance(generator, ToolRollouts):  # the prompt describes the tools
+        prompts = [generator.render(tokenizer, ex, cfg.data) for ex in examples]
+    else:
+        prompts = [render_example(tokenizer, ex, cfg.data) for ex in examples]
     with _stream(streams, "rollout", round_):
         rollout = generator(
             tokenizer,
@@ -471,10 +507,15 @@ def score_round(
         [p for p in prompts for _ in range(G)],
         rollout.texts,
         rollout.host_tokens(),
+        tool_columns(rollout.tool_traces),
     )
     scores = torch.tensor(grades.totals, dtype=torch.float32, device="cpu").view(len(examples), G)
     table = completion_rows(each, rollout.texts, grades)
     stats = {"time_generate": t1 - t0, "generated_tokens": float(sum(rollout.lengths))}
+    if rollout.tool_traces is not None:  # per step: calls made, calls that failed
+        stats["tool_calls"] = float(sum(t.calls for t in rollout.tool_traces))
+        stats["tool_errors"] = float(sum(t.errors for t in rollout.tool_traces))
+        stats["tool_tokens"] = stats["generated_tokens"] - sum(rollout.host_policy_lengths())
     # the rollout's prompt tokens the model ran (a prompt the backend runs once for its G
     # samples counts once; the prompts' tokens where it does not say): compute, with the decode
     stats["rollout_prefill_tokens"] = float(
@@ -484,7 +525,8 @@ def score_round(
     )
     if rollout.decode_slots:  # the share of decoding spent on rows that had ended
         stats["decode_slot_steps"] = float(rollout.decode_slots)
-        stats["decode_slot_tokens"] = stats["generated_tokens"]
+        # the tokens decoded: a tool turn's are appended, not decoded
+        stats["decode_slot_tokens"] = float(sum(rollout.host_policy_lengths()))
     stats["time_rewards"] = time.perf_counter() - t1
     if not repairing:
         return Round(rollout, scores, scores, None, stats, grades.per_function, table, [grades])
@@ -623,7 +665,9 @@ def update_policy(
     if objective.kl_coef > 0 or tr.log_reference_kl:
         ref = frozen_logprobs(model, mbs, chunk, temp, reference=True, count=n)
     t_frozen = time.perf_counter() - t0
-    norm = global_normaliser(accelerator, objective, mbs, ro.max_new_tokens)
+    norm = global_normaliser(
+        accelerator, objective, batch.rollout.host_policy_lengths(), ro.max_new_tokens
+    )
     stats: dict[str, list[Tensor]] = {}
     cancel: dict[str, Tensor] = {}
     model.train()
@@ -648,7 +692,7 @@ def update_policy(
                 accelerator.backward(loss if k == i else loss * 0.0)
             if k != i:  # a repeat: no stats
                 continue
-            for key, v in cancellation_residual(c, a, mb.tokens, G).items():
+            for key, v in cancellation_residual(c, a, mb.tokens, G, mb.completion_mask).items():
                 cancel[key] = cancel[key] + v if key in cancel else v
             info["loss"] = loss.detach()
             losses.append(info["loss"])
@@ -704,10 +748,10 @@ def frozen_logprobs(model, mbs: list[MicroBatch], chunk, temperature, reference:
     return out
 
 
-def global_normaliser(accelerator, objective, mbs: list[MicroBatch], max_new_tokens: int):
+def global_normaliser(accelerator, objective, lengths: list[int], max_new_tokens: int):
     """The step's Z, such that the gradient averaged by DDP over processes equals one process's
-    gradient on all their rows: each process divides by the mean of the processes' Z."""
-    lengths = [len(t) for mb in mbs for t in mb.tokens]
+    gradient on all their rows: each process divides by the mean of the processes' Z.
+    `lengths`: each row's tokens the policy wrote (a tool turn's are not trained)."""
     z = step_normaliser(objective.aggregation, lengths, max_new_tokens)
     if accelerator.num_processes > 1:
         z = accelerator.reduce(torch.tensor([z], device=accelerator.device), "mean").item()
@@ -847,7 +891,7 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),
         shared_token_fraction=cancel["shared_tokens"] / max(cancel["tokens"], 1.0),
         completion_length=n_tokens / rollout.num_sequences,
-        trained_tokens=float(n_tokens),
+        trained_tokens=float(sum(rollout.host_policy_lengths())),  # a tool turn's are not
         trained_sequences=float(rollout.num_sequences),
         truncated=sum(truncated) / len(truncated),
         # TRL's names for two of these

@@ -68,6 +68,7 @@ from ibpo.run.log import COMPLETIONS, log_completions, log_eval, log_step, trim_
 from ibpo.run.version import code_version, header
 from ibpo.sandbox import policy as sandbox_policy
 from ibpo.step import StepParts, generating, rl_step
+from ibpo.tools import resolve_tools
 from ibpo.trl_config import TrainingArgs
 
 
@@ -242,13 +243,15 @@ def train(
     callbacks=None,
     eval_rows=None,
     peft_config=None,
+    tools=None,
 ) -> dict:
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
     `rows`: the training rows given in Python (a datasets.Dataset or a list of dicts) instead
     of data.dataset; `reward_funcs`: reward functions given in Python instead of those
     objective.reward names (rewards/functions.py); `callbacks`: hooks into the run
     (run/callbacks.py); `eval_rows`: held-out rows given in Python; `peft_config`: a
-    peft.LoraConfig given in Python. The Python API is ibpo.api.train.
+    peft.LoraConfig given in Python; `tools`: the tools rollouts call, given in Python instead
+    of those rollout.tools names (ibpo/tools/). The Python API is ibpo.api.train.
 
     Checkpoints (run/checkpoint.py) are saved every run.save_every steps, at the end, on
     SIGINT/SIGTERM and when non-finite steps stop the run; run.resume_from resumes one exactly.
@@ -261,6 +264,7 @@ def train(
     start, tr = time.time(), cfg.train
     # a reward's import path that fails, fails here: before anything else
     reward_fns = run_reward_set(cfg.objective, reward_funcs)
+    tool_set = resolve_tools(cfg.rollout.tools, tools)  # the same, for a tool's
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
     accelerator = Accelerator(
@@ -277,7 +281,7 @@ def train(
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
     policy = code_grader.training_policy(cfg.objective.code_sandbox)
-    if any(r.builtin and r.name == "code" for r in reward_fns.functions):
+    if any(r.builtin and r.name == "code" for r in reward_fns.functions) or "python" in tool_set:
         code_grader.check_training_sandbox(policy)
     outdir.make_output_dir(out)
     objective: ResolvedObjective = resolve_params(cfg.objective)
@@ -316,6 +320,7 @@ def train(
                     objective,
                     engine=engine,
                     reward_fns=reward_fns,
+                    tools=tool_set,
                     callbacks=callbacks,
                     sandbox=sandbox,
                     code=code,
@@ -372,6 +377,7 @@ class Run:
         *,
         engine,
         reward_fns: RewardSet,
+        tools: dict,
         callbacks,
         sandbox: sandbox_policy.Record | None,
         code: dict | None,
@@ -381,6 +387,7 @@ class Run:
         self.parts, self.tokenizer, self.eval_examples = parts, tokenizer, eval_examples
         self.objective, self.engine = objective, engine
         self.reward_fns = reward_fns  # given in Python, they may not import back from the config
+        self.tools = tools  # the same
         self.sandbox = sandbox  # tests this run started, by mode
         self.code = code  # commit and dirty tree (run/version.py), main process
         # what callbacks and reward functions see (trainer_state=)
@@ -422,7 +429,8 @@ class Run:
         if not self.eval_examples:
             return None
         cfg = self.cfg
-        with generating(self.parts.model, cfg, self.accelerator.device, self.engine) as generate:
+        model, device = self.parts.model, self.accelerator.device
+        with generating(model, cfg, device, self.engine, self.tools) as generate:
             return evaluate_accuracy(
                 generate,
                 self.tokenizer,
@@ -491,6 +499,7 @@ class Run:
                         step=state.step,
                         reward_fns=self.reward_fns,
                         table=rows,
+                        tools=self.tools,
                     )
                     state.step += 1
                     state.count_step(m["skipped_nonfinite"] > 0)

@@ -382,7 +382,7 @@ def _documented() -> tuple[set[str], str]:
     return keys, text
 
 
-def test_the_schema_holds_at_most_81_keys_each_documented():
+def test_the_schema_holds_at_most_85_keys_each_documented():
     import dataclasses
 
     from ibpo.config import Config
@@ -393,7 +393,7 @@ def test_the_schema_holds_at_most_81_keys_each_documented():
         for s in dataclasses.fields(Config)
         for f in dataclasses.fields(s.default_factory())
     }
-    assert len(schema) <= 81
+    assert len(schema) <= 85
     documented, text = _documented()
     assert documented == schema  # every key once under its section, and no key the schema lacks
     for key in {*REMOVED, *FOLDED}:  # the removed keys' table

@@ -166,7 +166,8 @@ def test_update_stages_read_no_device_value(case):
     assert [mb.rows.device for mb in mbs] == [DEVICE] * 2
     for name in OBJECTIVES:
         obj = resolve_params(load_config(None, [f"objective.name={name}"]).objective)
-        norm = global_normaliser(OneProcess(), obj, mbs, cfg.rollout.max_new_tokens)
+        lengths = batch.rollout.host_policy_lengths()
+        norm = global_normaliser(OneProcess(), obj, lengths, cfg.rollout.max_new_tokens)
         stats, cancel = {}, {}
         for mb in mbs:
             mask = mb.completion_mask

@@ -546,7 +546,9 @@ def test_benchmarks_and_the_held_out_evaluation_give_the_same_verdicts(tmp_path,
 
     def generate(tokenizer, prompts, n, max_new_tokens, batch_size, do_sample=True):
         texts = [completion_for(p) for p in prompts]
-        return SimpleNamespace(texts=texts, host_tokens=lambda: [[1]] * len(texts), lengths=[1])
+        return SimpleNamespace(
+            texts=texts, host_tokens=lambda: [[1]] * len(texts), lengths=[1], tool_traces=None
+        )
 
     data = DataConfig(prompt_template="{question}")
     held_out = [

@@ -10,7 +10,7 @@ Layers, bottom to top (a module imports only from its own layer or below):
                               repairs, run), sizes (shapes and byte counts, which the planner and
                               the vLLM engine share), quiet (third-party noise filters), catalog
                               (the packaged recipes), trl_config (TRL's GRPOConfig names), rewards/,
-                              sandbox/
+                              sandbox/, tools/ (tools rollouts call)
   step                        the RL step
   satellites                  plan/, evaluation/, hub/, run/
   top                         trainer (the run around the step), api (ibpo.train), cli
@@ -38,7 +38,7 @@ LAYERS = {
     "algo": 1,
     "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "generation": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
-    "quiet": 2, "catalog": 2, "trl_config": 2,
+    "quiet": 2, "catalog": 2, "trl_config": 2, "tools": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,

@@ -230,8 +230,8 @@ def test_a_generation_path_that_drops_the_adapter_is_caught(
     real = step.generating
 
     @contextmanager
-    def without_adapter(model, cfg, device, engine=None):
-        with real(model, cfg, device, engine) as generate, reference_mode(model):
+    def without_adapter(model, cfg, device, engine=None, tools=None):
+        with real(model, cfg, device, engine, tools) as generate, reference_mode(model):
             yield generate
 
     monkeypatch.setattr(step, "generating", without_adapter)

@@ -100,6 +100,8 @@ def _every_field_set(n: int, offset: int) -> Rollout:
         logprobs=-rows.float().unsqueeze(1).expand(n, 3).clone(),
         prefill_tokens=7 + offset,
         decode_slots=20 + offset,
+        policy_lengths=[2] * n,
+        tool_traces=[f"trace {int(r)}" for r in rows],
     )
 
 

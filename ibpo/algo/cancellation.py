@@ -47,10 +47,12 @@ def prefix_node_ids(tokens: list[list[int]], width: int, group_size: int) -> tup
 
 
 def cancellation_residual(
-    coef: Tensor, adv: Tensor, tokens: list[list[int]], group_size: int
+    coef: Tensor, adv: Tensor, tokens: list[list[int]], group_size: int, mask: Tensor | None = None
 ) -> dict[str, Tensor]:
     """Sums for one micro-batch: {'residual_num', 'residual_den', 'shared_tokens', 'tokens'},
     0-dim float64 tensors on coef's device. coef/adv [n, T]; tokens: each row's completion ids.
+    `mask` [n, T]: the tokens that count (None: all of them); a token outside it (a tool's
+    result in a multi-turn completion) is context for the trie, never a node's member.
 
     The trie is built on the host from the host token lists; the sums run where the coefficients
     are, so the step reads them once with its other statistics. Add them over micro-batches and
@@ -62,8 +64,10 @@ def cancellation_residual(
     node, pos = flat[pos].to(coef.device), pos.to(coef.device)
     c = coef.detach().double().flatten()[pos]
     a = adv.detach().double().flatten()[pos]
+    member = torch.ones_like(c) if mask is None else mask.detach().double().flatten()[pos]
+    c, a = c * member, a * member
     zeros = torch.zeros(n_nodes, dtype=torch.double, device=coef.device)
-    count = zeros.index_add(0, node, torch.ones_like(c))
+    count = zeros.index_add(0, node, member)
     mean_c = zeros.index_add(0, node, c) / count.clamp_min(1)
     dev = zeros.index_add(0, node, (c - mean_c[node]) * a)
     mag = zeros.index_add(0, node, (c * a).abs())

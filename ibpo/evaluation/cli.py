@@ -31,8 +31,10 @@ from ibpo.evaluation.evaluate import (
     summarize,
 )
 from ibpo.generation import decode_engine, engine_kwargs, generate, import_vllm
+from ibpo.generation.multiturn import ToolRollouts
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.quiet import quiet_third_party
+from ibpo.tools import resolve_tools
 
 
 class SeededSampling:
@@ -71,6 +73,8 @@ def hf_sampler(args) -> tuple[Sampler, object]:
     )
     device = next(p for p in model.parameters()).device
     engine = decode_engine(model, getattr(args, "decode", "auto"))
+    if getattr(args, "tools", None):
+        return tool_sampler(args, model, tok, engine), tok
 
     def sample(prompts: list[str], seeds: list[int]) -> list[tuple[str, int, bool]]:
         from transformers import LogitsProcessorList
@@ -93,6 +97,39 @@ def hf_sampler(args) -> tuple[Sampler, object]:
         return list(zip(ro.texts, ro.lengths, ro.host_truncated()))
 
     return sample, tok
+
+
+def tool_sampler(args, model, tok, engine) -> Sampler:
+    """hf_sampler's with --tools: multi-turn answers (generation/multiturn.py) whose calls run
+    as in training (the python tool in the sandbox), the prompt describing the tools
+    (`sample.render`). Each row gives its last assistant turn (what graders read), its length
+    (every turn's tokens), whether it was cut off, and its conversation and call counts."""
+    chat = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+    tools = resolve_tools(args.tools)
+    gen = ToolRollouts(model, tools, args.max_tool_calls, 8, 30.0, chat, engine=engine)
+    device = next(p for p in model.parameters()).device
+
+    def sample(prompts: list[str], seeds: list[int]) -> list[tuple]:
+        processor = None
+        if args.temperature > 0:
+            processor = [SeededSampling(seeds, args.temperature, args.top_p, device)]
+        ro = gen(tok, prompts, 1, args.max_new_tokens, len(prompts), do_sample=False,
+                 logits_processor=processor)  # fmt: skip
+        out = []
+        for trace, n, cut in zip(ro.tool_traces, ro.lengths, ro.host_truncated()):
+            said = [m["content"] for m in trace.messages if m["role"] == "assistant"]
+            extra = {"conversation": trace.messages, "tool_calls": trace.calls,
+                     "tool_errors": trace.errors}  # fmt: skip
+            out.append((said[-1] if said else "", n, cut, extra))
+        return out
+
+    def render(question: str) -> str:
+        messages = [{"role": "user", "content": question}]
+        return tok.apply_chat_template(messages, tools=gen.schemas, add_generation_prompt=True,
+                                       tokenize=False, **chat)  # fmt: skip
+
+    sample.render = render
+    return sample
 
 
 def vllm_sampler(args) -> tuple[Sampler, object]:
@@ -216,6 +253,14 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     )
     think.add_argument("--no-thinking", const=False, help="Qwen3 templates: thinking off", **on_off)
     add("--batch-size", type=int, default=16, help="sequences per generate call (and per save)")
+    add(
+        "--tools",
+        nargs="+",
+        metavar="TOOL",
+        help="hf: tools the model may call, as rollout.tools names them (python: its code run "
+        "in the sandbox); summary.json reports tool calls per problem (docs/tools.md)",
+    )
+    add("--max-tool-calls", type=int, default=4, help="with --tools: calls per completion")
     add("--limit", type=int, help="evaluate only the first LIMIT problems")
     add(
         "--seed",
@@ -266,6 +311,10 @@ def evaluate(args) -> dict:
         "start_date": args.start_date,
         "end_date": args.end_date,
     }
+    if args.tools:  # a run without tools keeps its fingerprint: earlier folders still match
+        if args.backend != "hf":
+            raise ConfigError("--tools runs with --backend hf (multi-turn rollouts)")
+        fingerprint.update(tools=list(args.tools), max_tool_calls=args.max_tool_calls)
     if args.temperature > 0:  # greedy samples need no seeds: earlier greedy folders still match
         fingerprint["sample_seeds"] = SAMPLE_SEEDS
     check_run(out_dir, fingerprint, args.overwrite)

@@ -55,6 +55,7 @@ import torch
 from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
 from ibpo.generation import Generator
+from ibpo.generation.multiturn import ToolRollouts, tool_columns
 from ibpo.rewards.functions import RewardSet, grade_completions, logged_metrics
 from ibpo.rewards.math import answers_match, text_to_grade
 
@@ -83,7 +84,8 @@ def evaluate_accuracy(
     batch_size: int,
     accelerator=None,
 ) -> dict:
-    """Greedy accuracy and mean completion length on `examples` -> {accuracy, n, mean_length,
+    """Greedy accuracy and mean completion length on `examples` (a run with tools: answered
+    with them, as its rollouts are) -> {accuracy, n, mean_length,
     grader_errors, metrics}. A completion is correct when the run's weighted reward
     (rewards/functions.py) reaches its correct threshold (objective.correct_threshold); one no
     reward applies to is not. `grader_errors`: the graders' own failures (scored 0), over all
@@ -95,9 +97,13 @@ def evaluate_accuracy(
     gradings = []
     for s in range(0, len(shard), batch_size):
         batch = shard[s : s + batch_size]
-        prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
+        if isinstance(generator, ToolRollouts):  # answers with the run's tools, as rollouts do
+            prompts = [generator.render(tokenizer, ex, data_cfg) for ex in batch]
+        else:
+            prompts = [render_example(tokenizer, ex, data_cfg) for ex in batch]
         out = generator(tokenizer, prompts, 1, max_new_tokens, batch_size, do_sample=False)
-        grades = grade_completions(reward_fns, batch, prompts, out.texts, out.host_tokens())
+        tools = tool_columns(out.tool_traces)
+        grades = grade_completions(reward_fns, batch, prompts, out.texts, out.host_tokens(), tools)
         correct += sum(t >= reward_fns.correct for t in grades.totals)
         tokens += float(sum(out.lengths))
         gradings.append(grades)
@@ -182,7 +188,7 @@ def majority_correct(answers: list[str | None], rewards: list[float], mode: str 
 
 def summarize(problems, records: dict, n: int, vote: bool) -> dict:
     """avg@n, pass@k, maj@n and maj@n_grader (when `vote`), mean length over problems x samples
-    0..n-1."""
+    0..n-1; with tools, the calls a sample made on average and the calls that failed."""
     rows = [[records[(p.id, i)] for i in range(n)] for p in problems]
     rewards = [[r["reward"] for r in rs] for rs in rows]
     flat = [r for rs in rows for r in rs]
@@ -199,6 +205,9 @@ def summarize(problems, records: dict, n: int, vote: bool) -> dict:
     out["mean_length"] = _mean([r["length"] for r in flat])
     out["truncated"] = _mean([float(r["truncated"]) for r in flat])
     out["grader_errors"] = sum(bool(r.get("grader_error")) for r in flat)
+    if any("tool_calls" in r for r in flat):  # --tools: calls per problem (mean over samples)
+        out["tool_calls_per_problem"] = _mean([r.get("tool_calls", 0) for r in flat])
+        out["tool_errors"] = sum(r.get("tool_errors", 0) for r in flat)
     return out
 
 
@@ -289,7 +298,12 @@ def run_benchmark(
         return records
     sample, tokenizer = build_sampler()
     cfg = DataConfig(prompt_template="{question}", enable_thinking=enable_thinking)
-    rendered = {p.id: render_prompt(tokenizer, p.prompt, cfg) for p, _ in todo}
+    # a sampler with tools renders its own prompts (they describe the tools)
+    render = getattr(sample, "render", None)
+    rendered = {
+        p.id: render(p.prompt) if render else render_prompt(tokenizer, p.prompt, cfg)
+        for p, _ in todo
+    }
     total = len(problems) * n
     bar = tqdm(total=total, initial=total - len(todo), unit="sample", disable=not progress)
     for s in range(0, len(todo), batch_size):
@@ -297,21 +311,22 @@ def run_benchmark(
         seeds = [sample_seed(seed, p.id, i) for p, i in chunk]
         outs = sample([rendered[p.id] for p, _ in chunk], seeds)
         prompts = [rendered[p.id] for p, _ in chunk]
-        texts = [text for text, _, _ in outs]
+        texts = [out[0] for out in outs]  # with tools: the last assistant turn
         grades = grade_completions(reward_fns, [as_example(p) for p, _ in chunk], prompts, texts)
         answered = [extract(text_to_grade(p, t)) for p, t in zip(prompts, texts)]
         new = [
             {
                 "problem_id": p.id,
                 "sample": i,
-                "completion": text,
+                "completion": out[0],
                 "extracted": a,
                 "reward": float(r),
-                "length": length,
-                "truncated": bool(cut),
+                "length": out[1],
+                "truncated": bool(out[2]),
                 **({"grader_error": why} if why else {}),  # the grader's own failure: scored 0
+                **(out[3] if len(out) > 3 else {}),  # a tool sampler's conversation and calls
             }
-            for (p, i), (text, length, cut), a, r, why in zip(
+            for (p, i), out, a, r, why in zip(
                 chunk, outs, answered, grades.totals, grades.failure_reasons()
             )
         ]

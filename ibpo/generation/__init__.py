@@ -13,6 +13,8 @@
                log-probs (SampledLogprobs)
   streams.py   the random streams a step samples from (SamplingStreams)
   vllm.py      the vLLM backend (rollout.backend=vllm): VLLMEngine
+  multiturn.py rollouts that call tools (rollout.tools): ToolRollouts, whose completion mask
+               holds the policy's tokens only, and each row's conversation (ToolTrace)
 
 Not here: grading, advantages, or any gradient computation.
 """

@@ -60,6 +60,37 @@ NEUTRAL_PROCESSING = (
 )  # fmt: skip
 
 
+def generate_kwargs(model: nn.Module, tokenizer, max_new_tokens: int, eos: list[int]) -> dict:
+    """The keyword arguments of every HF generate() call of the package: greedy for generate
+    itself (SampledLogprobs draws when sampling), the model's own extra logit processing off,
+    one sequence per sample, no lock-step decoding."""
+    return dict(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        use_cache=True,
+        # transformers would keep processes decoding in lock-step under FSDP (an all-reduce per
+        # token); the trainer generates on gathered weights (distributed.gathered), so each
+        # process stops when its own sequences are done and may make its own number of calls
+        synced_gpus=False,
+        # None = off (an explicit None overrides the model's generation_config); only the fields
+        # this transformers version knows, others would be taken for model inputs
+        **{k: None for k in NEUTRAL_PROCESSING if hasattr(unwrap(model).generation_config, k)},
+        # one sequence per sample: a num_beams from the model's config would run beam search
+        **{
+            k: 1
+            for k in ("num_beams", "num_beam_groups")
+            if hasattr(unwrap(model).generation_config, k)
+        },
+        # always greedy for generate: when sampling, SampledLogprobs applies temperature, top-k
+        # and top-p and draws the token itself (generate's own warpers stay off)
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -87,31 +118,7 @@ def generate(
     host_ids, host_mask = encode_prompts(tokenizer, prompts, num_samples, "cpu")
     prompt_ids, prompt_mask = host_ids.to(device), host_mask.to(device)
     eos = eos_ids(tokenizer, model)
-    kwargs = dict(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        use_cache=True,
-        # transformers would keep processes decoding in lock-step under FSDP (an all-reduce per
-        # token); the trainer generates on gathered weights (distributed.gathered), so each
-        # process stops when its own sequences are done and may make its own number of calls
-        synced_gpus=False,
-        # None = off (an explicit None overrides the model's generation_config); only the fields
-        # this transformers version knows, others would be taken for model inputs
-        **{k: None for k in NEUTRAL_PROCESSING if hasattr(unwrap(model).generation_config, k)},
-        # one sequence per sample: a num_beams from the model's config would run beam search
-        **{
-            k: 1
-            for k in ("num_beams", "num_beam_groups")
-            if hasattr(unwrap(model).generation_config, k)
-        },
-        # always greedy for generate: when sampling, SampledLogprobs applies temperature, top-k
-        # and top-p and draws the token itself (generate's own warpers stay off)
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    kwargs = generate_kwargs(model, tokenizer, max_new_tokens, eos)
     was_training = model.training
     model.eval()
     # DistributedDataParallel has no .generate; the PEFT model under it does (adapter included)

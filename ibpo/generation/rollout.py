@@ -54,6 +54,18 @@ class Rollout:
     # its call, ended or not (decode_idle_share in the step's metrics); None: not reported.
     # Work done, like prefill_tokens
     decode_slots: int | None = None
+    # Tool rollouts (multiturn.py): completion_mask is 1 on the tokens the policy wrote only, 0
+    # on the tool turns between them (which attention_mask keeps: later turns read them), so
+    # the loss, KL, entropy, mismatch and cancellation statistics see the policy's tokens alone
+    # and `logprobs` is 0 on tool tokens. `policy_lengths`: each row's count of those (host);
+    # `tool_traces`: each row's conversation, calls and errors (multiturn.ToolTrace). None for a
+    # rollout without tools, whose completion is all the policy's.
+    policy_lengths: list[int] | None = None
+    tool_traces: list | None = None
+
+    def host_policy_lengths(self) -> list[int]:
+        """[N] tokens each completion's policy wrote (what the loss trains on; host)."""
+        return self.lengths if self.policy_lengths is None else self.policy_lengths
 
     @property
     def num_sequences(self) -> int:
@@ -103,7 +115,13 @@ class Rollout:
             logprobs=None if self.logprobs is None else self.logprobs[idx],
             prefill_tokens=self.prefill_tokens,
             decode_slots=self.decode_slots,
+            policy_lengths=_pick(self.policy_lengths, rows),
+            tool_traces=_pick(self.tool_traces, rows),
         )
+
+
+def _pick(values: list | None, rows: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in rows]
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -136,7 +154,19 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         logprobs=torch.cat(logprobs) if len(logprobs) == len(rollouts) else None,
         prefill_tokens=None if None in prefill else sum(prefill),
         decode_slots=None if None in slots else sum(slots),
+        policy_lengths=_joined([r.policy_lengths for r in rollouts]),
+        tool_traces=_joined([r.tool_traces for r in rollouts]),
     )
+
+
+def _joined(parts: list[list | None]) -> list | None:
+    """Per-row host lists of several rollouts, joined; None when no rollout has them (a
+    rollout without tools: policy lengths are its lengths, and it has no traces)."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("rollouts with and without tool calls cannot be joined")
+    return [x for p in parts for x in p]
 
 
 # (tokenizer, prompts, num_samples, max_new_tokens, batch_size, *, do_sample, temperature, top_p,

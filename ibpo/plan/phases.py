@@ -277,6 +277,11 @@ def phase_bytes(
             shape, cfg.model, b, n, P, ro.max_new_tokens, sampling, groups, engine
         )
     }
+    if ro.tools:  # a later tool round re-runs each row's whole context, no prompt shared
+        context = P + ro.max_new_tokens - 1
+        later = _generation(shape, cfg.model, b, n, context, 1, sampling, None, engine)
+        if sum(later.values()) > sum(phases["generation"].values()):
+            phases["generation"] = later
     repair = repair_generation(cfg)
     if repair:
         n, p, t = repair

@@ -111,9 +111,14 @@ class RewardError(ConfigError):
 
 
 def _text(completion) -> str:
-    """A completion's text: the string, or the content of a conversational completion."""
+    """A completion's text: the string, or the content of a conversational completion; of a
+    conversation with tool turns (rollout.tools), its last assistant turn: the final answer."""
     if isinstance(completion, list):
-        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+        turns = [m for m in completion if isinstance(m, dict)]
+        if any(m.get("role") == "tool" for m in turns):
+            said = [m for m in turns if m.get("role") == "assistant"]
+            return str(said[-1].get("content", "")) if said else ""
+        return "".join(str(m.get("content", "")) for m in turns)
     return completion
 
 
@@ -588,6 +593,14 @@ def _short(value) -> str:
     return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
 
+def _opened(rendered: str, chat: list[dict]) -> list[dict]:
+    """A tool conversation as graders read it: text_to_grade on its first assistant turn."""
+    chat = [dict(m) for m in chat]
+    if chat and chat[0].get("role") == "assistant":
+        chat[0]["content"] = text_to_grade(rendered, chat[0].get("content", ""))
+    return chat
+
+
 def reward_stats(per: dict[str, list[float]]) -> dict[str, float]:
     """Each function's mean over the completions it applied to, as `rewards/<name>` and TRL's
     `rewards/<name>/mean`, and their standard deviation (Bessel's, as TRL) as
@@ -752,22 +765,33 @@ def run_reward_set(objective, reward_funcs=None) -> RewardSet:
 
 
 def grade_completions(
-    reward_fns: RewardSet, examples: list, rendered: list[str], texts: list[str], ids=None
+    reward_fns: RewardSet,
+    examples: list,
+    rendered: list[str],
+    texts: list[str],
+    ids=None,
+    tools: dict[str, list] | None = None,
 ) -> Grades:
     """Grade completions, the one route of the step, the repairs, the held-out evaluation and
     the benchmarks: `examples[n]` (data.Example) is the problem completion n answers,
     `rendered[n]` the prompt it continued and `texts[n]` its text (`ids[n]` its token ids).
     The functions get what the module docstring says: the rows' columns, `answer`, `prompts`
     as the dataset gives them, and each completion as graders must read it (text_to_grade;
-    for a conversation as a one-message chat)."""
+    for a conversation as a one-message chat). `tools`: for rollouts that called tools
+    (generation.multiturn.tool_columns), each completion's conversation (its assistant and
+    tool turns, which the functions get as completions, as TRL passes them) and the columns
+    `tool_calls` and `tool_errors` (calls made, calls that failed)."""
     to_grade = [text_to_grade(p, t) for p, t in zip(rendered, texts)]
-    completions = [
+    completions: list = [
         [{"role": "assistant", "content": t}] if ex.messages is not None else t
         for ex, t in zip(examples, to_grade)
     ]
     names = list(dict.fromkeys(k for ex in examples for k in ex.columns))
     columns = {k: [ex.columns.get(k) for ex in examples] for k in names}
     columns["answer"] = [ex.answer for ex in examples]
+    if tools is not None:
+        completions = [_opened(p, chat) for p, chat in zip(rendered, tools["conversations"])]
+        columns.update({k: v for k, v in tools.items() if k != "conversations"})
     prompts = [
         [dict(m) for m in ex.messages]
         if ex.messages is not None

@@ -247,6 +247,27 @@ def run_tests(
         return list(pool.map(one, range(len(tests))))
 
 
+@dataclass
+class ProgramRun:
+    """A program run as a script (run_program): its verdict and what it printed."""
+
+    result: TestResult
+    stdout: str
+    stderr: str
+
+
+def run_program(code: str, limits: Limits = Limits(), mode: str | None = None) -> ProgramRun:
+    """Run `code` once as a script in its own sandbox (the isolation, limits and policy of every
+    test) and keep what it printed, decoded as UTF-8 (invalid bytes replaced): the tool a
+    policy calls during its rollouts (ibpo/tools/python.py). `result.status` is passed when
+    the program reached its end, timeout when it ran out of time, error otherwise."""
+    mode = mode or isolation_mode()
+    outputs: list[tuple[bytes, bytes]] = []
+    result = _run_one(code, TestCase("script"), limits, mode, outputs=outputs)
+    out, err = outputs[0] if outputs else (b"", b"")
+    return ProgramRun(result, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
 def _validate(t: TestCase) -> None:
     ok = {
         "stdin": isinstance(t.input, str) and isinstance(t.expected, str),
@@ -262,10 +283,11 @@ def _validate(t: TestCase) -> None:
 
 
 def _run_one(
-    code: str, test: TestCase, limits: Limits, mode: str, probe: bool = False
+    code: str, test: TestCase, limits: Limits, mode: str, probe: bool = False, outputs=None
 ) -> TestResult:
     """One test in its own sandbox. `probe`: mode_works's trusted program, which the policy in
-    force neither refuses nor counts."""
+    force neither refuses nor counts. `outputs`: a list that gets the test's (stdout, stderr),
+    capped at limits.max_output_bytes (run_program)."""
     # the policy's word on the mode first (its memory bound is judged once the test's group is
     # set up: policy.admit), then whether the mode can contain a test here at all
     why = (None if probe else policy.refusal(mode, grouped=True)) or uncontained(mode)
@@ -274,13 +296,13 @@ def _run_one(
     slot = _SLOTS.get()  # blocks while every slot is busy: the global bound on parallelism
     workdir = tempfile.mkdtemp(prefix="ibpo-sandbox-")
     try:
-        return _execute(code, test, limits, mode, slot, workdir, probe)
+        return _execute(code, test, limits, mode, slot, workdir, probe, outputs)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         _SLOTS.put(slot)
 
 
-def _execute(code, test, limits, mode, slot, wd, probe) -> TestResult:
+def _execute(code, test, limits, mode, slot, wd, probe, outputs=None) -> TestResult:
     group = memory.prepare(slot, limits.memory_mb)
     bound = memory.describe(limits.memory_mb, limits.max_processes, group is not None)
     if not probe:  # the process's policy (a training run's), whoever called: may refuse
@@ -318,6 +340,8 @@ def _execute(code, test, limits, mode, slot, wd, probe) -> TestResult:
         _end_leftovers(group, job["uid"], mode)
         cap = limits.max_output_bytes
         out, err, res = (_read_back(f[n], cap) for n in ("stdout", "stderr", "result"))
+    if outputs is not None:
+        outputs.append((out[:cap], err[:cap]))
     st, reason = classify(test, limits, status, cpu, wall_killed, out, err, res)
     if st != "passed" and memory.oom_kills(group) > oom_before:
         st, reason = "error", f"memory limit {limits.memory_mb} MB for the whole test exceeded"
