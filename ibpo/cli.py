@@ -34,6 +34,7 @@ import yaml
 from ibpo import catalog
 from ibpo.api import run_loaded
 from ibpo.config import ConfigError
+from ibpo.distributed import leave_if_ended_together
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import main as eval_main
 from ibpo.hub.push import main as push_main
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # several processes: the summary once
         print(summary_line(summary))  # the whole summary is <output_dir>/summary.json
     # schedulers and scripts tell the endings apart (an interrupted run is resumable, not done)
-    return summary.get("exit_code", exit_code(summary["status"]))
+    code = summary.get("exit_code", exit_code(summary["status"]))
+    leave_if_ended_together(code)  # several processes: without the C++ teardown (distributed.py)
+    return code
 
 
 if __name__ == "__main__":

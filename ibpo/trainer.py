@@ -45,6 +45,7 @@ from ibpo.data import (
 from ibpo.distributed import (
     check_launch,
     check_shared_output,
+    ended_together,
     gather_object,
     launch_kind,
     save_adapter,
@@ -273,6 +274,7 @@ def train(
         step_scheduler_with_optimizer=False,
     )
     check_launch(accelerator, cfg)
+    ended_together(accelerator, False)  # until every process reaches this run's end
     set_seed(tr.seed)
     out = Path(cfg.run.output_dir)
     resume = ckpt.resolve_resume(cfg.run.resume_from, out)
@@ -721,6 +723,7 @@ class Run:
             summary["wall_seconds"] = round(self.wall_seconds(), 1)
         if not alone:
             acc.wait_for_everyone()
+            ended_together(acc, True)  # no collective left: the group may go at exit
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             finish_run(out, cfg, end.status)

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     from accelerate import Accelerator
 
     import ibpo.logprobs as logprobs
-    from ibpo.distributed import is_fsdp
+    from ibpo.distributed import is_fsdp, leave
 
     model_dir, out = argv[0], Path(argv[1])
     acc = Accelerator()
@@ -59,6 +59,7 @@ def main(argv: list[str]) -> None:
     found["called"] = called
     logp.sum().backward()
     (out / f"head-rank{acc.process_index}.json").write_text(json.dumps(found))
+    leave(0)  # without the C++ teardown that can abort a finished process (distributed.py)
 
 
 if __name__ == "__main__":

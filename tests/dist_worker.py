@@ -183,7 +183,7 @@ def main(argv: list[str]) -> None:
         cpu_fsdp()
     from accelerate import Accelerator
 
-    from ibpo.distributed import launch_kind
+    from ibpo.distributed import launch_kind, leave, leave_if_ended_together
 
     mode, model_dir, out = argv[0], argv[1], Path(argv[2])
     if mode == "update":
@@ -197,12 +197,13 @@ def main(argv: list[str]) -> None:
         if launch_kind(acc) == "FSDP":
             acc = Accelerator()
             torch.save(check_gathering(model_dir, acc), out / f"gather-rank{acc.process_index}.pt")
-        return
+        leave(0)  # without the C++ teardown that can abort a finished process (distributed.py)
     rank = int(os.environ.get("RANK", "0"))
     if mode == "oom":  # process 1 runs out of memory in step 2's update; the CLI's exit code
         sys.exit(run_oom(model_dir, argv[3:], rank))
     if mode == "train":
         torch.save(run_train(model_dir, argv[3:]), out / f"train-rank{rank}.pt")
+        leave_if_ended_together(0)  # as `ibpo train` does
         return
     # mode == "resume": a 3-step run, and a 2-step run resumed from its checkpoint for step 3
     full = run_train(model_dir, [*argv[3:], "train.steps=3", f"run.output_dir={out / 'full'}"])
@@ -210,6 +211,7 @@ def main(argv: list[str]) -> None:
     run_train(model_dir, [*part, "train.steps=2"])
     resumed = run_train(model_dir, [*part, "train.steps=3", "run.resume_from=latest"])
     torch.save({"full": full, "resumed": resumed}, out / f"resume-rank{rank}.pt")
+    leave_if_ended_together(0)  # as `ibpo train` does
 
 
 def run_oom(model_dir: str, overrides: list[str], rank: int) -> int:

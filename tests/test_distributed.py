@@ -335,3 +335,41 @@ def test_one_process_out_of_memory_ends_the_run_instead_of_hanging(tiny_model_di
     )
     assert time.monotonic() - start < 150
     assert "ibpo: process 1: out of memory in step 2" in res.stderr, res.stderr[-3000:]
+
+
+LEAVER = """
+import atexit, sys
+import torch.distributed as dist
+import ibpo.distributed as distributed
+
+class TwoProcesses:
+    num_processes = 2
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+atexit.register(lambda: print("exit handler ran", flush=True))
+distributed.ended_together(TwoProcesses(), sys.argv[2] == "together")
+print("run ended", end="")  # unflushed: leave() must flush it
+distributed.leave_if_ended_together(5)
+print(" and the process went on")
+"""
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "alone"])
+def test_a_process_that_ended_together_leaves_without_the_cpp_teardown(tmp_path, together):
+    """A finished DDP process on gloo can abort in C++'s teardown after its last line (SIGABRT,
+    a failed launch); `ibpo train` leaves such a process with os._exit once its exit handlers ran,
+    the output is flushed and the group destroyed. A process that ended alone exits normally."""
+    res = subprocess.run(
+        [sys.executable, "-c", LEAVER, str(tmp_path / "store"), "together" if together else "no"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    if together:
+        assert res.returncode == 5, res.stderr
+        assert res.stdout == "run ended" + "exit handler ran\n"
+    else:
+        assert res.returncode == 0, res.stderr
+        assert res.stdout == "run ended and the process went on\nexit handler ran\n"
