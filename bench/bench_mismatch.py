@@ -47,8 +47,8 @@ def adapter_dropped():
     real = step.generating
 
     @contextmanager
-    def without_adapter(model, cfg, device, engine=None):
-        with real(model, cfg, device, engine) as generate, reference_mode(model):
+    def without_adapter(model, *args, **kwargs):  # step.generating's arguments, as given
+        with real(model, *args, **kwargs) as generate, reference_mode(model):
             yield generate
 
     step.generating = without_adapter
