@@ -51,9 +51,9 @@ def graded(monkeypatch):
     for where, module in (("repair", repair_mod), ("eval", evaluate_mod)):
         real = module.grade_completions
 
-        def spy(reward_fns, examples, rendered, texts, ids=None, _real=real, _where=where):
+        def spy(reward_fns, examples, rendered, texts, *rest, _real=real, _where=where):
             seen[_where].append(list(texts))
-            return _real(reward_fns, examples, rendered, texts, ids)
+            return _real(reward_fns, examples, rendered, texts, *rest)  # ids, tools as given
 
         monkeypatch.setattr(module, "grade_completions", spy)
     reward_module.CALLS.clear()
