@@ -265,8 +265,10 @@ def _assemble(rows: list[_Row], prompt_ids, prompt_mask, tokenizer, sampled: boo
     device = prompt_ids.device
     width = max(1, max(len(r.tokens) for r in rows))
     n = len(rows)
-    ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
-    policy, attend, logp = (torch.zeros(n, width) for _ in range(3))
+    # built on the host from the rows' Python lists, then moved to the prompts' device once
+    host = torch.device("cpu")
+    ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long, device=host)
+    policy, attend, logp = (torch.zeros(n, width, device=host) for _ in range(3))
     for i, r in enumerate(rows):
         k = len(r.tokens)
         ids[i, :k] = torch.tensor(r.tokens, dtype=torch.long)
