@@ -276,16 +276,16 @@ def check_shared_output(accelerator, out: Path) -> None:
 
 
 # --- the end of a multi-process run ------------------------------------------------------------
-# On CPU (gloo), a process of a DDP run that returns normally can abort after its last line: a
-# C++ thread of torch.distributed is still joinable when static destructors run after the
-# interpreter has finalised ("terminate called without an active exception", SIGABRT). The
-# launcher then reports a failed run although every step succeeded. Destroying the process group
-# first does not prevent it (bench/bench_ddp_exit.py: 13 aborts in 60 two-process DDP runs
-# with it, 19 in 60 without); leaving without the C++ teardown does (0 in 40). So the `ibpo train` process of a run
-# every process ended together runs its exit handlers, destroys the group and leaves with
-# os._exit. A process that ends alone (out of memory, a failed reward) exits normally: the others
-# may still be inside a collective with it. Not at the end of train(): a later train() in the same
-# process reuses Accelerate's per-process state and its group.
+# On CPU (gloo), a process of a DDP run that returns normally can abort after its last line: a C++
+# thread of torch.distributed is still joinable when static destructors run after the interpreter
+# has finalised ("terminate called without an active exception", SIGABRT). The launcher then reports
+# a failed run although every step succeeded. Destroying the process group first does not prevent it
+# (bench/bench_ddp_exit.py: 13 aborts in 60 two-process DDP runs with it, 19 in 60 without); leaving
+# without the C++ teardown does (0 in 40). So the `ibpo train` process of a run every process ended
+# together runs its exit handlers, destroys the group and leaves with os._exit. A process that ends
+# alone (out of memory, a failed reward) exits normally: the others may still be inside a collective
+# with it. Not at the end of train(): a later train() in the same process reuses Accelerate's per-
+# process state and its group.
 _ended_together = False
 
 
