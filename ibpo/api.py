@@ -102,9 +102,9 @@ def train(
     if reward_funcs is not None:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         names = [f if isinstance(f, str) else import_path(f) for f in funcs]
-        extra["objective.reward"] = names if len(names) > 1 else names[0]
+        extra["reward.functions"] = names if len(names) > 1 else names[0]
     if reward_weights is not None:
-        extra["objective.reward_weights"] = [float(w) for w in reward_weights]
+        extra["reward.weights"] = [float(w) for w in reward_weights]
     cfg = load_config(recipe, _with_overrides(overrides, extra))
     return run_loaded(cfg, dataset, funcs, callbacks, eval_dataset, peft_config)
 

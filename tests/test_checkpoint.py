@@ -61,7 +61,7 @@ def _args(model_dir, out, steps, *extra):
         "rollout.group_size=4",
         "rollout.max_new_tokens=8",
         "data.eval_size=0",
-        f"objective.reward={REWARD}",
+        f"reward.functions={REWARD}",
         "run.save_every=1",
         "train.log_reference_kl=false",
         "repair.max_repairs_per_group=1",

@@ -109,8 +109,8 @@ def test_resolve_fills_every_inherit_field():
 # what a None may still mean after loading: not "inherit", something of its own
 _NONE_OF_ITS_OWN = {
     "model.revision", "data.subset", "data.system_prompt", "data.enable_thinking",
-    "data.prompt_template", "rollout.mismatch_stop_kl", "objective.reward_weights",
-    "objective.reward_timeout", "run.resume_from", "run.log_with", "run.hub_repo_id",
+    "data.prompt_template", "rollout.mismatch_stop_kl", "reward.weights",
+    "reward.timeout", "run.resume_from", "run.log_with", "run.hub_repo_id",
 }  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def run(tiny_model_dir, tmp_path_factory):
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
     GRADERS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
-        cfg.objective.reward = "alternating"
+        cfg.reward.functions = "alternating"
         trainer.train(cfg)
     finally:
         del GRADERS["alternating"]

@@ -195,7 +195,7 @@ def _run(tiny_model_dir, tmp_path, *overrides):
         [
             f"model.name={tiny_model_dir}",
             "model.quantization=none",
-            "objective.reward=parity",
+            "reward.functions=parity",
             "train.prompts_per_step=2",
             "rollout.group_size=4",
             "rollout.max_new_tokens=6",
