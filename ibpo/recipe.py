@@ -471,7 +471,7 @@ def resolve(cfg: Config) -> Config:
     declared["repair.enabled"] = spec.repairs
     declared["rollout.dynamic_sampling"] = spec.dynamic_sampling
     cfg = inherit(cfg, declared)
-    cfg.objective.params = {key: cfg.objective.params[key] for key in params}  # declared order
+    cfg.objective.params = dict(params)  # as resolved: of their types, in declared order
     return cfg
 
 
