@@ -244,7 +244,7 @@ def test_objectives_under_fake_cuda_tensors():
                 mask,
                 seq_adv,
                 G,
-                **OBJECTIVES["ibpo"].kwargs,
+                **OBJECTIVES["ibpo"].resolve({}),
             )
 
 
