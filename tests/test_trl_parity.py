@@ -279,9 +279,9 @@ def test_a_raising_async_reward_names_the_sample_and_keeps_the_exception():
 
 
 def test_thresholds_are_config_keys_with_defaults_and_a_rule():
-    obj = load_config().objective
-    assert (obj.correct_threshold, obj.failed_threshold, obj.reward_timeout) == (1.0, 0.0, 600.0)
-    rs = reward_set("math", correct=obj.correct_threshold, failed=obj.failed_threshold)
+    rw = load_config().reward
+    assert (rw.correct_threshold, rw.failed_threshold, rw.timeout) == (1.0, 0.0, 600.0)
+    rs = reward_set("math", correct=rw.correct_threshold, failed=rw.failed_threshold)
     assert (rs.correct, rs.failed) == (1.0, 0.0)
     with pytest.raises(ConfigError, match="failed_threshold=1 must be below"):
         load_config(None, ["reward.failed_threshold=1", "reward.correct_threshold=1"])
