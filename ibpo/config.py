@@ -9,9 +9,11 @@ the ``ibpo`` objective. docs/config.md lists every field and why a user would se
 
 Not here: reading YAML and overrides, type coercion, migrating the keys of older versions,
 running the checks in order and filling what None inherits (ibpo/recipe.py, whose `load_config`
-is the entry point); which objectives, rewards, weights, gates, aggregations and KL estimators
-exist (the package's registries, which recipe.py checks). This module imports nothing of ibpo
-and holds no logic about how the values are used: classes receive plain arguments.
+is the entry point); which objectives, rewards, aggregations and KL estimators exist and which
+knobs (objective.params) each objective takes, with their types, defaults and rules (the
+package's registries: algo/objectives.py's register_objective, which recipe.py resolves).
+This module imports nothing of ibpo and holds no logic about how the values are used: classes
+receive plain arguments.
 """
 
 from __future__ import annotations
