@@ -7,11 +7,11 @@
 Both entry points go the same way: the defaults, then the YAML tree (its values coerced to the
 fields' types), then the overrides; each field's own rule and each reward against
 ibpo.rewards.GRADERS or as an import path; then resolution, once (resolve): the objective
-against its registration (`objective`: the name in ibpo.algo.objectives.OBJECTIVES, aggregation
-and kl_estimator in the algorithm's tables, objective.params through the knobs it declares,
-ObjectiveSpec.resolve), and what it declares (its params, its shared defaults, repair.enabled,
-rollout.dynamic_sampling) and what each None-means-inherit field inherits filled in, so that
-every later reader, the saved config.yaml and `ibpo config` see the values the run uses; last,
+against its registration (`check_objective`: the name in ibpo.algo.objectives.OBJECTIVES,
+aggregation and kl_estimator in the algorithm's tables, objective.params through the knobs it
+declares, ObjectiveSpec.resolve), and what it declares (its params, its shared defaults,
+repair.enabled, rollout.dynamic_sampling) and what each None-means-inherit field inherits
+filled in, so that every later reader, the saved config.yaml and `ibpo config` see the values the run uses; last,
 the rules between fields (config.check_across) on those values. An objective registered before
 the recipe loads is checked and filled the same way as a shipped one, its own knobs included.
 
@@ -465,7 +465,7 @@ def resolve(cfg: Config) -> Config:
     """A copy of `cfg` with what its objective declares filled where the recipe left None or
     left out (its params, its shared defaults, repair.enabled, rollout.dynamic_sampling), then
     what the fields inherit (inherit). Idempotent."""
-    spec, params = objective(cfg.objective)
+    spec, params = check_objective(cfg.objective)
     declared = {f"objective.{key}": value for key, value in defaults(spec).items()}
     declared.update({f"objective.params.{key}": value for key, value in params.items()})
     declared["repair.enabled"] = spec.repairs
@@ -567,7 +567,7 @@ def objective_spec(name: str) -> ObjectiveSpec:
     return spec
 
 
-def objective(obj: ObjectiveConfig) -> tuple[ObjectiveSpec, dict[str, Any]]:
+def check_objective(obj: ObjectiveConfig) -> tuple[ObjectiveSpec, dict[str, Any]]:
     """The objective section against its registration, the one place it is checked: a
     registered name, the algorithm's names for aggregation and kl_estimator, and
     objective.params through the knobs the objective declares (their types, rules and
@@ -592,9 +592,9 @@ def _check_choices(obj: ObjectiveConfig) -> None:
 def resolve_params(obj: ObjectiveConfig) -> ResolvedObjective:
     """An objective section -> its ResolvedObjective: the registration's surrogate and level
     with the section's values, the surrogate's keyword arguments being its params resolved
-    (`objective`). A section that resolve filled is used as it is (a run's config resolves
+    (`check_objective`). A section that resolve filled is used as it is (a run's config resolves
     once); in one built by hand, what is None or left out takes the objective's defaults."""
-    spec, params = objective(obj)
+    spec, params = check_objective(obj)
     shared = {key: value if (value := getattr(obj, key)) is not None else default
               for key, default in defaults(spec).items()}  # fmt: skip
     return ResolvedObjective(
