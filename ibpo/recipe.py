@@ -10,10 +10,11 @@ ibpo.rewards.GRADERS or as an import path; then resolution, once (resolve): the 
 against its registration (`check_objective`: the name in ibpo.algo.objectives.OBJECTIVES,
 aggregation and kl_estimator in the algorithm's tables, objective.params through the knobs it
 declares, ObjectiveSpec.resolve), and what it declares (its params, its shared defaults,
-repair.enabled, rollout.dynamic_sampling) and what each None-means-inherit field inherits
-filled in, so that every later reader, the saved config.yaml and `ibpo config` see the values the run uses; last,
-the rules between fields (config.check_across) on those values. An objective registered before
-the recipe loads is checked and filled the same way as a shipped one, its own knobs included.
+repair.enabled, rollout.dynamic_sampling) and what each None-means-inherit field inherits filled
+in, so that every later reader, the saved config.yaml and `ibpo config` see the values the run
+uses; last, the rules between fields (config.check_across) on those values. An objective
+registered before the recipe loads is checked and filled the same way as a shipped one, its own
+knobs included.
 
 A key of an older version is an error in a recipe or an override, naming what replaced it
 (RENAMED, REMOVED); a saved config (from_dict: resume, `ibpo report`) is migrated instead. A
