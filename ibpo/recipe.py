@@ -146,6 +146,8 @@ def _gone(section: str, key: str) -> str | None:
         )
     if old in RENAMED:
         return f"'{old}' was renamed to '{RENAMED[old]}'; use that"
+    if old in MOVED:  # left in place by `move`: the new key is set as well
+        return f"'{old}' is now '{MOVED[old]}', which is set as well: keep only '{MOVED[old]}'"
     return None
 
 

@@ -458,6 +458,17 @@ def test_a_moved_key_is_read_at_its_new_place_naming_it_once(tmp_path, capsys, o
     assert "is now" not in capsys.readouterr().err
 
 
+def test_a_moved_key_set_at_both_places_is_one_error_naming_the_one_to_keep(tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("objective:\n  eps_high: 0.3\n  params: {eps_high: 0.4}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    assert str(e.value) == (
+        f"{recipe}: 'objective.eps_high' is now 'objective.params.eps_high', which is set as "
+        "well: keep only 'objective.params.eps_high'"
+    )
+
+
 def test_every_moved_key_has_a_value_in_the_test_and_a_new_place_in_the_schema():
     from ibpo.config import Config
     from ibpo.recipe import MOVED
