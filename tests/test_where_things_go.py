@@ -210,7 +210,11 @@ def _bad(fn=capped_pg, name="bad_pg", params=None, **kw):
         (lambda: _bad(params={"eps_high": eps_high(-1.0)}), "the default of objective.params."),
         (lambda: _bad(params={"eps_high": Param(str, 0.5)}), "eps_high: expected str, got 0.5"),
         (lambda: _bad(params={"rho": 1.0}), "parameter 'rho' must be a keyword name other"),
-        (lambda: _bad(eps_high=0.5), "unexpected keyword argument 'eps_high'"),
+        (
+            lambda: _bad(eps_high=0.5),
+            "eps_high is not an argument of register_objective; "
+            "declare the surrogate's knobs as params={'eps_high': ...}",
+        ),
         (lambda: _bad(fn=lambda logp, old_logp: None), "does not take adv, mask, seq_adv"),
         (lambda: _bad(fn="clipped_token"), "the surrogate must be a function, got 'clipped"),
         (lambda: _bad(fn=3), "the surrogate must be a function"),

@@ -221,6 +221,7 @@ def register_objective(
     overlong_buffer: float = 0.0,
     overlong_penalty: float = 0.0,
     replace: bool = False,
+    **knobs: Any,
 ) -> Any:
     """Register objective `name`, then selectable as objective.name=<name>: its surrogate (a
     function with the signature of the ones below), the level its importance weights take, its
@@ -230,9 +231,15 @@ def register_objective(
     surrogate.
 
     A bad call (a shipped or taken name, an unknown level or aggregation, a function that does
-    not take the step's arguments and its params, a default its own Param refuses) raises
-    ValueError before anything is registered; the shared defaults are checked against the
+    not take the step's arguments and its params, a default its own Param refuses, a knob
+    passed as a keyword rather than in `params`) raises ValueError before anything is
+    registered; the shared defaults are checked against the
     recipe's field rules when a recipe names the objective (ibpo/recipe.py)."""
+    if knobs:  # the form of earlier versions: a surrogate's keyword arguments as keywords
+        raise ValueError(
+            f"objective {name!r}: {', '.join(knobs)} is not an argument of register_objective; "
+            f"declare the surrogate's knobs as params={{{', '.join(f'{k!r}: ...' for k in knobs)}}}"
+        )
     if surrogate is None:
         return lambda fn: register_objective(
             name, fn, level=level, aggregation=aggregation, params=params,
