@@ -257,7 +257,7 @@ def recipe_config(args, arch_name: str):
             f"model.quantization={args.quantization}",
             *(["train.optimizer=adamw"] if args.quantization == "none" else []),
             f"train.prompts_per_step={groups}",  # data.eval_size stays: the plan's evaluation
-            f"objective.reward={BENCH_REWARD}",
+            f"reward.functions={BENCH_REWARD}",
             "repair.enabled=true",
             # the plan's repair phase is its worst case: every planned repair, no spending rule
             "repair.cost_share=1",
@@ -280,7 +280,7 @@ def size_config(args, arch_name: str, new_tokens: int):
         "train.prompts_per_step=1",
         "train.micro_batch_groups=1",
         "data.eval_size=0",
-        f"objective.reward={BENCH_REWARD}",
+        f"reward.functions={BENCH_REWARD}",
         "repair.enabled=false",
         *args.set,
     ]
@@ -784,7 +784,7 @@ def learning_run(args, device: torch.device) -> dict:
         "rollout.max_new_tokens=16", "rollout.generation_batch_size=32",
         "train.prompts_per_step=4", f"train.learning_rate={args.learn_lr:g}", "objective.kl_coef=0",
         "objective.name=ibpo",
-        f"objective.reward={LEARN_REWARD}", "data.eval_size=0",
+        f"reward.functions={LEARN_REWARD}", "data.eval_size=0",
         "repair.cost_share=1", "repair.min_success=0",  # every planned repair, every step
     ])  # fmt: skip
     assert cfg.repair.enabled, "ibpo repairs by default"

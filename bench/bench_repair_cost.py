@@ -71,7 +71,7 @@ SMOKE = [
     "model.quantization=none",
     "train.log_reference_kl=false",
     "objective.kl_coef=0.0",
-    "objective.reward=tests.reward_module:parity",
+    "reward.functions=tests.reward_module:parity",
 ]
 FIGURES = ("prompt", "prefill", "decode", "s_prefill", "s_generate", "s_decode", "s_grade",
            "s_phase", "repairs", "successes", "repairs_correct_ref", "successes_correct_ref",

@@ -110,9 +110,9 @@ def train(
     if reward_funcs is not None:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         names = [f if isinstance(f, str) else import_path(f) for f in funcs]
-        extra["objective.reward"] = names if len(names) > 1 else names[0]
+        extra["reward.functions"] = names if len(names) > 1 else names[0]
     if reward_weights is not None:
-        extra["objective.reward_weights"] = [float(w) for w in reward_weights]
+        extra["reward.weights"] = [float(w) for w in reward_weights]
     if tools is not None:  # recorded by name, as reward functions are; built-ins by theirs
         tools = list(tools)
         extra["rollout.tools"] = [

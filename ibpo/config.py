@@ -9,9 +9,11 @@ the ``ibpo`` objective. docs/config.md lists every field and why a user would se
 
 Not here: reading YAML and overrides, type coercion, migrating the keys of older versions,
 running the checks in order and filling what None inherits (ibpo/recipe.py, whose `load_config`
-is the entry point); which objectives, rewards, weights, gates, aggregations and KL estimators
-exist (the package's registries, which recipe.py checks). This module imports nothing of ibpo
-and holds no logic about how the values are used: classes receive plain arguments.
+is the entry point); which objectives, rewards, aggregations and KL estimators exist and which
+knobs (objective.params) each objective takes, with their types, defaults and rules (the
+package's registries: algo/objectives.py's register_objective, which recipe.py resolves).
+This module imports nothing of ibpo and holds no logic about how the values are used: classes
+receive plain arguments.
 """
 
 from __future__ import annotations
@@ -93,14 +95,18 @@ def mapping(choices: typing.Mapping[str, tuple[str, ...]] | None = None, **defau
 _OWN = "the objective's default"
 
 
-def declared(rule: Any = None, *, surrogate: bool = False) -> Any:
+def declared(rule: Any = None) -> Any:
     """None (the default) = the objective's own default, from its registration (filled in when
-    the recipe resolves); `rule` is the field's range where it has one. `surrogate`: a keyword
-    argument of the objective's loss, which an objective that declares no default for it does
-    not take, so setting it then is an error."""
+    the recipe resolves); `rule` is the field's range where it has one."""
     base = rule if rule is not None else field(default=None)
-    meta = {**base.metadata, "null": _OWN, "surrogate": surrogate}
-    return field(default=None, metadata=meta)
+    return field(default=None, metadata={**base.metadata, "null": _OWN})
+
+
+def open_mapping(null: str) -> Any:
+    """A mapping whose keys are declared elsewhere (a registry's), empty by default; an item
+    left out or set to None means `null`. A recipe or an override sets the items it names and
+    keeps the others."""
+    return field(default_factory=dict, metadata={"open": True, "null": null})
 
 
 def _bounded(default, low, high, open_low, open_high, why, null, inherit) -> Any:
@@ -277,15 +283,14 @@ class ObjectiveConfig:
     # ibpo | dfpo | grpo | dr_grpo | dapo | gspo, or one registered with
     # ibpo.algo.objectives.register_objective (checked when the recipe resolves)
     name: str = "ibpo"
+    # The objective's own knobs, as its registration declares them (name, type, default, rule):
+    # ibpo/dfpo weights (min_replace | adv_orthogonal), gate (none | group | token), eps_low,
+    # eps_high; grpo, dr_grpo, dapo and gspo eps_low, eps_high; one you register, its own.
+    # Those left out take the objective's defaults, filled in when the recipe resolves.
+    params: dict[str, Any] = open_mapping("the objective's default")
     # Fields left at None take the objective's own default (from its registration, filled in
-    # when the recipe resolves); weights, gate, eps_low and eps_high are its surrogate's keyword
-    # arguments and stay None for the objectives they do not apply to. The names weights, gate,
-    # aggregation and kl_estimator take are the algorithm's (algo.objectives: WEIGHT_TRANSFORMS,
-    # GATES, AGGREGATIONS, KL_ESTIMATORS).
-    weights: str | None = declared(surrogate=True)  # ibpo/dfpo: min_replace | adv_orthogonal
-    gate: str | None = declared(surrogate=True)  # ibpo/dfpo trust region: none | group | token
-    eps_low: float | None = declared(within(0.0, 1.0, None, open_high=True), surrogate=True)
-    eps_high: float | None = declared(at_least(0.0, None), surrogate=True)
+    # when the recipe resolves). The names aggregation and kl_estimator take are the
+    # algorithm's (algo.objectives: AGGREGATIONS, KL_ESTIMATORS).
     scale_rewards: bool | None = declared()  # divide group-centred rewards by the group std
     aggregation: str | None = declared()  # token_mean | token_sum | seq_mean
     # k3 KL to the reference (the base with the adapter disabled)
@@ -319,17 +324,24 @@ class ObjectiveConfig:
     # member masked drops its whole group).
     importance_sampling: str = choice(*IMPORTANCE_SAMPLING)
     is_cap: float = positive(2.0)
-    # The reward: a built-in grader's name (ibpo.rewards.GRADERS), an import
-    # path 'package.module:function' of a reward function in TRL's convention
-    # (fn(completions, **columns) -> list[float | None]; ibpo/rewards/functions.py), a
-    # sequence-classification reward model's Hub id or folder (org/name), or a list of them,
-    # whose weighted sum (None: does not apply) is the reward
-    reward: str | list[str] = "math"
-    reward_weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
+
+
+@dataclass
+class RewardConfig:
+    """What grades a completion and what its value means (ibpo/rewards/functions.py), and the
+    sandbox tested code runs in."""
+
+    # A built-in grader's name (ibpo.rewards.GRADERS), an import path 'package.module:function'
+    # of a reward function in TRL's convention (fn(completions, **columns) -> list[float |
+    # None]; ibpo/rewards/functions.py), a sequence-classification reward model's Hub id or
+    # folder (org/name), or a list of them, whose weighted sum (None: does not apply) is the
+    # reward
+    functions: str | list[str] = "math"
+    weights: list[float] | None = field(default=None, metadata={"null": "1 each"})
     # Seconds one call of a reward function may take (on a step's completions, or a chunk of
     # them); past it those completions score 0, counted in the step's reward_timeouts, and the
     # run goes on. null = wait as long as it takes (the functions then run on the main thread)
-    reward_timeout: float | None = positive(600.0, null="no limit")
+    timeout: float | None = positive(600.0, null="no limit")
     # What the weighted reward means: >= correct_threshold is a correct completion (accuracy,
     # held-out accuracy, a successful repair, a preferred repair reference), <= failed_threshold
     # a failed one (IBPO repairs it); rewards outside [failed, correct] get one warning
@@ -342,7 +354,7 @@ class ObjectiveConfig:
     # cgroup is writable: only each process's address space is bounded, so one test can hold
     # gigabytes in shared memory) | allow_socket_patch (anything: the programs then see the
     # host's files and, as the trainer's own uid, can reach its memory and forge any verdict)
-    code_sandbox: str = choice("isolated", "allow_per_process_memory", "allow_socket_patch")
+    sandbox: str = choice("isolated", "allow_per_process_memory", "allow_socket_patch")
 
 
 # The repair prompt (IBPO.md Part 2): {question} is the user message of the original prompt
@@ -442,6 +454,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -457,11 +470,18 @@ class Config:
         if recipe:
             for key in self.inherited:  # "section.key", or "section.key.item" in a mapping
                 section, name, *item = key.split(".")
-                if item:
-                    tree[section][name][item[0]] = None
-                else:
+                if not item:
                     tree[section][name] = None
+                elif _is_open(getattr(self, section), name):  # its keys are a registry's
+                    tree[section][name].pop(item[0])
+                else:
+                    tree[section][name][item[0]] = None
         return tree
+
+
+def _is_open(section_obj: Any, name: str) -> bool:
+    """Whether a section's field is an open mapping (open_mapping)."""
+    return next(f for f in dataclasses.fields(section_obj) if f.name == name).metadata.get("open")
 
 
 # --- rules between fields -----------------------------------------------------------------
@@ -485,62 +505,57 @@ def check_repo_id(
     return repo_id
 
 
-def check_objective(obj: ObjectiveConfig) -> None:
-    """The objective section's own rules: its fields' and the one between its corrections.
-    What the registry knows (the name, the names of weights, gates, aggregations and KL
-    estimators, the parameters the objective takes) is ibpo.recipe.check_objective's."""
-    check_fields(obj, "objective")
-    if obj.behavior_policy == "rollout" and obj.importance_sampling != "none":
+def reward_list(reward: RewardConfig) -> list[str]:
+    """reward.functions as a list of names or import paths."""
+    return list(reward.functions) if isinstance(reward.functions, list) else [reward.functions]
+
+
+def check_reward_weights(weights: typing.Sequence[float] | None, count: int) -> None:
+    """reward.weights: null, or one finite weight for each of `count` reward functions (a
+    recipe's names, or the functions given in Python)."""
+    if weights is None:
+        return
+    if len(weights) != count:
         raise ConfigError(
-            "objective.importance_sampling weighs the trainer's policy against the rollout's, "
-            "which objective.behavior_policy=rollout already uses in every ratio: choose one "
-            "(objective.importance_sampling=none, or objective.behavior_policy=trainer)"
+            f"reward.weights has {len(weights)} weights for {count} reward functions. "
+            "Fix: give one weight per function"
         )
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError("reward.weights must be finite numbers")
 
 
-def reward_list(obj: ObjectiveConfig) -> list[str]:
-    """objective.reward as a list of names or import paths."""
-    return list(obj.reward) if isinstance(obj.reward, list) else [obj.reward]
-
-
-def _check_reward(obj: ObjectiveConfig) -> None:
-    """At least one reward, and one finite weight per reward. That each is a built-in name or an
-    import path is ibpo.recipe's check (the names are ibpo.rewards.GRADERS)."""
-    names = reward_list(obj)
+def _check_reward(reward: RewardConfig) -> None:
+    """At least one reward, one finite weight per reward, and thresholds in order. That each is
+    a built-in name or an import path is ibpo.recipe's check (the names are
+    ibpo.rewards.GRADERS)."""
+    names = reward_list(reward)
     if not names:
-        raise ConfigError("objective.reward is an empty list; name at least one reward")
-    weights = obj.reward_weights
-    if weights is not None and len(weights) != len(names):
-        raise ConfigError(
-            f"objective.reward_weights has {len(weights)} weights for {len(names)} rewards. "
-            "Fix: give one weight per reward"
-        )
-    if weights is not None and not all(math.isfinite(w) for w in weights):
-        raise ConfigError("objective.reward_weights must be finite numbers")
-    low, high = obj.failed_threshold, obj.correct_threshold
+        raise ConfigError("reward.functions is an empty list; name at least one reward")
+    check_reward_weights(reward.weights, len(names))
+    low, high = reward.failed_threshold, reward.correct_threshold
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
         raise ConfigError(
-            f"objective.failed_threshold={low:g} must be below objective.correct_threshold="
-            f"{high:g} (both finite): a completion cannot be failed and correct at once"
+            f"reward.failed_threshold={low:g} must be below reward.correct_threshold={high:g} "
+            "(both finite): a completion cannot be failed and correct at once"
         )
 
 
 def _check_reward_and_answers(cfg: Config) -> None:
     """The grader must read the gold answers the data gives it: the math grader scores every
     completion 0 against a test spec, and the code grader cannot run a number."""
-    data, rewards = cfg.data, reward_list(cfg.objective)
+    data, rewards = cfg.data, reward_list(cfg.reward)
     formats = {"data.answer_format": data.answer_format}
     formats["data.eval.answer_format"] = data.eval["answer_format"]
     for key, fmt in formats.items():
         for reward in (r for r in rewards if r in ("math", "code")):
             if reward == "math" and fmt == "code_tests":
                 raise ConfigError(
-                    f"{key}=code_tests gives test specs, which objective.reward=math scores 0 for "
-                    "every completion: set objective.reward=code"
+                    f"{key}=code_tests gives test specs, which reward.functions=math scores 0 "
+                    "for every completion: set reward.functions=code"
                 )
             if reward == "code" and fmt not in ("code_tests", "plain"):
                 raise ConfigError(
-                    "objective.reward=code runs the answer as a JSON test spec, not a "
+                    "reward.functions=code runs the answer as a JSON test spec, not a "
                     f"{fmt} answer: set {key}=code_tests (a test-case column) or plain (a "
                     "column of specs)"
                 )
@@ -549,9 +564,15 @@ def _check_reward_and_answers(cfg: Config) -> None:
 def check_across(cfg: Config) -> Config:
     """The rules between fields, on a resolved config (what None inherits filled in: the held-out
     set's answer format is then the one it uses); -> cfg, unchanged."""
-    tr, run, ro = cfg.train, cfg.run, cfg.rollout
-    _check_reward(cfg.objective)
+    tr, run, ro, obj = cfg.train, cfg.run, cfg.rollout, cfg.objective
+    _check_reward(cfg.reward)
     _check_reward_and_answers(cfg)
+    if obj.behavior_policy == "rollout" and obj.importance_sampling != "none":
+        raise ConfigError(
+            "objective.importance_sampling weighs the trainer's policy against the rollout's, "
+            "which objective.behavior_policy=rollout already uses in every ratio: choose one "
+            "(objective.importance_sampling=none, or objective.behavior_policy=trainer)"
+        )
     if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
         raise ConfigError(
             "model.offload_activations offloads what gradient checkpointing saves: "

@@ -5,18 +5,22 @@
     resolve_params(cfg.objective)    the objective section -> the ResolvedObjective the step calls
 
 Both entry points go the same way: the defaults, then the YAML tree (its values coerced to the
-fields' types), then the overrides; each field's own rule and the values a registry backs (the
-objective's name against ibpo.algo.objectives.OBJECTIVES, objective.weights, gate, aggregation
-and kl_estimator against the algorithm's tables, the surrogate parameters the objective takes,
-each reward against ibpo.rewards.GRADERS or as an import path); then resolution, once: what the
-objective's registration declares (its parameters, repair.enabled, rollout.dynamic_sampling)
-and what each None-means-inherit field inherits are filled in, so that every later reader, the
-saved config.yaml and `ibpo config` see the values the run uses; last, the rules between fields
-(config.check_across) on those values. An objective registered before the recipe loads is
-checked and filled the same way as a shipped one.
+fields' types), then the overrides; each field's own rule and each reward against
+ibpo.rewards.GRADERS or as an import path; then resolution, once (resolve): the objective
+against its registration (`check_objective`: the name in ibpo.algo.objectives.OBJECTIVES,
+aggregation and kl_estimator in the algorithm's tables, objective.params through the knobs it
+declares, ObjectiveSpec.resolve), and what it declares (its params, its shared defaults,
+repair.enabled, rollout.dynamic_sampling) and what each None-means-inherit field inherits filled
+in, so that every later reader, the saved config.yaml and `ibpo config` see the values the run
+uses; last, the rules between fields (config.check_across) on those values. An objective
+registered before the recipe loads is checked and filled the same way as a shipped one, its own
+knobs included.
 
 A key of an older version is an error in a recipe or an override, naming what replaced it
-(RENAMED, REMOVED); a saved config (from_dict: resume, `ibpo report`) is migrated instead.
+(RENAMED, REMOVED); a saved config (from_dict: resume, `ibpo report`) is migrated instead. A
+key that moved (MOVED: the objective's knobs into objective.params, the rewards into their own
+section) is read at its new place everywhere, with one line naming the new key for a recipe or
+an override.
 
 Not here: the schema and its rules (config.py); the objectives themselves (algo/objectives.py).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Collection, Mapping
@@ -36,28 +41,20 @@ import yaml
 from ibpo import config, trl_config
 from ibpo.algo.objectives import (
     AGGREGATIONS,
-    GATES,
     KL_ESTIMATORS,
     OBJECTIVES,
-    WEIGHT_TRANSFORMS,
     ObjectiveSpec,
+    ParamError,
     ResolvedObjective,
 )
 from ibpo.config import BUILTIN_PROMPT_TEMPLATE, Config, ConfigError, ObjectiveConfig
 from ibpo.rewards import GRADERS
 
 # objective field -> the algorithm's names it takes
-CHOICES: dict[str, Collection[str]] = {
-    "weights": WEIGHT_TRANSFORMS,
-    "gate": GATES,
-    "aggregation": AGGREGATIONS,
-    "kl_estimator": KL_ESTIMATORS,
-}
-# What every objective's registration gives a default for, besides its surrogate's parameters.
+CHOICES: dict[str, Collection[str]] = {"aggregation": AGGREGATIONS, "kl_estimator": KL_ESTIMATORS}
+# What every objective's registration gives a default for, besides its own params.
 SHARED = ("aggregation", "scale_rewards", "overlong_buffer", "overlong_penalty")
 _FIELDS = {f.name: f for f in dataclasses.fields(ObjectiveConfig)}
-# The objective section's surrogate keyword arguments (config.declared(surrogate=True)).
-SURROGATE_PARAMETERS = tuple(k for k, f in _FIELDS.items() if f.metadata.get("surrogate"))
 
 
 # --- keys of older versions ------------------------------------------------------------------
@@ -72,6 +69,21 @@ RENAMED: dict[str, str] = {f"train.{key}": f"run.{key}" for key in _TRAIN_TO_RUN
 # The held-out set's keys that once were data.eval_<item>, now items of data.eval.
 _EVAL_ITEMS = ("dataset", "subset", "split", "question_column", "answer_column", "answer_format")
 FOLDED: dict[str, str] = {f"data.eval_{item}": f"data.eval.{item}" for item in _EVAL_ITEMS}
+# A key that moved -> its place now ("section.key", or "section.key.item" in a mapping). Read
+# at the new place everywhere: a recipe or an override that sets the old one gets one line
+# naming the new key; a saved config is moved silently.
+MOVED: dict[str, str] = {
+    **{
+        f"objective.{k}": f"objective.params.{k}"
+        for k in ("weights", "gate", "eps_low", "eps_high")
+    },
+    "objective.reward": "reward.functions",
+    "objective.reward_weights": "reward.weights",
+    "objective.reward_timeout": "reward.timeout",
+    "objective.correct_threshold": "reward.correct_threshold",
+    "objective.failed_threshold": "reward.failed_threshold",
+    "objective.code_sandbox": "reward.sandbox",
+}
 # A key removed in a later version -> what happens now, or what to set instead.
 REMOVED: dict[str, str] = {
     "model.trust_remote_code": "models load without remote code (trust_remote_code=False): use "
@@ -134,7 +146,59 @@ def _gone(section: str, key: str) -> str | None:
         )
     if old in RENAMED:
         return f"'{old}' was renamed to '{RENAMED[old]}'; use that"
+    if old in MOVED:  # left in place by `move`: the new key is set as well
+        return f"'{old}' is now '{MOVED[old]}', which is set as well: keep only '{MOVED[old]}'"
     return None
+
+
+def move(tree: Any, origin: str | None = None) -> Any:
+    """A recipe's or a saved config's tree with each MOVED key at its new place (a copy; a null
+    knob of the objective, which an older version saved for an objective without it, is
+    dropped). `origin`: a recipe's name, for the one line each moved key gets (a saved config
+    moves silently). Where the new key is set as well, the old one stays, for the reading to
+    name. Anything not a mapping of mappings is returned as it is."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in MOVED.items():
+        (old_section, old_key), new_path = old.split("."), new.split(".")
+        source = tree.get(old_section)
+        if not isinstance(source, dict) or old_key not in source:
+            continue
+        target = tree.setdefault(new_path[0], {})
+        if not isinstance(target, dict):
+            continue
+        if len(new_path) == 3:  # an item of a mapping
+            items = target.get(new_path[1])
+            items = dict(items) if isinstance(items, dict) else {}
+            if new_path[2] in items:
+                continue
+            value = source.pop(old_key)
+            if value is not None:
+                items[new_path[2]] = value
+            target[new_path[1]] = items
+        elif new_path[1] not in target:
+            target[new_path[1]] = source.pop(old_key)
+        else:
+            continue
+        if origin is not None:
+            say_moved(origin, old, new)
+    return tree
+
+
+def say_moved(origin: str, old: str, new: str) -> None:
+    """The one line a moved key gets where a recipe or an override sets it."""
+    print(f"ibpo: note: {origin}: '{old}' is now '{new}'; read as that ({_how_to_write(new)})",
+          file=sys.stderr)  # fmt: skip
+
+
+def _how_to_write(key: str) -> str:
+    """How a recipe writes `key`: 'reward: {functions: ...}'."""
+    parts = key.split(".")
+    inner = f"{{{parts[-1]}: ...}}"
+    for part in reversed(parts[:-1]):
+        inner = f"{part}: {inner}" if part == parts[0] else f"{{{part}: {inner}}}"
+    return f"in a recipe: {inner}"
 
 
 def migrate(tree: Any) -> Any:
@@ -145,7 +209,7 @@ def migrate(tree: Any) -> Any:
     mappings is returned as it is."""
     if not isinstance(tree, dict):
         return tree
-    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    tree = move(tree)
     for old, new in {**RENAMED, **FOLDED}.items():
         (old_section, old_key), (new_section, *new_keys) = old.split("."), new.split(".")
         source = tree.get(old_section)
@@ -204,7 +268,7 @@ def read_recipe(
         pairs = trl_config.grpo_config_overrides(recipe)
         items = [("GRPOConfig", [k], v) for k, v in pairs] + items
     elif isinstance(recipe, (str, Path)):
-        _update(cfg, _read_yaml(recipe), str(recipe))
+        _update(cfg, move(_read_yaml(recipe), str(recipe)), str(recipe))
     elif recipe is not None:
         raise ConfigError(
             f"the recipe is a {type(recipe).__name__}. Fix: pass a YAML path, a packaged "
@@ -218,16 +282,24 @@ def read_recipe(
             except ConfigError as e:
                 raise ConfigError(f"{origin}: {e}") from None
             for key, v in keys.items():
-                section, name = key.split(".")
-                _update(cfg, {section: {name: v}}, f"{origin} ({key})")
+                _update(cfg, _tree(key.split("."), v), f"{origin} ({key})")
             continue
-        section, key, *rest = path
-        _update(cfg, {section: {key: {rest[0]: value} if rest else value}}, origin)
+        old = ".".join(path)
+        if old in MOVED:
+            say_moved(origin, old, MOVED[old])
+            path = MOVED[old].split(".")
+        _update(cfg, _tree(path, value), origin)
     batch = trl_config.batch_overrides(given, cfg.rollout.group_size)
     for key, value in batch.items():
         section, name = key.split(".")
         _update(cfg, {section: {name: value}}, "TRL's batch names")
     return cfg
+
+
+def _tree(path: list[str], value: Any) -> dict[str, Any]:
+    """["section", "key"(, "item")] and a value -> the tree a recipe would hold."""
+    section, key, *rest = path
+    return {section: {key: {rest[0]: value} if rest else value}}
 
 
 def _override_items(overrides) -> list[tuple[str, list[str], Any]]:
@@ -378,16 +450,14 @@ def section_with(section: str, values: Mapping[str, Any]) -> Any:
 
 
 def validate(cfg: Config) -> Config:
-    """Every field's own rule, then the values a registry backs: the objective section
-    (check_objective) and the reward names. -> cfg, unchanged."""
+    """Every field's own rule, then the reward names (the objective against its registration
+    is resolve's). -> cfg, unchanged."""
     for f in dataclasses.fields(cfg):
-        if f.name != "objective":
-            config.check_fields(getattr(cfg, f.name), f.name)
-    check_objective(cfg.objective)
-    for name in config.reward_list(cfg.objective):
+        config.check_fields(getattr(cfg, f.name), f.name)
+    for name in config.reward_list(cfg.reward):
         if name not in GRADERS and ":" not in name and "/" not in name:
             raise ConfigError(
-                f"objective.reward={name!r}; choose one of: {', '.join(GRADERS)}, or an "
+                f"reward.functions={name!r}; choose one of: {', '.join(GRADERS)}, or an "
                 "import path 'package.module:function', or a reward model's Hub id or folder "
                 "(org/name)"
             )
@@ -395,19 +465,23 @@ def validate(cfg: Config) -> Config:
 
 
 def resolve(cfg: Config) -> Config:
-    """A copy of `cfg` with what its objective declares filled where the recipe left None (the
-    objective's parameters, repair.enabled, rollout.dynamic_sampling), then what the fields
-    inherit (inherit). Idempotent."""
-    spec = check_objective(cfg.objective)
+    """A copy of `cfg` with what its objective declares filled where the recipe left None or
+    left out (its params, its shared defaults, repair.enabled, rollout.dynamic_sampling), then
+    what the fields inherit (inherit). Idempotent."""
+    spec, params = check_objective(cfg.objective)
     declared = {f"objective.{key}": value for key, value in defaults(spec).items()}
+    declared.update({f"objective.params.{key}": value for key, value in params.items()})
     declared["repair.enabled"] = spec.repairs
     declared["rollout.dynamic_sampling"] = spec.dynamic_sampling
-    return inherit(cfg, declared)
+    cfg = inherit(cfg, declared)
+    cfg.objective.params = dict(params)  # as resolved: of their types, in declared order
+    return cfg
 
 
 def inherit(cfg: Config, declared: Mapping[str, Any] | None = None) -> Config:
     """A copy of a checked `cfg` with every None-means-inherit value set to what it inherits:
-    first `declared` ("section.key" -> value: what a registry declares for this run), then the
+    first `declared` ("section.key" or "section.key.item" -> value: what a registry declares
+    for this run), then the
     fields declared with `inherit=` (repair.batch_size from rollout.generation_batch_size), the
     held-out set's items (data.eval: its columns and answer format from training's, and for the
     training source its subset) and a built-in task's prompt (data.prompt_template:
@@ -418,9 +492,12 @@ def inherit(cfg: Config, declared: Mapping[str, Any] | None = None) -> Config:
     before = cfg.to_dict(recipe=True)
     cfg = copy.deepcopy(cfg)
     for key, value in (declared or {}).items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) is None:
-            setattr(getattr(cfg, section), name, value)
+        section, name, *item = key.split(".")
+        obj = getattr(cfg, section)
+        if item and getattr(obj, name).get(item[0]) is None:
+            getattr(obj, name)[item[0]] = value
+        elif not item and getattr(obj, name) is None:
+            setattr(obj, name, value)
     if cfg.data.prompt_template is None and cfg.data.dataset.startswith("builtin:"):
         cfg.data.prompt_template = BUILTIN_PROMPT_TEMPLATE
     for section in dataclasses.fields(cfg):
@@ -456,11 +533,11 @@ def _filled(before: dict, after: dict):
     for section, values in before.items():
         for key, value in values.items():
             new = after[section][key]
-            if isinstance(value, dict):
+            if isinstance(value, dict):  # an open mapping's item may be new
                 yield from (
                     f"{section}.{key}.{item}"
-                    for item, old in value.items()
-                    if old is None and new.get(item) is not None
+                    for item, now in new.items()
+                    if value.get(item) is None and now is not None
                 )
             elif value is None and new is not None:
                 yield f"{section}.{key}"
@@ -470,49 +547,40 @@ def _filled(before: dict, after: dict):
 
 
 def defaults(spec: ObjectiveSpec) -> dict[str, Any]:
-    """What the objective section's None fields take for `spec`: the shared settings and its
-    surrogate's keyword arguments, by the section's field names."""
-    return {**{key: getattr(spec, key) for key in SHARED}, **spec.kwargs}
+    """What the objective section's None shared fields take for `spec`."""
+    return {key: getattr(spec, key) for key in SHARED}
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
-    """The registration of objective `name`, its defaults checked against the objective
-    section's rules; a ConfigError names the registered objectives, or the default at fault."""
+    """The registration of objective `name`, its shared defaults checked against the objective
+    section's rules; a ConfigError names the registered objectives, or the default at fault.
+    (Its params' defaults passed their own rules when it registered.)"""
     spec = OBJECTIVES.get(name)
     if spec is None:
         raise ConfigError(
             f"objective.name={name!r}; choose one of: {', '.join(OBJECTIVES)} (or register your "
             "own with ibpo.algo.objectives.register_objective, docs/objectives.md)"
         )
-    where = f"objective {name!r} (its register_objective call)"
-    unknown = [k for k in spec.kwargs if k not in SURROGATE_PARAMETERS]
-    if unknown:
-        raise ConfigError(
-            f"{where}: not an objective parameter: {', '.join(unknown)}; a surrogate's keyword "
-            f"arguments are among {', '.join(SURROGATE_PARAMETERS)}"
-        )
     try:
-        section = section_with("objective", {"name": name, **defaults(spec)})
-        _check_choices(section)
+        _check_choices(section_with("objective", {"name": name, **defaults(spec)}))
     except ConfigError as e:
-        raise ConfigError(f"{where}: default {e}") from None
+        raise ConfigError(
+            f"objective {name!r} (its register_objective call): default {e}"
+        ) from None
     return spec
 
 
-def check_objective(obj: ObjectiveConfig) -> ObjectiveSpec:
-    """The objective section: its own rules (config.check_objective), a registered name, the
-    algorithm's names for weights, gate, aggregation and kl_estimator, and no surrogate
-    parameter set that the objective does not take. -> its spec."""
-    config.check_objective(obj)
+def check_objective(obj: ObjectiveConfig) -> tuple[ObjectiveSpec, dict[str, Any]]:
+    """The objective section against its registration, the one place it is checked: a
+    registered name, the algorithm's names for aggregation and kl_estimator, and
+    objective.params through the knobs the objective declares (their types, rules and
+    defaults). -> (its spec, every param's value)."""
     spec = objective_spec(obj.name)
     _check_choices(obj)
-    for key in SURROGATE_PARAMETERS:
-        if getattr(obj, key) is not None and key not in spec.kwargs:
-            raise ConfigError(
-                f"objective.{key} does not apply to '{obj.name}' (it takes: "
-                f"{', '.join(spec.kwargs) or 'none'}); set objective.{key}=null"
-            )
-    return spec
+    try:
+        return spec, spec.resolve(obj.params)
+    except ParamError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_choices(obj: ObjectiveConfig) -> None:
@@ -526,24 +594,22 @@ def _check_choices(obj: ObjectiveConfig) -> None:
 
 def resolve_params(obj: ObjectiveConfig) -> ResolvedObjective:
     """An objective section -> its ResolvedObjective: the registration's surrogate and level
-    with the section's parameters. The section is checked (check_objective); one that resolve
-    filled is used as it is (a run's config resolves once), and in one built by hand the None
-    parameters take the objective's defaults."""
-    spec = check_objective(obj)
-    obj = copy.copy(obj)
-    for key, value in defaults(spec).items():
-        if getattr(obj, key) is None:
-            setattr(obj, key, value)
+    with the section's values, the surrogate's keyword arguments being its params resolved
+    (`check_objective`). A section that resolve filled is used as it is (a run's config resolves
+    once); in one built by hand, what is None or left out takes the objective's defaults."""
+    spec, params = check_objective(obj)
+    shared = {key: value if (value := getattr(obj, key)) is not None else default
+              for key, default in defaults(spec).items()}  # fmt: skip
     return ResolvedObjective(
         obj.name,
         spec.surrogate,
-        {key: getattr(obj, key) for key in spec.kwargs},
-        obj.aggregation,
-        obj.scale_rewards,
+        params,
+        shared["aggregation"],
+        shared["scale_rewards"],
         spec.repairs,
         obj.kl_coef,
-        obj.overlong_buffer,
-        obj.overlong_penalty,
+        shared["overlong_buffer"],
+        shared["overlong_penalty"],
         KL_ESTIMATORS[obj.kl_estimator],
         obj.behavior_policy,
         obj.importance_sampling,

@@ -4,9 +4,9 @@ The plan (which failed members are repaired against which siblings), phi and the
 the algorithm's (algo/counterfactual.py); this module runs the model for them. All repairs of a
 step are generated in one batched call (adapter on, no gradient) and graded by the run's reward
 functions (rewards/functions.py), with the original problem's row, as its completions are: a
-repair succeeds when its weighted reward reaches objective.correct_threshold (1 by default). A
+repair succeeds when its weighted reward reaches reward.correct_threshold (1 by default). A
 conversational prompt keeps its earlier turns; the repair request takes the place of its last
-user message. A member is failed when its reward is <= objective.failed_threshold (0 by default).
+user message. A member is failed when its reward is <= reward.failed_threshold (0 by default).
 
 `advantages.shape_rewards` and `advantages.token_advantages` turn phi and the masks into R' and
 token advantages. Device contract: phi and the edit masks are host (CPU) tensors, like the

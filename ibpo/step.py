@@ -206,13 +206,13 @@ def rl_step(
     """One full RL step; returns its metrics (gathered over processes). `engine`: the vLLM
     engine that generates (rollout.backend=vllm), else the policy does. `step`: the steps done
     before this one, which seeds this step's sampling streams (generation.SamplingStreams).
-    `reward_fns`: the run's reward functions (rewards/functions.py; None: objective.reward's);
+    `reward_fns`: the run's reward functions (rewards/functions.py; None: reward.functions's);
     the metrics they logged (log_metric) join the step's. `table`: this process's completions
     of the step are appended to it (ScoredBatch.table). `tools`: the run's tools by name
     (tools.resolve_tools; None or empty: rollouts without tool calls)."""
     model, device = parts.model, accelerator.device
     if reward_fns is None:
-        reward_fns = run_reward_set(cfg.objective)
+        reward_fns = run_reward_set(cfg.reward)
     streams = SamplingStreams(device, cfg.train.seed, accelerator.process_index, step)
     t0 = time.perf_counter()
     reset_peak_memory(device)
@@ -885,7 +885,7 @@ def step_metrics(batch, upd, lr: float, correct: float = 1.0) -> dict[str, float
     reward, accuracy, unscored = reward_summary(rewards, correct)
     metrics.update(
         reward=reward,
-        accuracy=accuracy,  # weighted reward >= objective.correct_threshold
+        accuracy=accuracy,  # weighted reward >= reward.correct_threshold
         unscored=unscored,  # no reward function applied: no advantage
         zero_variance_groups=flat_groups(rewards).float().mean().item(),
         residual=cancel["residual_num"] / max(cancel["residual_den"], 1e-30),

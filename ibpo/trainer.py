@@ -249,7 +249,7 @@ def train(
     """Run a whole recipe; returns the summary (also written to <output_dir>/summary.json).
     `rows`: the training rows given in Python (a datasets.Dataset or a list of dicts) instead
     of data.dataset; `reward_funcs`: reward functions given in Python instead of those
-    objective.reward names (rewards/functions.py); `callbacks`: hooks into the run
+    reward.functions names (rewards/functions.py); `callbacks`: hooks into the run
     (run/callbacks.py); `eval_rows`: held-out rows given in Python; `peft_config`: a
     peft.LoraConfig given in Python; `tools`: the tools rollouts call, given in Python instead
     of those rollout.tools names (ibpo/tools/). The Python API is ibpo.api.train.
@@ -264,7 +264,7 @@ def train(
 
     start, tr = time.time(), cfg.train
     # a reward's import path that fails, fails here: before anything else
-    reward_fns = run_reward_set(cfg.objective, reward_funcs)
+    reward_fns = run_reward_set(cfg.reward, reward_funcs)
     tool_set = resolve_tools(cfg.rollout.tools, tools)  # the same, for a tool's
     # Accelerate would step the scheduler once per process per update (it assumes data loaders
     # that shrink with the number of processes); here a step is a step whatever the processes
@@ -282,7 +282,7 @@ def train(
         outdir.check_resumed_data(resume, cfg, given_rows=rows is not None)
     # Every test any reward runs during the run is held to this policy, by the sandbox itself;
     # the built-in code reward's is checked before anything is touched
-    policy = code_grader.training_policy(cfg.objective.code_sandbox)
+    policy = code_grader.training_policy(cfg.reward.sandbox)
     if any(r.builtin and r.name == "code" for r in reward_fns.functions) or "python" in tool_set:
         code_grader.check_training_sandbox(policy)
     outdir.make_output_dir(out)

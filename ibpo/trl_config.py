@@ -83,8 +83,8 @@ def _loss_type(value, cfg: Config, given) -> dict[str, Any]:
 
 def _epsilon(value, cfg, given) -> dict[str, Any]:
     # TRL's epsilon_high defaults to epsilon
-    high = {} if "epsilon_high" in given else {"objective.eps_high": value}
-    return {"objective.eps_low": value, **high}
+    high = {} if "epsilon_high" in given else {"objective.params.eps_high": value}
+    return {"objective.params.eps_low": value, **high}
 
 
 def _scale_rewards(value, cfg, given) -> dict[str, Any]:
@@ -271,10 +271,12 @@ NAMES: tuple[Name, ...] = (
          "`ibpo`; TRL's `grpo`, `dapo`, `dr_grpo` are ibpo's `grpo` aggregated by `seq_mean`, "
          "`token_mean`, `token_sum` ([objectives.md](objectives.md))",
          _loss_type, lambda c, w: _agg_loss_type(c)),
-    Name("epsilon", "0.2", "`objective.eps_low` (and `eps_high` unless `epsilon_high` is set)",
-         "the objective's own (ibpo: 0.2, 0.28)", _epsilon, lambda c, w: c.objective.eps_low),
-    Name("epsilon_high", "= `epsilon`", "`objective.eps_high`", "the objective's own",
-         _plain("objective.eps_high"), lambda c, w: c.objective.eps_high),
+    Name("epsilon", "0.2",
+         "`objective.params.eps_low` (and `eps_high` unless `epsilon_high` is set)",
+         "the objective's own (ibpo: 0.2, 0.28)", _epsilon,
+         lambda c, w: c.objective.params.get("eps_low")),
+    Name("epsilon_high", "= `epsilon`", "`objective.params.eps_high`", "the objective's own",
+         _plain("objective.params.eps_high"), lambda c, w: c.objective.params.get("eps_high")),
     Name("scale_rewards", "`group`", "`objective.scale_rewards` (`group`: true, `none`: false)",
          "the objective's own; the std is the group's population std (TRL: Bessel's); `batch` "
          "has no equivalent",
@@ -291,8 +293,8 @@ NAMES: tuple[Name, ...] = (
     Name("use_vllm", "false", "`rollout.backend` (true: `vllm`)", "`hf`",
          _flag("use_vllm", "rollout.backend", "vllm", "hf"),
          lambda c, w: c.rollout.backend == "vllm"),
-    Name("reward_weights", "1 each", "`objective.reward_weights`", "the same",
-         _plain("objective.reward_weights"), lambda c, w: c.objective.reward_weights),
+    Name("reward_weights", "1 each", "`reward.weights`", "the same",
+         _plain("reward.weights"), lambda c, w: c.reward.weights),
     Name("max_steps", "-1 (3 epochs)", "`train.steps`", "20 (the demo)",
          _max_steps, lambda c, w: c.train.steps),
     Name("lr_scheduler_type", "linear", "`train.lr_scheduler`", "constant",

@@ -1,4 +1,4 @@
-"""Reward functions that tests name by import path (objective.reward=tests.reward_module:...).
+"""Reward functions that tests name by import path (reward.functions=tests.reward_module:...).
 
 Each call is recorded in CALLS (completions and the keyword arguments' names and prompts), so
 that a test can tell which completions, rollouts, repairs or held-out ones, were graded."""

@@ -61,7 +61,7 @@ def _args(model_dir, out, steps, *extra):
         "rollout.group_size=4",
         "rollout.max_new_tokens=8",
         "data.eval_size=0",
-        f"objective.reward={REWARD}",
+        f"reward.functions={REWARD}",
         "run.save_every=1",
         "train.log_reference_kl=false",
         "repair.max_repairs_per_group=1",
@@ -198,6 +198,53 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     assert any(s[1] == 0 and s[2] > 0 for s in spent)  # a step that skipped its repairs
     assert any(s[3] == 1.0 for s in spent)  # a probe
     assert len(ckpt.list_checkpoints(root)) == ckpt.KEEP_CHECKPOINTS == 2
+
+
+def _older_layout(tree: dict) -> dict:
+    """A config tree as versions before objective.params and the reward section wrote it: the
+    objective's knobs and every reward key in the objective section, under their old names."""
+    objective, reward = dict(tree["objective"]), tree.pop("reward")
+    objective.update(objective.pop("params"))
+    old_names = {"functions": "reward", "weights": "reward_weights", "timeout": "reward_timeout",
+                 "sandbox": "code_sandbox"}  # fmt: skip
+    objective.update({old_names.get(k, k): v for k, v in reward.items()})
+    return {**tree, "objective": objective}
+
+
+def test_a_checkpoint_saved_with_the_older_objective_and_reward_keys_resumes(
+    tiny_model_dir, tmp_path, reward, capsys
+):
+    """The run's config.yaml and its checkpoint's config.json as an older version wrote them
+    (the objective's knobs and the rewards in the objective section): rerun as the recipe, the
+    run resumes from its checkpoint, names no changed setting, and the keys are read at their
+    new place (one line each)."""
+    import yaml
+
+    run = tmp_path / "run"
+    args = _args(tiny_model_dir, run, 2, "objective.name=dfpo", "objective.params.gate=group")
+    assert train(load_config(None, args))["status"] == "completed"
+    saved = ckpt.latest_checkpoint(run / "checkpoints")
+    recipe = yaml.safe_load((run / "config.yaml").read_text())
+    assert recipe["objective"]["params"] == {"gate": "group"}  # the recipe form
+    (run / "config.yaml").write_text(yaml.safe_dump(_older_layout(recipe), sort_keys=False))
+    state = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps(_older_layout(state)))
+    capsys.readouterr()
+    resumed = train(load_config(run / "config.yaml", ["run.resume_from=latest", "train.steps=3"]))
+    assert resumed["status"] == "completed" and resumed["steps"] == 3
+    assert resumed["resumed_from"] == str(saved)
+    out = capsys.readouterr()
+    assert "differ from the checkpoint" not in out.out + out.err
+    assert "'objective.gate' is now 'objective.params.gate'" in out.err
+    assert "'objective.reward' is now 'reward.functions'" in out.err
+    rewritten = yaml.safe_load((run / "config.yaml").read_text())  # the new layout again
+    assert rewritten["objective"]["params"] == {"gate": "group"}
+    assert rewritten["reward"]["functions"] == REWARD
+    # the older config.json is read in the new layout: a knob changed since is named
+    from ibpo.run.outdir import resume_changes
+
+    other = load_config(run / "config.yaml", ["objective.params.gate=token"])
+    assert resume_changes(saved, other) == ["objective.params.gate: 'group' -> 'token'"]
 
 
 class _Crash(BaseException):

@@ -34,7 +34,7 @@ def test_recipe_and_overrides(tmp_path):
         ("objective.name=ppo", "choose one of: ibpo, dfpo, grpo, dr_grpo, dapo, gspo"),
         ("model.quantization=int8", "choose one of: nf4, none"),
         ("rollout.group_size=1", "group_size must be >= 2"),
-        ("objective.weights=min_replace", None),  # valid for ibpo: no error
+        ("objective.params.weights=min_replace", None),  # valid for ibpo: no error
         ("data.prompt_template=hello", "must contain '{question}'"),
         ("steps=3", "section.key"),
     ],
@@ -128,10 +128,10 @@ def test_fields_that_allow_null_accept_it():
         "data.eval.answer_format",
         "data.eval.question_column",
         "data.eval.dataset",
-        "objective.weights",
-        "objective.gate",
-        "objective.eps_low",
-        "objective.eps_high",
+        "objective.params.weights",  # an objective's own knob: its default
+        "objective.params.gate",
+        "objective.params.eps_low",
+        "objective.params.eps_high",
         "objective.aggregation",
         "objective.scale_rewards",
         "objective.overlong_buffer",
@@ -158,8 +158,12 @@ def test_fields_that_allow_null_accept_it():
         ("repair.template=fix {question} {attempt}", "repair.template must contain '{reference}'"),
         ("objective.overlong_buffer=1", "objective.overlong_buffer must lie in [0, 1)"),
         ("objective.kl_coef=-0.1", "objective.kl_coef must be >= 0"),
-        ("objective.eps_low=1", "objective.eps_low must lie in [0, 1)"),
-        ("objective.gate=token", None),  # ibpo takes a gate
+        ("objective.params.eps_low=1", "objective.params.eps_low=1.0 must lie in [0, 1)"),
+        ("objective.params.eps_high=-1", "objective.params.eps_high=-1.0 must be >= 0"),
+        ("objective.params.gate=token", None),  # ibpo takes a gate
+        ("objective.params.gate=x", "objective.params.gate='x'; choose one of: none, group, token"),
+        ("objective.params.eps_low=wide", "objective.params.eps_low: expected float, got 'wide'"),
+        ("objective.params=3", "objective.params: expected a mapping (key: value), got 3"),
         ("run.resume_from=' '", "run.resume_from must be null, 'latest' or a checkpoint path"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens must be > 0"),
     ],
@@ -182,17 +186,17 @@ def test_field_messages(override, message):
         (
             ["data.answer_format=code_tests"],
             "data.answer_format=code_tests gives test specs, "
-            "which objective.reward=math scores 0 for every completion: set objective.reward=code",
+            "which reward.functions=math scores 0 for every completion: set reward.functions=code",
         ),
         (["data.eval.answer_format=code_tests"], "data.eval.answer_format=code_tests gives test"),
         (
-            ["objective.reward=code", "data.answer_format=gsm8k"],
-            "objective.reward=code runs the answer as a JSON test spec, not a gsm8k answer: "
+            ["reward.functions=code", "data.answer_format=gsm8k"],
+            "reward.functions=code runs the answer as a JSON test spec, not a gsm8k answer: "
             "set data.answer_format=code_tests",
         ),
         (
             [
-                "objective.reward=code",
+                "reward.functions=code",
                 "data.answer_format=code_tests",
                 "data.eval.answer_format=boxed",
             ],
@@ -207,10 +211,11 @@ def test_field_messages(override, message):
         (["rollout.top_p=1.1"], "rollout.top_p must lie in (0, 1]"),
         (["run.hub_repo_id=a--b/c"], "Fix: run.hub_repo_id="),
         (
-            ["objective.name=grpo", "objective.weights=min_replace"],
-            "objective.weights does not apply to 'grpo' (it takes: eps_low, eps_high)",
+            ["objective.name=grpo", "objective.params.weights=min_replace"],
+            "objective.params.weights is not a parameter of objective 'grpo' (it takes: "
+            "eps_low, eps_high); remove it from objective.params",
         ),
-        (["objective.reward=nope"], "objective.reward='nope'; choose one of: math, code"),
+        (["reward.functions=nope"], "reward.functions='nope'; choose one of: math, code"),
         (["rollout.backend=vllm", "rollout.generation_batch_size=9000"], "<= 8192"),
     ],
 )
@@ -229,24 +234,24 @@ def test_values_at_the_edges_are_accepted():
             "train.max_grad_norm=.inf",
             "train.warmup_steps=0",
             "train.learning_rate=1e-8",
-            "objective.reward=code",
+            "reward.functions=code",
             "data.answer_format=code_tests",
         ],
     )
     assert cfg.train.max_grad_norm == float("inf")
     assert cfg.data.eval["answer_format"] == "code_tests"
     # the code grader also takes a column that already holds its JSON specs
-    assert load_config(None, ["objective.reward=code"]).data.answer_format == "plain"
+    assert load_config(None, ["reward.functions=code"]).data.answer_format == "plain"
 
 
 def test_a_reward_registered_at_run_time_is_accepted(monkeypatch):
     from ibpo.rewards import GRADERS
 
     monkeypatch.setitem(GRADERS, "parity", lambda text, answer: float(len(text) % 2))
-    assert load_config(None, ["objective.reward=parity"]).objective.reward == "parity"
+    assert load_config(None, ["reward.functions=parity"]).reward.functions == "parity"
     monkeypatch.delitem(GRADERS, "parity")
     with pytest.raises(ConfigError, match="choose one of: math, code"):
-        load_config(None, ["objective.reward=parity"])
+        load_config(None, ["reward.functions=parity"])
 
 
 def test_the_run_section_holds_what_once_was_train_and_the_old_names_are_renamed():
@@ -382,20 +387,140 @@ def _documented() -> tuple[set[str], str]:
     return keys, text
 
 
-def test_the_schema_holds_at_most_85_keys_each_documented():
+def test_the_schema_holds_at_most_82_keys_each_documented():
     import dataclasses
 
     from ibpo.config import Config
-    from ibpo.recipe import FOLDED, REMOVED
+    from ibpo.recipe import FOLDED, MOVED, REMOVED
 
     schema = {
         f"{s.name}.{f.name}"
         for s in dataclasses.fields(Config)
         for f in dataclasses.fields(s.default_factory())
     }
-    assert len(schema) <= 85
+    assert len(schema) <= 82
     documented, text = _documented()
     assert documented == schema  # every key once under its section, and no key the schema lacks
     for key in {*REMOVED, *FOLDED}:  # the removed keys' table
         section, name = key.split(".")
         assert f"`{key}`" in text or f"`{name}`" in text, key
+    for key in MOVED:  # the moved keys' table
+        assert f"`{key}`" in text and f"`{MOVED[key]}`" in text, key
+
+
+# --- keys that moved: read at their new place, with one line naming it -------------------------
+
+
+def _set(key: str, value: str) -> str:
+    """A recipe's YAML setting `key` ("section.key" or "section.key.item") to `value`."""
+    section, name, *item = key.split(".")
+    inner = f"{{{item[0]}: {value}}}" if item else value
+    return f"{section}:\n  {name}: {inner}\n"
+
+
+MOVED_VALUES = {  # a value each moved key takes that is not its default
+    "objective.weights": "adv_orthogonal",
+    "objective.gate": "token",
+    "objective.eps_low": "0.1",
+    "objective.eps_high": "0.3",
+    "objective.reward": "code",
+    "objective.reward_weights": "[2.0]",
+    "objective.reward_timeout": "5",
+    "objective.correct_threshold": "0.9",
+    "objective.failed_threshold": "0.1",
+    "objective.code_sandbox": "allow_per_process_memory",
+}
+
+
+def _read(cfg, key: str):
+    section, name, *item = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    return value[item[0]] if item else value
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_VALUES))
+def test_a_moved_key_is_read_at_its_new_place_naming_it_once(tmp_path, capsys, old):
+    from ibpo.recipe import MOVED
+
+    new, raw = MOVED[old], MOVED_VALUES[old]
+    extra = ["data.answer_format=code_tests"] if old == "objective.reward" else []
+    expected = _read(load_config(None, [f"{new}={raw}", *extra]), new)
+    capsys.readouterr()
+    assert _read(load_config(None, [f"{old}={raw}", *extra]), new) == expected
+    err = capsys.readouterr().err
+    assert err.count(f"'{old}' is now '{new}'") == 1, err
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(_set(old, raw))
+    assert _read(load_config(recipe, extra), new) == expected
+    assert f"old.yaml: '{old}' is now '{new}'" in capsys.readouterr().err
+    recipe.write_text(_set(new, raw))  # at its new place: read as it is, and no line
+    assert _read(load_config(recipe, extra), new) == expected
+    assert "is now" not in capsys.readouterr().err
+
+
+def test_a_moved_key_set_at_both_places_is_one_error_naming_the_one_to_keep(tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("objective:\n  eps_high: 0.3\n  params: {eps_high: 0.4}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    assert str(e.value) == (
+        f"{recipe}: 'objective.eps_high' is now 'objective.params.eps_high', which is set as "
+        "well: keep only 'objective.params.eps_high'"
+    )
+
+
+def test_every_moved_key_has_a_value_in_the_test_and_a_new_place_in_the_schema():
+    from ibpo.config import Config
+    from ibpo.recipe import MOVED
+
+    assert set(MOVED) == set(MOVED_VALUES)
+    for old, new in MOVED.items():
+        section, name, *_ = new.split(".")
+        assert hasattr(getattr(Config(), section), name), new
+        assert not hasattr(Config().objective, old.split(".")[1]), old
+
+
+def test_an_old_recipe_with_the_moved_objective_and_reward_keys_trains_the_same_config(tmp_path):
+    """A recipe written before the reward section and objective.params: the same resolved
+    Config as its rewrite, and a saved config.yaml of that time loads (resume, report) silently."""
+    import yaml
+
+    from ibpo.recipe import from_dict
+
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "objective:\n  name: dfpo\n  gate: group\n  eps_high: 0.3\n  reward: [math, code]\n"
+        "  reward_weights: [1.0, 0.5]\n  code_sandbox: allow_socket_patch\n"
+        "  failed_threshold: 0.2\n"
+    )
+    new = tmp_path / "new.yaml"
+    new.write_text(
+        "objective:\n  name: dfpo\n  params: {gate: group, eps_high: 0.3}\n"
+        "reward:\n  functions: [math, code]\n  weights: [1.0, 0.5]\n"
+        "  sandbox: allow_socket_patch\n  failed_threshold: 0.2\n"
+    )
+    a, b = load_config(old), load_config(new)
+    assert a.to_dict() == b.to_dict() and a.inherited == b.inherited
+    assert a.objective.params == {"weights": "min_replace", "gate": "group", "eps_low": 0.2,
+                                  "eps_high": 0.3}  # fmt: skip
+    # a saved config.yaml as the older version wrote it: every objective field resolved, the
+    # knobs an objective does not take saved as null
+    saved = yaml.safe_load(old.read_text())
+    saved["objective"].update(weights="min_replace", eps_low=None, correct_threshold=1.0)
+    assert from_dict(saved).to_dict() == a.to_dict()
+    grpo = {"objective": {"name": "grpo", "weights": None, "gate": None, "eps_low": 0.1}}
+    assert from_dict(grpo).objective.params == {"eps_low": 0.1, "eps_high": 0.2}
+
+
+def test_the_objective_section_holds_only_the_objective():
+    import dataclasses
+
+    from ibpo.config import ObjectiveConfig, RewardConfig
+
+    objective = [f.name for f in dataclasses.fields(ObjectiveConfig)]
+    assert len(objective) <= 12
+    assert not [k for k in objective if "reward" in k and k != "scale_rewards"]
+    assert "sandbox" not in " ".join(objective) and "threshold" not in " ".join(objective)
+    assert [f.name for f in dataclasses.fields(RewardConfig)] == [
+        "functions", "weights", "timeout", "correct_threshold", "failed_threshold", "sandbox"
+    ]  # fmt: skip

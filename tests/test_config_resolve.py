@@ -41,15 +41,18 @@ def test_config_imports_nothing_from_ibpo():
 
 
 def test_each_registration_is_settable_from_a_recipe():
-    """Every keyword argument a shipped surrogate takes that the objective section can set has a
-    default in the registration (so the recipe's value reaches the loss), and every aggregation
-    the registry accepts is one the step normaliser computes."""
+    """Every keyword argument a shipped surrogate takes besides the step's is a param the
+    registration declares (so the recipe's value reaches the loss), each param's default passes
+    its own rule, and every aggregation the registry accepts is one the step normaliser
+    computes."""
+    step = {"logp", "old_logp", "adv", "mask", "seq_adv", "group_size", "rho"}
     for name in SHIPPED:
         spec = OBJECTIVES[name]
         params = inspect.signature(spec.surrogate).parameters
-        settable = {k for k in recipe.SURROGATE_PARAMETERS if k in params}
-        assert set(spec.kwargs) == settable, name
-        assert recipe.objective_spec(name) is spec  # its defaults pass the fields' rules
+        assert set(spec.params) == set(params) - step, name
+        for key, p in spec.params.items():
+            assert p.take(key, p.default) == p.default
+        assert recipe.objective_spec(name) is spec  # its shared defaults pass the fields' rules
     for aggregation in AGGREGATIONS:
         step_normaliser(aggregation, [3, 4], 8)
     with pytest.raises(ValueError):
@@ -109,8 +112,8 @@ def test_resolve_fills_every_inherit_field():
 # what a None may still mean after loading: not "inherit", something of its own
 _NONE_OF_ITS_OWN = {
     "model.revision", "data.subset", "data.system_prompt", "data.enable_thinking",
-    "data.prompt_template", "rollout.mismatch_stop_kl", "objective.reward_weights",
-    "objective.reward_timeout", "run.resume_from", "run.log_with", "run.hub_repo_id",
+    "data.prompt_template", "rollout.mismatch_stop_kl", "reward.weights",
+    "reward.timeout", "run.resume_from", "run.log_with", "run.hub_repo_id",
 }  # fmt: skip
 
 
@@ -118,16 +121,17 @@ _NONE_OF_ITS_OWN = {
 def test_no_inherited_value_is_none_after_loading(name):
     """Every None-means-inherit value holds what it inherits once the recipe has loaded (so no
     reader derives it again): the declared ones (an objective's parameters, repair.enabled,
-    rollout.dynamic_sampling), the `inherit=` fields and data.eval's items; a surrogate
-    parameter the objective does not take stays None (setting it is an error)."""
+    rollout.dynamic_sampling), the `inherit=` fields and data.eval's items; objective.params
+    holds every param the objective declares, and no other."""
     cfg = load_config(None, [f"objective.name={name}", "data.dataset=tests/fixtures/x.jsonl"])
-    takes = OBJECTIVES[name].kwargs
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             key, value = f"{section.name}.{f.name}", getattr(getattr(cfg, section.name), f.name)
-            if key in _NONE_OF_ITS_OWN or (f.metadata.get("surrogate") and f.name not in takes):
-                continue
-            assert value is not None, key
+            if key not in _NONE_OF_ITS_OWN:
+                assert value is not None, key
+    params = cfg.objective.params
+    assert list(params) == list(OBJECTIVES[name].params)
+    assert all(v is not None for v in params.values())
     ev = cfg.data.eval
     assert all(ev[k] is not None for k in ("split", "question_column", "answer_column"))
     assert ev["answer_format"] is not None
@@ -139,11 +143,11 @@ def test_resolve_fills_the_objective_defaults(name):
     from ibpo.recipe import resolve_params
 
     cfg = load_config(None, [f"objective.name={name}"])
-    obj, defaults = cfg.objective, recipe.defaults(OBJECTIVES[name])
+    spec = OBJECTIVES[name]
+    obj, defaults = cfg.objective, recipe.defaults(spec)
     for key, value in defaults.items():
         assert getattr(obj, key) == value, key
-    for key in recipe.SURROGATE_PARAMETERS:  # one it does not take stays null
-        assert (getattr(obj, key) is None) == (key not in defaults)
+    assert obj.params == {key: p.default for key, p in spec.params.items()}
     assert cfg.repair.enabled is OBJECTIVES[name].repairs
     # the unresolved section resolves to the same parameters
     assert resolve_params(cfg.objective) == resolve_params(ObjectiveConfig(name=name))
@@ -152,7 +156,7 @@ def test_resolve_fills_the_objective_defaults(name):
 def test_resolve_is_idempotent_and_a_written_config_loads_back_to_itself(tmp_path):
     for overrides in (
         [],
-        ["objective.name=dapo", "objective.eps_high=0.3"],
+        ["objective.name=dapo", "objective.params.eps_high=0.3"],
         ["objective.name=grpo", "repair.enabled=true", "rollout.top_p=0.9"],
     ):
         cfg = load_config(None, overrides)
@@ -165,7 +169,7 @@ def test_resolve_is_idempotent_and_a_written_config_loads_back_to_itself(tmp_pat
 
 def test_a_config_written_with_nulls_by_an_older_version_loads():
     old = Config().to_dict()  # unresolved: every inherit field null, as older versions wrote it
-    assert old["repair"]["batch_size"] is None and old["objective"]["eps_low"] is None
+    assert old["repair"]["batch_size"] is None and old["objective"]["params"] == {}
     assert recipe.from_dict(old) == load_config()
 
 
@@ -175,7 +179,7 @@ def test_a_resolved_config_keeps_its_objective_parameters_under_another_objectiv
     cfg = load_config()
     tree = cfg.to_dict()
     tree["objective"]["name"] = "grpo"
-    with pytest.raises(ConfigError, match=r"objective\.weights does not apply to 'grpo'.*=null"):
+    with pytest.raises(ConfigError, match=r"objective\.params\.weights is not a parameter of "):
         recipe.from_dict(tree)
 
 
@@ -211,8 +215,8 @@ def test_a_runs_config_yaml_is_its_recipe_and_inherits_afresh(tmp_path):
     )
     assert rerun.repair.batch_size == 20 and rerun.data.eval["question_column"] == "q"
     assert rerun.data.eval["answer_format"] == "plain"
-    assert rerun.objective.weights is None and rerun.repair.enabled is False
-    assert rerun.objective.eps_high == OBJECTIVES["grpo"].kwargs["eps_high"]
+    assert "weights" not in rerun.objective.params and rerun.repair.enabled is False
+    assert rerun.objective.params["eps_high"] == OBJECTIVES["grpo"].params["eps_high"].default
 
 
 def test_resume_compares_resolved_settings(tmp_path):
@@ -227,8 +231,8 @@ def test_resume_compares_resolved_settings(tmp_path):
     assert resume_changes(tmp_path, cfg) == []
     (tmp_path / "config.json").write_text(json.dumps(Config().to_dict()))
     assert resume_changes(tmp_path, cfg) == []
-    changed = resume_changes(tmp_path, load_config(None, ["objective.eps_low=0.1"]))
-    assert changed == ["objective.eps_low: 0.2 -> 0.1"]
+    changed = resume_changes(tmp_path, load_config(None, ["objective.params.eps_low=0.1"]))
+    assert changed == ["objective.params.eps_low: 0.2 -> 0.1"]
 
 
 # --- configs saved before the run section ----------------------------------------------------

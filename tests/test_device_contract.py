@@ -230,7 +230,7 @@ def test_objectives_under_fake_cuda_tensors():
         adv = seq_adv.unsqueeze(-1) * mask
         for name, obj in OBJECTIVES.items():
             per_token, coef, info = obj.surrogate(
-                logp, logp.detach(), adv, mask, seq_adv, G, **obj.kwargs
+                logp, logp.detach(), adv, mask, seq_adv, G, **obj.resolve({})
             )
             loss = aggregate(per_token, mask, obj.aggregation, 10.0)
             assert loss.device.type == "cuda" and coef.device.type == "cuda", name
@@ -245,7 +245,7 @@ def test_objectives_under_fake_cuda_tensors():
                 mask,
                 seq_adv,
                 G,
-                **OBJECTIVES["ibpo"].kwargs,
+                **OBJECTIVES["ibpo"].resolve({}),
             )
 
 

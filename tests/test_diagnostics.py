@@ -34,7 +34,7 @@ def test_prefix_nodes_identify_same_token_at_same_context():
 
 def _residual(name, old_shift, rewards=(1.0, 0.0, 1.0, 0.0), **overrides):
     obj = OBJECTIVES[name]
-    kwargs = {**obj.kwargs, **overrides}
+    kwargs = {**obj.resolve({}), **overrides}
     logp = -torch.rand(G, 4, generator=torch.Generator().manual_seed(0)) - 0.1
     old = logp - torch.tensor(old_shift).view(G, 1)
     seq_adv = group_advantages(torch.tensor([rewards]), obj.scale_rewards).flatten()
@@ -73,7 +73,7 @@ def test_adv_orthogonal_cancels_the_token_shared_by_the_whole_group():
     old = logp - torch.tensor(SHIFTS).view(G, 1)
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), True).flatten()
     adv = token_advantages(seq_adv, mask)
-    kw = {**obj.kwargs, "weights": "adv_orthogonal"}
+    kw = {**obj.resolve({}), "weights": "adv_orthogonal"}
     _, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **kw)
     r = {k: float(v) for k, v in cancellation_residual(coef, adv, host(tokens, mask), G).items()}
     assert r["residual_num"] == pytest.approx(0.0, abs=1e-6 * r["residual_den"])

@@ -94,7 +94,7 @@ def base_args(model_dir, out, steps: int, *extra: str) -> list[str]:
         "repair.cost_share=1",
         "repair.min_success=0",
         "repair.reference_selection=correct_first",  # the checks count repairs of all-failed groups
-        f"objective.reward={REWARD}",
+        f"reward.functions={REWARD}",
         "data.eval_size=0",
         "run.save_every=0",
         f"run.output_dir={out}",

@@ -53,7 +53,7 @@ def run(tiny_model_dir, tmp_path_factory):
     calls = iter(range(10_000))  # a random tiny model never answers: force a learning signal
     GRADERS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
-        cfg.objective.reward = "alternating"
+        cfg.reward.functions = "alternating"
         trainer.train(cfg)
     finally:
         del GRADERS["alternating"]
@@ -212,7 +212,7 @@ def test_card_parses_and_reports_the_run(run):
     evaluation = json.loads((run / "eval" / "gsm8k" / "summary.json").read_text())
     assert markdown_row(evaluation).strip() in card  # the real evaluation's row
     assert 'PeftModel.from_pretrained(base, "alice/tiny-ibpo")' in card
-    assert "lora_r: 16" in card and "reward: alternating" in card  # the recipe
+    assert "lora_r: 16" in card and "reward:\n  functions: alternating" in card  # the recipe
     assert all(f"](plots/{p.name})" in card for p in run.glob("plots/*.png"))
 
 
@@ -362,8 +362,9 @@ def test_builtin_and_local_datasets_are_not_listed_as_hub_datasets(run, tmp_path
 
 
 def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, monkeypatch):
-    """A run whose config.yaml an older version wrote (train.output_dir..., keys since removed):
-    the staged ibpo_config.yaml and the card's recipe hold run.* and no removed key, so the
+    """A run whose config.yaml an older version wrote (train.output_dir..., keys since removed,
+    the rewards and the objective's knobs in the objective section): the staged ibpo_config.yaml
+    and the card's recipe hold run.*, reward.* and objective.params and no removed key, so the
     file reruns."""
     import yaml
 
@@ -372,7 +373,11 @@ def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, mo
 
     out = _copy(run, tmp_path)
     cfg = yaml.safe_load((out / "config.yaml").read_text())
-    monkeypatch.setitem(GRADERS, cfg["objective"]["reward"], lambda text, answer: 0.0)
+    monkeypatch.setitem(GRADERS, cfg["reward"]["functions"], lambda text, answer: 0.0)
+    reward = cfg.pop("reward")
+    cfg["objective"].update(reward=reward["functions"], code_sandbox=reward["sandbox"],
+                            reward_timeout=reward["timeout"], gate="token")  # fmt: skip
+    cfg["objective"].pop("params", None)
     cfg["train"].update(cfg.pop("run"), plots=True)
     cfg["rollout"]["eval_batch_size"] = 100
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -380,6 +385,10 @@ def test_an_older_runs_recipe_is_staged_with_the_new_key_names(run, tmp_path, mo
     recipe = yaml.safe_load((staged / "ibpo_config.yaml").read_text())
     assert "output_dir" not in recipe["train"] and "output_dir" in recipe["run"]
     assert "plots" not in recipe["run"] and "eval_batch_size" not in recipe["rollout"]
+    assert (
+        recipe["reward"]["functions"] == reward["functions"] and "reward" not in recipe["objective"]
+    )
+    assert recipe["objective"]["params"] == {"gate": "token"} and "gate" not in recipe["objective"]
     load_config(staged / "ibpo_config.yaml", ["run.output_dir=" + str(tmp_path / "again")])
     card = (staged / "README.md").read_text()
     assert "\nrun:\n" in card and "  output_dir:" in card.split("\nrun:\n")[1]

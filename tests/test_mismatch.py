@@ -74,18 +74,18 @@ def test_correction_with_equal_log_probs_is_the_uncorrected_objective_exactly(na
     logp.requires_grad_(True)
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), obj.scale_rewards).flatten()
     adv = token_advantages(seq_adv, MASK)
-    base_loss, base_coef, _ = obj.surrogate(logp, old, adv, MASK, seq_adv, G, **obj.kwargs)
+    base_loss, base_coef, _ = obj.surrogate(logp, old, adv, MASK, seq_adv, G, **obj.resolve({}))
     (base_grad,) = torch.autograd.grad(base_loss.sum(), logp)
     behav = old.clone()  # the rollout's log-probs equal the trainer's
     for mode in ("truncate", "mask"):
         rho = importance_weights(importance_ratio(old, behav, MASK, obj.level), mode, 2.0)
         assert (rho == 1).all()
-        loss, coef, _ = obj.surrogate(logp, old, adv, MASK, seq_adv, G, rho=rho, **obj.kwargs)
+        loss, coef, _ = obj.surrogate(logp, old, adv, MASK, seq_adv, G, rho=rho, **obj.resolve({}))
         (grad,) = torch.autograd.grad(loss.sum(), logp)
         assert torch.equal(loss, base_loss) and torch.equal(coef, base_coef)
         assert torch.equal(grad, base_grad)
     # behavior_policy=rollout: old_logp is the rollout's, here the same numbers
-    loss, coef, _ = obj.surrogate(logp, behav, adv, MASK, seq_adv, G, **obj.kwargs)
+    loss, coef, _ = obj.surrogate(logp, behav, adv, MASK, seq_adv, G, **obj.resolve({}))
     assert torch.equal(loss, base_loss) and torch.equal(coef, base_coef)
 
 
@@ -94,7 +94,7 @@ def _residual(name, old_for_ratio, rho=None, **overrides):
     logp, _, _ = _group()
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), obj.scale_rewards).flatten()
     adv = token_advantages(seq_adv, MASK)
-    kw = {**obj.kwargs, **overrides}
+    kw = {**obj.resolve({}), **overrides}
     _, coef, _ = obj.surrogate(logp, old_for_ratio, adv, MASK, seq_adv, G, rho=rho, **kw)
     c = coef * token_weights(MASK, obj.aggregation)
     r = {k: float(v) for k, v in cancellation_residual(c, adv, _host(TOKENS, MASK), G).items()}
@@ -126,7 +126,7 @@ def test_adv_orthogonal_stays_orthogonal_under_the_correction():
     seq_adv = group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), True).flatten()
     adv = token_advantages(seq_adv, MASK)
     rho = importance_weights(importance_ratio(old, behav, MASK, "sequence"), "truncate", 2.0)
-    kw = {**obj.kwargs, "weights": "adv_orthogonal"}
+    kw = {**obj.resolve({}), "weights": "adv_orthogonal"}
     _, coef, _ = obj.surrogate(logp, old, adv, MASK, seq_adv, G, rho=rho, **kw)
     assert float((coef[:, 0] * seq_adv).sum()) == pytest.approx(0.0, abs=1e-6)
 
@@ -195,7 +195,7 @@ def _run(tiny_model_dir, tmp_path, *overrides):
         [
             f"model.name={tiny_model_dir}",
             "model.quantization=none",
-            "objective.reward=parity",
+            "reward.functions=parity",
             "train.prompts_per_step=2",
             "rollout.group_size=4",
             "rollout.max_new_tokens=6",

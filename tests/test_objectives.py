@@ -183,7 +183,7 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
     adv = token_advantages(seq_adv, mask)
     for name, obj in OBJECTIVES.items():
         agg = obj.aggregation
-        full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.kwargs)
+        full, _, _ = obj.surrogate(logp, logp.detach(), adv, mask, seq_adv, G, **obj.resolve({}))
         (g_full,) = torch.autograd.grad(
             aggregate(full, mask, agg, step_normaliser(agg, seq_lengths(mask), 6)), logp
         )
@@ -191,7 +191,7 @@ def test_normaliser_makes_loss_invariant_to_micro_batching():
         total = 0
         for sl in (slice(0, 4), slice(4, 8)):
             part, _, _ = obj.surrogate(
-                logp[sl], logp[sl].detach(), adv[sl], mask[sl], seq_adv[sl], G, **obj.kwargs
+                logp[sl], logp[sl].detach(), adv[sl], mask[sl], seq_adv[sl], G, **obj.resolve({})
             )
             total = total + aggregate(part, mask[sl], agg, norm)
         (g_split,) = torch.autograd.grad(total, logp)
@@ -202,12 +202,15 @@ def test_resolve_params_defaults_and_errors():
     r = resolve_params(ObjectiveConfig(name="dapo"))
     assert r.kwargs == {"eps_low": 0.2, "eps_high": 0.28} and r.aggregation == "token_mean"
     assert resolve_params(ObjectiveConfig(name="dr_grpo")).scale_rewards is False
-    r = resolve_params(ObjectiveConfig(name="ibpo", weights="adv_orthogonal", gate="token"))
-    assert r.kwargs["weights"] == "adv_orthogonal" and r.counterfactual
-    with pytest.raises(ConfigError, match="weights"):
-        resolve_params(ObjectiveConfig(name="grpo", weights="min_replace"))
+    r = resolve_params(
+        ObjectiveConfig(name="ibpo", params={"weights": "adv_orthogonal", "gate": "token"})
+    )
+    assert r.kwargs == {"weights": "adv_orthogonal", "gate": "token", "eps_low": 0.2,
+                        "eps_high": 0.28} and r.counterfactual  # fmt: skip
+    with pytest.raises(ConfigError, match="objective.params.weights is not a parameter of "):
+        resolve_params(ObjectiveConfig(name="grpo", params={"weights": "min_replace"}))
     with pytest.raises(ConfigError, match="min_replace"):
-        resolve_params(ObjectiveConfig(name="dfpo", weights="nope"))
+        resolve_params(ObjectiveConfig(name="dfpo", params={"weights": "nope"}))
     with pytest.raises(ConfigError, match="token_mean"):
         resolve_params(ObjectiveConfig(name="dfpo", aggregation="sum"))
 
@@ -227,7 +230,7 @@ def test_reported_coefficient_is_the_applied_one(name):
     old = logp.detach() + 0.4 * torch.randn(n, T)  # large shifts: clipping active
     seq_adv = group_advantages(torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 0]]), True).flatten()
     adv = token_advantages(seq_adv, mask)
-    per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.kwargs)
+    per_tok, coef, _ = obj.surrogate(logp, old, adv, mask, seq_adv, G, **obj.resolve({}))
     Z = step_normaliser(obj.aggregation, seq_lengths(mask), T)
     aggregate(per_tok, mask, obj.aggregation, Z).backward()
     expected = coef * adv * token_weights(mask, obj.aggregation)

@@ -140,13 +140,13 @@ def test_names_import_paths_and_weights_are_checked_before_anything_loads():
 
     with pytest.raises(ConfigError, match="does not take 'prompts', 'completion_ids', "):
         reward_set(no_kwargs)
-    with pytest.raises(ConfigError, match=r"objective.reward='nope'; choose one of: math, code"):
-        load_config(None, ["objective.reward=nope"])
-    with pytest.raises(ConfigError, match="objective.reward_weights has 1 weights for 2"):
-        load_config(None, ["objective.reward=[math, 'tests.reward_module:parity']",
-                           "objective.reward_weights=[1.0]"])  # fmt: skip
-    cfg = load_config(None, ["objective.reward=[math, 'tests.reward_module:parity']"])
-    assert reward_set(cfg.objective.reward).names == ["math", "parity"]
+    with pytest.raises(ConfigError, match=r"reward.functions='nope'; choose one of: math, code"):
+        load_config(None, ["reward.functions=nope"])
+    with pytest.raises(ConfigError, match="reward.weights has 1 weights for 2"):
+        load_config(None, ["reward.functions=[math, 'tests.reward_module:parity']",
+                           "reward.weights=[1.0]"])  # fmt: skip
+    cfg = load_config(None, ["reward.functions=[math, 'tests.reward_module:parity']"])
+    assert reward_set(cfg.reward.functions).names == ["math", "parity"]
 
 
 def test_reward_workers_run_the_functions_concurrently_with_the_same_result():

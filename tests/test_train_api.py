@@ -1,6 +1,6 @@
 """`ibpo.train` and your own rewards end to end on the tiny Qwen3 (CPU): (a) from Python with
 an in-memory dataset and a reward reading an extra column, (b) from YAML with
-objective.reward=module:function through the CLI; in both, IBPO's repairs and the held-out
+reward.functions=module:function through the CLI; in both, IBPO's repairs and the held-out
 evaluation are graded by that reward. A reward that raises mid-run ends the run with a
 checkpoint, and the run resumes from it. The README's Python example runs as written (slow)."""
 
@@ -262,7 +262,7 @@ def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
     settings = {**_settings(tiny_model_dir, tmp_path / "b", steps=1, eval_size=0)}
     settings["objective.name"] = "grpo"
     if memory.memory_mode() == "per-process":  # refused for that first (tested in test_trainer)
-        settings["objective.code_sandbox"] = "allow_per_process_memory"
+        settings["reward.sandbox"] = "allow_per_process_memory"
     refused = _runs_code([None, "socket-patch"])
     s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
     assert s["status"] == "reward_failed" and s["steps"] == 0
@@ -270,10 +270,10 @@ def test_tested_code_a_user_s_reward_runs_is_held_to_the_run_s_sandbox_policy(
         "reward function 'runs_code' ran tested code: the sandbox's socket-patch mode does not "
         "contain the programs it runs"
     )
-    assert "objective.code_sandbox=allow_socket_patch" in s["message"]
+    assert "reward.sandbox=allow_socket_patch" in s["message"]
 
     settings["run.output_dir"] = str(tmp_path / "c")
-    settings["objective.code_sandbox"] = "allow_socket_patch"
+    settings["reward.sandbox"] = "allow_socket_patch"
     s = ibpo.train(overrides=settings, dataset=ROWS, reward_funcs=refused).summary
     assert s["status"] == "completed"
     assert s["isolation"] == ", ".join(dict.fromkeys([sandbox.isolation_mode(), "socket-patch"]))

@@ -72,7 +72,7 @@ def test_one_step_changes_lora_only(tiny_model_dir):
     calls = iter(range(10_000))
     GRADERS["alternating"] = lambda text, ans: float(next(calls) % 2)
     try:
-        cfg.objective.reward = "alternating"
+        cfg.reward.functions = "alternating"
         m = _step(model, tok, opt, sched, acc, cfg)
     finally:
         del GRADERS["alternating"]
@@ -102,7 +102,7 @@ def _recorded_steps(tiny_model_dir, overrides, lr=0.0, metrics=None) -> list[Gra
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         counter = iter(range(10_000))
         GRADERS["alternating"] = lambda t, a, c=counter: float(next(c) % 3 == 0)
-        cfg.objective.reward = "alternating"
+        cfg.reward.functions = "alternating"
         try:
             torch.manual_seed(5)
             m = _step(model, tok, opt, sched, acc, cfg)
@@ -295,8 +295,8 @@ def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "socket-patch")
     monkeypatch.setattr(code_grader, "uncontained", lambda mode: None)
     out = tmp_path / "run"
-    overrides = ["objective.reward=code", "data.answer_format=plain", f"run.output_dir={out}"]
-    with pytest.raises(ConfigError, match="bubblewrap.*objective.code_sandbox=allow_socket_patch"):
+    overrides = ["reward.functions=code", "data.answer_format=plain", f"run.output_dir={out}"]
+    with pytest.raises(ConfigError, match="bubblewrap.*reward.sandbox=allow_socket_patch"):
         train(load_config(None, overrides))
     assert not out.exists()
     allow = code_grader.training_policy("allow_socket_patch")
@@ -318,7 +318,7 @@ def test_a_code_reward_refuses_a_sandbox_without_a_whole_test_memory_bound(tmp_p
     monkeypatch.setattr(code_grader, "isolation_mode", lambda: "bwrap")
     monkeypatch.setattr(memory, "_probe", lambda: ("per-process", ""))
     out = tmp_path / "run"
-    overrides = ["objective.reward=code", "data.answer_format=plain", f"run.output_dir={out}"]
+    overrides = ["reward.functions=code", "data.answer_format=plain", f"run.output_dir={out}"]
     with pytest.raises(ConfigError, match="no memory cgroup.*allow_per_process_memory"):
         train(load_config(None, overrides))
     assert not out.exists()

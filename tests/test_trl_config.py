@@ -38,7 +38,7 @@ def test_grpo_config_names_are_overrides_of_ibpo_keys():
     # TRL's dr_grpo is the clipped token ratio summed over max_completion_length x sequences
     assert (obj.name, obj.aggregation, obj.scale_rewards) == ("grpo", "token_sum", False)
     assert (obj.kl_coef, obj.kl_estimator) == (0.04, "k3_ratio")
-    assert (obj.eps_low, obj.eps_high) == (0.1, 0.1)  # epsilon_high defaults to epsilon
+    assert obj.params == {"eps_low": 0.1, "eps_high": 0.1}  # epsilon_high defaults to epsilon
     # config.yaml records ibpo's keys, and it loads again as a recipe
     tree = cfg.to_dict(recipe=True)
     assert tree["rollout"]["group_size"] == 4 and "num_generations" not in str(tree)
@@ -49,7 +49,7 @@ def test_grpo_config_names_are_overrides_of_ibpo_keys():
                              "epsilon_high=0.3", "objective.name=gspo"])  # fmt: skip
     obj = cfg.objective
     assert (obj.name, obj.aggregation, obj.scale_rewards) == ("gspo", "token_mean", True)
-    assert (obj.eps_low, obj.eps_high) == (0.1, 0.3)
+    assert obj.params == {"eps_low": 0.1, "eps_high": 0.3}
     assert load_config(None, ["importance_sampling_level=sequence"]).objective.name == "gspo"
     assert load_config(None, ["use_vllm=true"]).rollout.backend == "vllm"
 

@@ -107,7 +107,7 @@ def test_multi_task_rewards_and_a_row_none_applies_to(capsys):
     assert "no reward function applies to completion 2 of 4" in err
     assert "'Write a function that returns the sum of two numbers.'" in err and "'code'" in err
     # -1 is below the failed threshold 0: one warning about the scale, naming the keys
-    assert "objective.correct_threshold and objective.failed_threshold" in err
+    assert "reward.correct_threshold and reward.failed_threshold" in err
     # their advantage is 0 and they are not in their group's baseline
     adv = group_advantages(
         torch.tensor([total[:2] + [0.0, 1.0], [math.nan, 1.0, 0.0, math.nan]]), False
@@ -234,7 +234,7 @@ def test_a_reward_that_hangs_scores_zero_is_counted_and_the_run_goes_on(capsys, 
     assert per["hangs"] == [0.0, 0.0] and per["hangs_async"] == [0.0, 0.0]
     assert grades.totals == [0.25, 0.25] and grades.timeouts == 2
     err = capsys.readouterr().err
-    assert "reward function 'hangs' ran past objective.reward_timeout=0.2 s" in err
+    assert "reward function 'hangs' ran past reward.timeout=0.2 s" in err
     again = rs.score(["x", "y"], {}, ["p", "p"])
     assert again.timeouts == 2 and "ran past" not in capsys.readouterr().err  # warned once
     release.set()
@@ -279,14 +279,14 @@ def test_a_raising_async_reward_names_the_sample_and_keeps_the_exception():
 
 
 def test_thresholds_are_config_keys_with_defaults_and_a_rule():
-    obj = load_config().objective
-    assert (obj.correct_threshold, obj.failed_threshold, obj.reward_timeout) == (1.0, 0.0, 600.0)
-    rs = reward_set("math", correct=obj.correct_threshold, failed=obj.failed_threshold)
+    rw = load_config().reward
+    assert (rw.correct_threshold, rw.failed_threshold, rw.timeout) == (1.0, 0.0, 600.0)
+    rs = reward_set("math", correct=rw.correct_threshold, failed=rw.failed_threshold)
     assert (rs.correct, rs.failed) == (1.0, 0.0)
     with pytest.raises(ConfigError, match="failed_threshold=1 must be below"):
-        load_config(None, ["objective.failed_threshold=1", "objective.correct_threshold=1"])
-    cfg = load_config(None, ["objective.reward_timeout=null"])
-    assert cfg.objective.reward_timeout is None
+        load_config(None, ["reward.failed_threshold=1", "reward.correct_threshold=1"])
+    cfg = load_config(None, ["reward.timeout=null"])
+    assert cfg.reward.timeout is None
 
 
 def test_thresholds_decide_what_is_repaired_correct_and_accurate():
@@ -427,8 +427,8 @@ def test_a_reward_model_scores_prompt_and_completion_as_trl_does(tmp_path):
     by_path = reward_set(str(tmp_path / "rm"))  # a folder (or Hub id), loaded when first called
     assert by_path.names == ["rm"]
     assert by_path.score(texts, {}, prompts).per_function["rm"] == pytest.approx(expected, abs=1e-5)
-    cfg = load_config(None, ["objective.reward=[math, org/reward-model]"])
-    assert cfg.objective.reward == ["math", "org/reward-model"]
+    cfg = load_config(None, ["reward.functions=[math, org/reward-model]"])
+    assert cfg.reward.functions == ["math", "org/reward-model"]
 
 
 def test_a_lora_config_is_recorded_and_dora_turns_the_cpu_fold_off():

@@ -226,7 +226,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             f"run.output_dir={out}",
             "train.steps=2",
             "train.learning_rate=0.05",
-            "objective.reward=odd_length",
+            "reward.functions=odd_length",
             "repair.cost_share=1",  # every planned repair runs, in one request
             "repair.min_success=0",
             "repair.reference_selection=correct_first",  # the repair counts below need every plan

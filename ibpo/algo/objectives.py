@@ -35,13 +35,15 @@ log-probs equal, rho = 1 exactly and both corrections reduce to the uncorrected 
 Each objective is one `register_objective(...)` call beside its surrogate: the six below (ibpo and
 dfpo on the exchangeable surrogate; grpo, dr_grpo and dapo on the clipped token ratio; gspo) are
 registered exactly as a user's own is (docs/layout.md). An ObjectiveSpec holds the loss function
-itself, the level its importance weights take, its defaults (aggregation, std scaling, DAPO's
-overlong penalty, the surrogate's keyword arguments) and whether repairs and dynamic sampling are
-on by default; OBJECTIVES is the one table of them. ResolvedObjective is an objective with a
-run's parameters: what the step calls.
+itself, the level its importance weights take, its defaults for the shared knobs (aggregation,
+std scaling, DAPO's overlong penalty), whether repairs and dynamic sampling are on by default,
+and its own knobs: each keyword argument of its surrogate declared once as a Param (type,
+default, rule), which a recipe sets under objective.params and `ObjectiveSpec.resolve` turns
+into the values the surrogate receives. OBJECTIVES is the one table of them. ResolvedObjective
+is an objective with a run's parameters: what the step calls.
 
 What this module does not do: read a recipe (ibpo/recipe.py turns the objective section into a
-ResolvedObjective and checks its values against the tables here), compute advantages
+ResolvedObjective through the spec's `resolve` and its shared knobs), compute advantages
 (advantages.py) or log-probs (logprobs.py).
 Shapes: n sequences in the micro-batch (whole groups, group-major), T completion tokens.
 """
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,24 +114,92 @@ _POSITIONAL = ("logp", "old_logp", "adv", "mask", "seq_adv", "group_size")
 LEVELS = ("token", "sequence")
 
 
+class ParamError(ValueError):
+    """A value of objective.params the objective's declaration refuses (ibpo.recipe reports
+    it as a configuration error)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One knob of an objective: a keyword argument of its surrogate, with its type, its
+    default and what a value must satisfy (`choices`, or `check(value) -> bool` with `rule`
+    saying it in words: "must lie in [0, 1)"). A recipe sets it as objective.params.<name>."""
+
+    type: type
+    default: Any
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+    choices: tuple[str, ...] | None = None
+
+    def take(self, name: str, value: Any) -> Any:
+        """`value` as this knob's type (an int for a float, "1e-4" read as a number), or a
+        ParamError naming objective.params.<name> and its rule."""
+        key = f"objective.params.{name}"
+        if value is None:
+            return self.default
+        value = _as_type(value, self.type, key)
+        if self.choices is not None and value not in self.choices:
+            raise ParamError(f"{key}={value!r}; choose one of: {', '.join(self.choices)}")
+        if self.check is not None and not self.check(value):
+            raise ParamError(f"{key}={value!r} {self.rule or 'is refused by its check'}")
+        return value
+
+
+def _as_type(value: Any, tp: type, key: str) -> Any:
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float and numeric:
+        return float(value)
+    if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
+        return value
+    raise ParamError(f"{key}: expected {tp.__name__}, got {value!r}")
+
+
+def eps_low(default: float) -> Param:
+    """The lower clip (or gate) of a ratio, 1 - eps_low."""
+    return Param(float, default, lambda x: 0.0 <= x < 1.0, "must lie in [0, 1)")
+
+
+def eps_high(default: float) -> Param:
+    """The upper clip (or gate) of a ratio, 1 + eps_high (DAPO's clip-higher)."""
+    return Param(float, default, lambda x: x >= 0.0, "must be >= 0")
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """One objective as registered: its loss function, the level its importance weights take,
-    its defaults (what the objective section's None fields become) and whether repairs and
-    dynamic sampling are on by default. `kwargs`: the surrogate's own keyword arguments (eps_low,
-    eps_high, weights, gate...) at their defaults; an objective takes no other."""
+    its defaults for the objective section's shared knobs (what its None fields become),
+    whether repairs and dynamic sampling are on by default, and `params`: its surrogate's own
+    keyword arguments, each declared (Param); an objective takes no other."""
 
     name: str
     surrogate: Surrogate
     level: str
     aggregation: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Param] = field(default_factory=dict)
     scale_rewards: bool = True  # A = (R - mean) / std  (True)  or  R - mean  (False)
     # DAPO's soft overlong punishment (advantages.overlong_penalty); 0 = off
     overlong_buffer: float = 0.0
     overlong_penalty: float = 0.0
     repairs: bool = False  # IBPO.md Part 2: counterfactual repairs, shaped rewards, edit masks
     dynamic_sampling: bool = False  # DAPO's: flat groups dropped and refilled
+
+    def resolve(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """objective.params as a recipe sets them -> every knob's value (what is not given,
+        or given as None, takes its default), each of its type and within its rule; a knob
+        the objective does not declare is a ParamError naming the ones it does."""
+        unknown = [k for k in given if k not in self.params]
+        if unknown:
+            takes = ", ".join(self.params) or "no parameters"
+            raise ParamError(
+                f"objective.params.{unknown[0]} is not a parameter of objective "
+                f"{self.name!r} (it takes: {takes}); remove it from objective.params"
+            )
+        return {k: p.take(k, given.get(k)) for k, p in self.params.items()}
 
 
 # name -> spec, in registration order: every objective a recipe may name.
@@ -144,29 +214,37 @@ def register_objective(
     *,
     level: str,
     aggregation: str,
+    params: Mapping[str, Param | Any] | None = None,
     scale_rewards: bool = True,
     repairs: bool = False,
     dynamic_sampling: bool = False,
     overlong_buffer: float = 0.0,
     overlong_penalty: float = 0.0,
     replace: bool = False,
-    **kwargs: Any,
+    **knobs: Any,
 ) -> Any:
     """Register objective `name`, then selectable as objective.name=<name>: its surrogate (a
     function with the signature of the ones below), the level its importance weights take, its
-    defaults (aggregation, scale_rewards, overlong_*, and one per keyword argument of the
-    surrogate it takes, such as eps_high=0.28), whether repairs and dynamic sampling are on by
-    default. Without `surrogate` it is a decorator. -> the surrogate.
+    `params` (name -> Param, or a plain default whose type is the knob's: {"tau": 0.5}), its
+    defaults for the shared knobs (aggregation, scale_rewards, overlong_*), and whether repairs
+    and dynamic sampling are on by default. Without `surrogate` it is a decorator. -> the
+    surrogate.
 
     A bad call (a shipped or taken name, an unknown level or aggregation, a function that does
-    not take the step's arguments) raises ValueError before anything is registered; the
-    defaults' values are checked against the recipe's field rules when a recipe names the
-    objective (ibpo/recipe.py)."""
+    not take the step's arguments and its params, a default its own Param refuses, a knob
+    passed as a keyword rather than in `params`) raises ValueError before anything is
+    registered; the shared defaults are checked against the
+    recipe's field rules when a recipe names the objective (ibpo/recipe.py)."""
+    if knobs:  # the form of earlier versions: a surrogate's keyword arguments as keywords
+        raise ValueError(
+            f"objective {name!r}: {', '.join(knobs)} is not an argument of register_objective; "
+            f"declare the surrogate's knobs as params={{{', '.join(f'{k!r}: ...' for k in knobs)}}}"
+        )
     if surrogate is None:
         return lambda fn: register_objective(
-            name, fn, level=level, aggregation=aggregation, scale_rewards=scale_rewards,
-            repairs=repairs, dynamic_sampling=dynamic_sampling, overlong_buffer=overlong_buffer,
-            overlong_penalty=overlong_penalty, replace=replace, **kwargs,
+            name, fn, level=level, aggregation=aggregation, params=params,
+            scale_rewards=scale_rewards, repairs=repairs, dynamic_sampling=dynamic_sampling,
+            overlong_buffer=overlong_buffer, overlong_penalty=overlong_penalty, replace=replace,
         )  # fmt: skip
     where = f"objective {name!r}"
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
@@ -181,26 +259,47 @@ def register_objective(
         raise ValueError(
             f"{where}: aggregation={aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}"
         )
-    _check_signature(name, surrogate, kwargs)
+    declared = _declare(where, params or {})
+    _check_signature(name, surrogate, declared)
     OBJECTIVES[name] = ObjectiveSpec(
-        name, surrogate, level, aggregation, dict(kwargs), scale_rewards, overlong_buffer,
+        name, surrogate, level, aggregation, declared, scale_rewards, overlong_buffer,
         overlong_penalty, repairs, dynamic_sampling,
     )  # fmt: skip
     return surrogate
 
 
-def _check_signature(name: str, fn: Any, kwargs: dict[str, Any]) -> None:
+def _declare(where: str, params: Mapping[str, Any]) -> dict[str, Param]:
+    """A registration's params as Params, each default passing its own rule."""
+    declared = {}
+    for key, p in params.items():
+        if not isinstance(key, str) or not key.isidentifier() or key in (*_POSITIONAL, "rho"):
+            raise ValueError(
+                f"{where}: parameter {key!r} must be a keyword name other than the step's "
+                f"arguments ({', '.join(_POSITIONAL)}, rho)"
+            )
+        if not isinstance(p, Param):  # a plain default: its type is the knob's
+            p = Param(type(p), p)
+        if p.default is not None:
+            try:
+                p.take(key, p.default)
+            except ParamError as e:
+                raise ValueError(f"{where}: the default of {e}") from None
+        declared[key] = p
+    return declared
+
+
+def _check_signature(name: str, fn: Any, params: Mapping[str, Param]) -> None:
     """A surrogate must take the step's arguments and the keyword arguments it declares."""
     if not callable(fn):
         raise ValueError(f"objective {name!r}: the surrogate must be a function, got {fn!r}")
-    params = inspect.signature(fn).parameters
-    wanted = [*_POSITIONAL, "rho", *kwargs]
-    missing = [p for p in wanted if p not in params]
-    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    signature = inspect.signature(fn).parameters
+    wanted = [*_POSITIONAL, "rho", *params]
+    missing = [p for p in wanted if p not in signature]
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in signature.values()):
         raise ValueError(
             f"objective {name!r}: {getattr(fn, '__name__', fn)} does not take "
             f"{', '.join(missing)}; a surrogate is f({', '.join(_POSITIONAL)}, *, rho=None, "
-            "<its keyword arguments>) -> (per-token loss, coefficient, stats)"
+            "<its params>) -> (per-token loss, coefficient, stats)"
         )
 
 
@@ -313,12 +412,18 @@ def exchangeable(
 
 
 # IBPO's shaped rewards need its repairs; DFPO is the same surrogate without them (Part 1 alone).
-_EXCHANGEABLE = {"weights": "min_replace", "gate": "none", "eps_low": 0.2, "eps_high": 0.28}
+_EXCHANGEABLE = {
+    "weights": Param(str, "min_replace", choices=tuple(WEIGHT_TRANSFORMS)),  # the group transform
+    "gate": Param(str, "none", choices=GATES),  # the trust region (eps_low, eps_high its band)
+    "eps_low": eps_low(0.2),
+    "eps_high": eps_high(0.28),
+}
 register_objective(
-    "ibpo", exchangeable, level="sequence", aggregation="token_mean", repairs=True, **_EXCHANGEABLE
-)
+    "ibpo", exchangeable, level="sequence", aggregation="token_mean", repairs=True,
+    params=_EXCHANGEABLE,
+)  # fmt: skip
 register_objective(
-    "dfpo", exchangeable, level="sequence", aggregation="token_mean", **_EXCHANGEABLE
+    "dfpo", exchangeable, level="sequence", aggregation="token_mean", params=_EXCHANGEABLE
 )
 
 
@@ -348,18 +453,12 @@ def clipped_token(
     return loss, coef, {"clip_fraction": frac}
 
 
+_CLIP = {"eps_low": eps_low(0.2), "eps_high": eps_high(0.2)}
+register_objective("grpo", clipped_token, level="token", aggregation="seq_mean", params=_CLIP)
 register_objective(
-    "grpo", clipped_token, level="token", aggregation="seq_mean", eps_low=0.2, eps_high=0.2
-)
-register_objective(
-    "dr_grpo",
-    clipped_token,
-    level="token",
-    aggregation="token_sum",
-    scale_rewards=False,
-    eps_low=0.2,
-    eps_high=0.2,
-)
+    "dr_grpo", clipped_token, level="token", aggregation="token_sum", scale_rewards=False,
+    params=_CLIP,
+)  # fmt: skip
 # DAPO's overlong buffer is 4,096 of 20,480 tokens; its -1 on a +-1 reward scale is -0.5 on 0..1.
 # DAPO is DAPO only with dynamic sampling.
 register_objective(
@@ -370,8 +469,7 @@ register_objective(
     dynamic_sampling=True,
     overlong_buffer=0.2,
     overlong_penalty=0.5,
-    eps_low=0.2,
-    eps_high=0.28,
+    params={"eps_low": eps_low(0.2), "eps_high": eps_high(0.28)},
 )
 
 
@@ -408,8 +506,9 @@ def gspo_sequence(
 
 
 register_objective(
-    "gspo", gspo_sequence, level="sequence", aggregation="seq_mean", eps_low=3e-4, eps_high=4e-4
-)
+    "gspo", gspo_sequence, level="sequence", aggregation="seq_mean",
+    params={"eps_low": eps_low(3e-4), "eps_high": eps_high(4e-4)},
+)  # fmt: skip
 
 
 def _share(flags: Tensor, mask: Tensor) -> Tensor:
@@ -447,7 +546,7 @@ class ResolvedObjective:
 
     name: str
     surrogate: Surrogate
-    kwargs: dict[str, Any]  # the surrogate keyword arguments (its spec's kwargs)
+    kwargs: dict[str, Any]  # the surrogate's keyword arguments: its params, resolved
     aggregation: str
     scale_rewards: bool  # A = (R - mean) / std  (True)  or  R - mean  (False)
     counterfactual: bool  # declared with repairs (IBPO.md Part 2 shaped rewards) by default

@@ -87,7 +87,7 @@ def evaluate_accuracy(
     """Greedy accuracy and mean completion length on `examples` (a run with tools: answered
     with them, as its rollouts are) -> {accuracy, n, mean_length,
     grader_errors, metrics}. A completion is correct when the run's weighted reward
-    (rewards/functions.py) reaches its correct threshold (objective.correct_threshold); one no
+    (rewards/functions.py) reaches its correct threshold (reward.correct_threshold); one no
     reward applies to is not. `grader_errors`: the graders' own failures (scored 0), over all
     processes; `metrics` (when they logged any): the mean of what the reward functions logged
     (log_metric) on this process."""

@@ -443,7 +443,7 @@ def build_model_card(output_dir: Path, repo_id: str, eval_dirs=(), base_model: s
     folders = set(find_eval_results(loc["run"] or loc["adapter"], eval_dirs))
     folders |= evaluations_of(loc["adapter"], loc["run"])  # `ibpo eval`'s default place
     evaluation, results = _evaluations(sorted(folders))
-    reward, title = cfg.get("objective", {}).get("reward", "math"), repo_id.split("/")[1]
+    reward, title = cfg.get("reward", {}).get("functions", "math"), repo_id.split("/")[1]
     # the card's example evaluation: code for a run graded (also) by the code reward
     rewards = [reward] if isinstance(reward, str) else list(reward)
     body = CARD.format(

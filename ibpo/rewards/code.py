@@ -22,7 +22,7 @@ r"""Code grading: extract the program from a completion, run it against tests in
 The program is the last fenced Python block of the completion (`extract_code`), found in one
 pass over a completion of any length; a program over MAX_CODE_CHARS scores 0 without running.
 During training every test is held to the run's sandbox policy (`training_policy`,
-objective.code_sandbox), which the sandbox enforces itself, whoever calls grade_code.
+reward.sandbox), which the sandbox enforces itself, whoever calls grade_code.
 
 A test_code spec runs in one of two harnesses. "strict" (the default, and the one for training
 rewards): the tests run in a process of their own against a proxy of `entry_point`, seeing its
@@ -167,7 +167,7 @@ def code_reward(completion: str, answer: str) -> float:
     return grade_code(completion, answer)["reward"]
 
 
-# objective.code_sandbox -> what a training run accepts (sandbox/policy.py): isolation modes, and
+# reward.sandbox -> what a training run accepts (sandbox/policy.py): isolation modes, and
 # whether every test needs a memory bound over all its processes (a writable memory cgroup)
 CODE_SANDBOXES = {
     "isolated": (("bwrap", "namespaces"), True),
@@ -177,18 +177,18 @@ CODE_SANDBOXES = {
 _MODE_FIX = (
     "Install bubblewrap (apt-get install bubblewrap, dnf install bubblewrap, pacman -S "
     "bubblewrap; `bwrap --version` must then work, inside a container too), or set "
-    "objective.code_sandbox=allow_socket_patch to train anyway"
+    "reward.sandbox=allow_socket_patch to train anyway"
 )
 _MEMORY_FIX = (
     "Train where a memory cgroup is writable (as root, or in a container given a writable "
-    "/sys/fs/cgroup), or set objective.code_sandbox=allow_per_process_memory to train with each "
+    "/sys/fs/cgroup), or set reward.sandbox=allow_per_process_memory to train with each "
     "process's address-space limit alone"
 )
 
 
 def training_policy(code_sandbox: str) -> Policy:
     """The sandbox policy a training run holds every test to, whoever runs it (the code reward,
-    a reward function of the user's that calls grade_code): objective.code_sandbox's."""
+    a reward function of the user's that calls grade_code): reward.sandbox's."""
     modes, total_memory = CODE_SANDBOXES[code_sandbox]
     return Policy(modes, total_memory, _MODE_FIX, _MEMORY_FIX)
 
@@ -201,7 +201,7 @@ def check_training_sandbox(policy: Policy) -> str:
     grouped = memory.memory_mode() != "per-process"
     why = sandbox_policy.refusal(mode, grouped, policy) or uncontained(mode)
     if why:
-        raise ConfigError(f"objective.reward=code runs the programs the policy writes, but {why}")
+        raise ConfigError(f"reward.functions=code runs the programs the policy writes, but {why}")
     return mode
 
 

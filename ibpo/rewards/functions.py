@@ -36,7 +36,7 @@ to has no reward (NaN, TRL's rule: left out of its group's baseline, no advantag
 warning names the first such row. Each function's mean over the completions it applies to is
 logged per step as `rewards/<name>` (and TRL's `rewards/<name>/mean`, `/std`).
 
-What the values mean is the set's thresholds (objective.correct_threshold, failed_threshold):
+What the values mean is the set's thresholds (reward.correct_threshold, failed_threshold):
 a weighted reward >= `correct` is a correct completion (held-out accuracy, a successful
 repair, a preferred repair reference), <= `failed` a failed one (IBPO repairs it); the first
 weighted reward outside [failed, correct] gets one warning saying so.
@@ -44,8 +44,8 @@ weighted reward outside [failed, correct] gets one warning saying so.
 `async def` functions are awaited together on an event loop of their own while the others run
 (rewards/calls.py); `workers` > 1 (a RewardSet built in Python; a run uses one) runs the
 synchronous ones on a thread pool, each one's completions split into that many chunks.
-`reward_timeout` bounds every call: one that runs out of time scores 0 for its completions,
-counted (`reward_timeouts`, one warning naming it), and the run goes on.
+`timeout` (reward.timeout) bounds every call: one that runs out of time scores 0 for its
+completions, counted (`reward_timeouts`, one warning naming it), and the run goes on.
 
 A grading returns `Grades`: the weighted totals, each function's values, the columns and
 metrics the functions logged, the calls that ran out of time and the built-in graders' own
@@ -54,12 +54,11 @@ failures (errors.py), all of that grading's alone, so gradings may run at once.
 held-out evaluation, the benchmarks): problems, rendered prompts and completion texts in,
 `Grades` out.
 
-`objective.reward` names the functions: a built-in (`math`, `code`: the graders of
+`reward.functions` names them: a built-in (`math`, `code`: the graders of
 ibpo.rewards.GRADERS, each `(text, gold) -> float`, wrapped here), an import path
 `package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
-them; `objective.reward_weights` gives one weight per
-function (default 1 each). The Python API passes callables directly (ibpo.train), and a
-reward model as the pair (model, tokenizer).
+them; `reward.weights` gives one weight per function (default 1 each). The Python API passes
+callables directly (ibpo.train), and a reward model as the pair (model, tokenizer).
 
 A function that returns anything but one number (or None) per completion (a string, a dict,
 the wrong count, NaN or infinity) or that raises is a RewardError naming the function (for an
@@ -85,7 +84,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ibpo.config import ConfigError
+from ibpo.config import ConfigError, check_reward_weights
 from ibpo.rewards import GRADERS
 from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
@@ -187,12 +186,12 @@ def import_reward(path: str) -> RewardCallable:
     there or not callable."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"objective.reward={path!r}: an import path is 'package.module:function'")
+        raise ConfigError(f"reward.functions={path!r}: an import path is 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ModuleNotFoundError, or the module's own error while importing
         raise ConfigError(
-            f"objective.reward={path!r}: cannot import module '{module_name}' "
+            f"reward.functions={path!r}: cannot import module '{module_name}' "
             f"({type(e).__name__}: {e}). Fix: install it or put its folder on PYTHONPATH."
         ) from None
     fn = module
@@ -200,7 +199,7 @@ def import_reward(path: str) -> RewardCallable:
         fn = getattr(fn, part, None)
     if not callable(fn):
         raise ConfigError(
-            f"objective.reward={path!r}: module '{module_name}' has no function '{attr}'"
+            f"reward.functions={path!r}: module '{module_name}' has no function '{attr}'"
         )
     return fn
 
@@ -235,7 +234,7 @@ def _unwrapped(fn):
 
 
 def import_path(fn: RewardCallable) -> str:
-    """`module:qualname` of a function (what objective.reward records for one given in
+    """`module:qualname` of a function (what reward.functions records for one given in
     Python; a lambda, a nested function or a functools.partial, `module:qualname.<partial>`,
     cannot be imported back, and says so in its name)."""
     inner = _unwrapped(fn)
@@ -341,7 +340,7 @@ class RewardSet:
         trainer_state: Any = None,
     ):
         if not functions:
-            raise ConfigError("objective.reward names no reward function")
+            raise ConfigError("reward.functions names no reward function")
         names = [r.name for r in functions]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -510,10 +509,10 @@ class RewardSet:
             grades.timeouts += 1
             self._warn_once(
                 f"timeout:{r.name}",
-                f"reward function {r.name!r} ran past objective.reward_timeout="
+                f"reward function {r.name!r} ran past reward.timeout="
                 f"{self.timeout:g} s on {hi - lo} completions: they score 0 and the run goes "
                 "on (counted in the step's reward_timeouts; later ones are not reported). Fix: "
-                "make the reward faster, or raise objective.reward_timeout",
+                "make the reward faster, or raise reward.timeout",
             )
             return [0.0] * (hi - lo)
         if isinstance(o.error, Refused):  # the run's sandbox policy, not the function: the fix
@@ -577,7 +576,7 @@ class RewardSet:
                     f"{self.correct:g}]: a completion counts as correct at >= "
                     f"{self.correct:g} (held-out accuracy, a successful repair) and as failed at "
                     f"<= {self.failed:g} (IBPO repairs it). If your rewards' scale is another, "
-                    "set objective.correct_threshold and objective.failed_threshold to it",
+                    "set reward.correct_threshold and reward.failed_threshold to it",
                 )
 
 
@@ -703,14 +702,10 @@ def reward_set(
             fns.append((reward_name(fn), fn, False))
         else:
             raise ConfigError(
-                f"objective.reward={item!r}; choose a built-in ({', '.join(GRADERS)}), an "
+                f"reward.functions={item!r}; choose a built-in ({', '.join(GRADERS)}), an "
                 "import path 'package.module:function' or a reward model's Hub id or folder"
             )
-    if weights is not None and len(weights) != len(fns):
-        raise ConfigError(
-            f"objective.reward_weights has {len(weights)} weights for {len(fns)} reward "
-            "functions. Fix: give one weight per function"
-        )
+    check_reward_weights(weights, len(fns))
     for name, fn, _ in fns:
         _check_signature(name, fn)
     ws = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
@@ -749,18 +744,13 @@ def _check_signature(name: str, fn: RewardCallable) -> None:
         )
 
 
-def run_reward_set(objective, reward_funcs=None) -> RewardSet:
-    """The run's reward functions: `reward_funcs` (given in Python) or those objective.reward
-    names, with objective.reward_weights, reward_timeout, correct_threshold and failed_threshold
-    (an ObjectiveConfig), one worker."""
-    spec = objective.reward if reward_funcs is None else reward_funcs
+def run_reward_set(reward, reward_funcs=None) -> RewardSet:
+    """The run's reward functions: `reward_funcs` (given in Python) or those reward.functions
+    names, with reward.weights, timeout, correct_threshold and failed_threshold (the reward
+    section, a RewardConfig), one worker."""
+    spec = reward.functions if reward_funcs is None else reward_funcs
     return reward_set(
-        spec,
-        objective.reward_weights,
-        1,
-        objective.reward_timeout,
-        objective.correct_threshold,
-        objective.failed_threshold,
+        spec, reward.weights, 1, reward.timeout, reward.correct_threshold, reward.failed_threshold
     )
 
 

@@ -7,7 +7,7 @@ its completion, as TRL's GRPOTrainer scores with one.
   tokenizer's chat template whole. Batches of `batch_size`, no gradient, on the model's device.
 * `hub_reward_model(name)`: the same for a Hub id or a local folder, loaded on first call
   (AutoModelForSequenceClassification with one label, and its tokenizer) onto this process's
-  GPU, else the CPU; `objective.reward` may name one (`org/name`).
+  GPU, else the CPU; `reward.functions` may name one (`org/name`).
 
 Its memory is not in `ibpo plan`'s estimate: a reward model sits beside the policy.
 
@@ -56,7 +56,7 @@ def _load(name: str):
         model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)
     except OSError as e:
         raise ConfigError(
-            f"objective.reward={name!r}: could not load it as a reward model ({e}). Fix: give "
+            f"reward.functions={name!r}: could not load it as a reward model ({e}). Fix: give "
             "a sequence-classification model's Hub id (with network access) or local folder"
         ) from None
     device = (

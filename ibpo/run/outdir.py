@@ -153,16 +153,27 @@ def resume_changes(checkpoint: Path, cfg: Config) -> list[str]:
         old = from_dict(old, str(saved)).to_dict()
     except ConfigError:
         pass
-    config = cfg.to_dict()
+    before, now = _settings(old), _settings(cfg.to_dict())
     return [
-        f"{section}.{key}: {old[section][key]!r} -> {value!r}"
-        for section, values in config.items()
-        if isinstance(values, dict)
-        for key, value in values.items()
-        if key in old.get(section, {})
-        and old[section][key] != value
-        and key not in _RESUMABLE_CHANGES.get(section, set())
+        f"{key}: {before[key]!r} -> {value!r}"
+        for key, value in now.items()
+        if key in before
+        and before[key] != value
+        and key.split(".")[1] not in _RESUMABLE_CHANGES.get(key.split(".")[0], set())
     ]
+
+
+def _settings(tree: dict) -> dict:
+    """A config's tree as "section.key" -> value, a mapping's items as "section.key.item" (one
+    changed knob of objective.params is named alone)."""
+    flat = {}
+    for section, values in tree.items():
+        for key, value in values.items() if isinstance(values, dict) else ():
+            if isinstance(value, dict):
+                flat.update({f"{section}.{key}.{k}": v for k, v in value.items()})
+            else:
+                flat[f"{section}.{key}"] = value
+    return flat
 
 
 def apply_optimizer_settings(parts: StepParts, lr: float) -> list[str]:

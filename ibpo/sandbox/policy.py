@@ -13,7 +13,7 @@ mode and memory bound, so a run states the sandboxes it actually used (summary.j
 `isolation`), not the one it expected.
 
 Not here: what each mode and bound contains (run.py, memory.py), which policy a training run asks
-for (rewards/code.py, objective.code_sandbox).
+for (rewards/code.py, reward.sandbox).
 """
 
 from __future__ import annotations

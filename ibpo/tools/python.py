@@ -3,7 +3,7 @@
 It runs with the code reward's limits (sandbox.run.Limits' defaults, as rewards/code.py grades
 with: CPU time, memory over all processes, output size, process count), no network and no host
 files (the isolation of every sandboxed test), and under the run's sandbox policy
-(objective.code_sandbox, enforced by the sandbox itself). A loop is killed at the time limit.
+(reward.sandbox, enforced by the sandbox itself). A loop is killed at the time limit.
 The model gets back what the program printed, stdout then stderr (a traceback is on stderr),
 and a line saying why it stopped when it did not reach its end; `calls.py` truncates a long
 result and says so.
