@@ -29,9 +29,15 @@ def rebuilt_counts(command: str, tokenizer) -> dict[int, int]:
     """{step: prompt tokens the rollout ran} for the run of this `ibpo train` command line."""
     from ibpo.data import PromptStream, drop_long_prompts, load_splits, render_example
     from ibpo.generation.rollout import encode_prompts
-    from ibpo.recipe import load_config
+    from ibpo.recipe import REMOVED, load_config
 
-    overrides = [a for a in command.split() if "=" in a and "." in a.split("=")[0]]
+    # a key today's schema removed (train.eval_before...) is dropped: none of them shapes the
+    # prompt stream, and load_config refuses them
+    overrides = [
+        a
+        for a in command.split()
+        if "=" in a and "." in a.split("=")[0] and a.split("=")[0] not in REMOVED
+    ]
     cfg = load_config(None, overrides)
     if cfg.rollout.dynamic_sampling or cfg.rollout.backend != "hf":
         raise SystemExit(f"{command}: dynamic sampling or another backend: not rebuilt here")
