@@ -31,8 +31,9 @@ import sys
 
 import yaml
 
-from ibpo import catalog
 from ibpo.api import run_loaded
+from ibpo.catalog import main as recipes_main
+from ibpo.catalog import resolve_recipe
 from ibpo.config import ConfigError
 from ibpo.distributed import leave_if_ended_together
 from ibpo.evaluation.benchmarks import BENCHMARKS
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
         return push_main(argv[1:])
     if argv[:1] == ["recipes"]:  # `ibpo recipes [list | copy NAME [DEST]]`: the packaged recipes
-        return catalog.main(argv[1:])
+        return recipes_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.args = [*ns.args, *extra]
     try:
         recipe, overrides = _split_args(ns.args)
-        cfg = load_config(catalog.resolve_recipe(recipe), overrides)
+        cfg = load_config(resolve_recipe(recipe), overrides)
         if ns.command == "config":
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0

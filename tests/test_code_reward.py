@@ -350,7 +350,7 @@ def test_huge_and_strange_return_values_are_bounded_messages():
 
 @pytest.mark.parametrize("signum", [32, 35, 40, 63])
 def test_a_real_time_signal_is_an_error_not_a_crash(signum):
-    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.cases import Limits, TestCase
     from ibpo.sandbox.verdict import classify
 
     # the wait status of a process killed by that signal

@@ -24,8 +24,9 @@ from ibpo.rewards import errors
 from ibpo.rewards.code import grade_code
 from ibpo.sandbox import memory, policy
 from ibpo.sandbox import run as sandbox
+from ibpo.sandbox.cases import Limits, TestCase
 from ibpo.sandbox.memory import memory_mode
-from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox.run import isolation_mode, run_tests
 from ibpo.sandbox.verdict import stdout_matches
 from tests.conftest import sandbox_modes
 
@@ -240,7 +241,8 @@ def test_sandboxes_die_with_their_parent(tmp_path):
 
     before = marked()
     script = (
-        "from ibpo.sandbox.run import Limits, TestCase, run_tests\n"
+        "from ibpo.sandbox.cases import Limits, TestCase\n"
+        "from ibpo.sandbox.run import run_tests\n"
         "r = run_tests('import time\\ntime.sleep(60)', [TestCase('script')] * 2,\n"
         "              Limits(time_s=30))\n"
         "print(r)"  # reached only if the sandboxes ended by themselves: says why

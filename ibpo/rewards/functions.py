@@ -49,7 +49,8 @@ completions, counted (`reward_timeouts`, one warning naming it), and the run goe
 
 A grading returns `Grades`: the weighted totals, each function's values, the columns and
 metrics the functions logged, the calls that ran out of time and the built-in graders' own
-failures (errors.py), all of that grading's alone, so gradings may run at once.
+failures (which they return with their scores: errors.Graded), all of that grading's alone, so
+gradings may run at once.
 `grade_completions` is the route every grading takes (the step's rollouts and repairs, the
 held-out evaluation, the benchmarks): problems, rendered prompts and completion texts in,
 `Grades` out.
@@ -86,9 +87,8 @@ from typing import Any
 
 from ibpo.config import ConfigError, check_reward_weights
 from ibpo.rewards import GRADERS
-from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
-from ibpo.rewards.errors import GraderFailure
+from ibpo.rewards.errors import Graded, GraderFailure
 from ibpo.rewards.math import text_to_grade
 from ibpo.rewards.models import hub_reward_model, reward_model
 from ibpo.sandbox.policy import Refused
@@ -161,9 +161,11 @@ def _problem_text(prompt) -> str | None:
 
 
 def builtin(name: str) -> RewardCallable:
-    """The grader GRADERS[name] (`(text, gold) -> float`) as a reward function reading the
-    `answer` column, and the problem's options (problem_choices) for a grader that takes
-    `choices`. Looked up when called, so that a grader registered later is the one used."""
+    """The grader GRADERS[name] (`(text, gold) -> Graded`) as a function called as reward
+    functions are, reading the `answer` column, and the problem's options (problem_choices) for
+    a grader that takes `choices`; it returns each completion's Graded (score and failure),
+    which the RewardSet reads for a built-in. Looked up when called, so that a grader
+    registered later is the one used."""
 
     def reward(completions: list, answer: list | None = None, prompts=None, **columns):
         grader = GRADERS[name]
@@ -171,11 +173,10 @@ def builtin(name: str) -> RewardCallable:
         options = {}
         if takes_choices(grader):
             options = {"choices": problem_choices(columns, prompts, len(completions))}
-        values = []
-        for i, (c, a) in enumerate(zip(completions, gold)):
-            with grader_errors.sample(i):  # a failure of the grader is completion i's
-                values.append(grader(_text(c), a, **{k: v[i] for k, v in options.items()}))
-        return values
+        return [
+            grader(_text(c), a, **{k: v[i] for k, v in options.items()})
+            for i, (c, a) in enumerate(zip(completions, gold))
+        ]
 
     reward.__name__ = name
     return reward
@@ -261,12 +262,12 @@ def _signature(fn) -> inspect.Signature | None:
 @dataclass(frozen=True)
 class RewardFunction:
     """One function of a RewardSet: its name (metrics `rewards/<name>`), the callable and its
-    weight in the total."""
+    weight in the total. A built-in (`builtin`) returns each completion's Graded."""
 
     name: str
     fn: RewardCallable
     weight: float = 1.0
-    builtin: bool = False  # a built-in grader: reads the gold `answer`
+    builtin: bool = False  # a built-in grader: reads the gold `answer`, returns Graded
 
     @functools.cached_property
     def is_async(self) -> bool:
@@ -422,7 +423,7 @@ class RewardSet:
         concurrent = [r for r in self.functions if r.is_async]
         pending = None
         if concurrent:  # started first: awaited on the loop while the others run
-            coros = [_caught(r.fn(**self._kwargs(r, base, 0, n, grading))) for r in concurrent]
+            coros = [r.fn(**self._kwargs(r, base, 0, n, grading)) for r in concurrent]
             pending = self._loop.start(coros, self.timeout)
         chunks = _chunks(n, self.workers)
         jobs = [(r, lo, hi) for r in sync for lo, hi in chunks]
@@ -454,20 +455,19 @@ class RewardSet:
         return kw
 
     def _call(self, r: RewardFunction, kw: dict) -> Callable[[], Any]:
-        """A synchronous function's call -> (its value, the grader failures it recorded); an
-        awaitable it returns is awaited on the loop."""
+        """A synchronous function's call -> its value; an awaitable it returns is awaited on
+        the loop."""
 
         def call():
-            with grader_errors.collecting() as failures:
-                out = r.fn(**kw)
-                if inspect.isawaitable(out):
-                    (done,) = self._loop.run([out], self.timeout)
-                    if done.timed_out:
-                        raise _TimedOut
-                    if done.error is not None:
-                        raise done.error
-                    out = done.value
-            return out, failures
+            out = r.fn(**kw)
+            if inspect.isawaitable(out):
+                (done,) = self._loop.run([out], self.timeout)
+                if done.timed_out:
+                    raise _TimedOut
+                if done.error is not None:
+                    raise done.error
+                out = done.value
+            return out
 
         return call
 
@@ -503,8 +503,8 @@ class RewardSet:
     def _values(
         self, r: RewardFunction, o: Outcome, base: dict, lo: int, hi: int, grades: Grades
     ) -> list[float]:
-        """One call's values on completions[lo:hi]; its timeout or grader failures go to
-        `grades`."""
+        """One call's values on completions[lo:hi]; its timeout, or the failures a built-in
+        grader returned, go to `grades`."""
         if o.timed_out or isinstance(o.error, _TimedOut):
             grades.timeouts += 1
             self._warn_once(
@@ -520,11 +520,15 @@ class RewardSet:
         if o.error is not None:
             message, error = self._raised(r, base, lo, hi, o.error)
             raise RewardError(message) from error
-        value, failures = o.value
-        grades.failures += [
-            replace(f, index=None if f.index is None else lo + f.index, function=r.name)
-            for f in failures
-        ]
+        value = o.value
+        if r.builtin:  # each completion's Graded: its score, and the grader's failure if any
+            value = list(value)
+            grades.failures += [
+                replace(g.failure, index=lo + i, function=r.name)
+                for i, g in enumerate(value)
+                if isinstance(g, Graded) and g.failure is not None
+            ]
+            value = [g.score if isinstance(g, Graded) else g for g in value]
         return _checked(r, value, hi - lo, lo)
 
     def _raised(self, r: RewardFunction, base: dict, lo: int, hi: int, e: BaseException):
@@ -533,7 +537,7 @@ class RewardSet:
         for i in range(lo, hi):
             kw = self._kwargs(r, base, i, i + 1, _Grading(hi))  # what it logs: not kept
             if r.is_async:
-                (o,) = self._loop.run([_caught(r.fn(**kw))], self.timeout)
+                (o,) = self._loop.run([r.fn(**kw)], self.timeout)
             else:
                 (o,) = run_sync([self._call(r, kw)], 1, self.timeout)
             if o.timed_out or isinstance(o.error, _TimedOut):
@@ -578,13 +582,6 @@ class RewardSet:
                     f"<= {self.failed:g} (IBPO repairs it). If your rewards' scale is another, "
                     "set reward.correct_threshold and reward.failed_threshold to it",
                 )
-
-
-async def _caught(awaitable) -> tuple[Any, list[GraderFailure]]:
-    """An async function's (value, the grader failures it recorded): collected in the task
-    that awaits it, as a synchronous call's are on its thread."""
-    with grader_errors.collecting() as failures:
-        return await awaitable, failures
 
 
 def _short(value) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 
-from ibpo.sandbox.run import Limits, run_program
+from ibpo.sandbox.cases import Limits
+from ibpo.sandbox.run import run_program
 
 # the code reward's limits (rewards/code.py grades with Limits' defaults unless a test spec
 # sets its own), with printed output bounded well below a test's: the model reads it back
