@@ -17,13 +17,14 @@ Layers, bottom to top (a module imports only from its own layer or below):
 
 Satellites do not import each other except where an arrow says so below (the Hub card shows
 evaluation rows and checkpoint facts). The graph is read from the source with `ast`, so a
-module-level import, one inside a function and one under `if TYPE_CHECKING:` count alike (and
-`import ibpo` or `from ibpo import name` is an import of the package's __init__); an import is allowed inside a
-function only for heavy optional dependencies, never for a module of this package, with one
-exception (LAZY): the package's `__getattr__` imports the API on first use of `ibpo.train`, so
-that `import ibpo` (which every `import ibpo.<module>` runs first) stays light. Outside the
-package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
-benchmark's docstring and a call of ibpo/evaluation/cli.py.
+module-level import, one inside a function and one under `if TYPE_CHECKING:` count alike, and
+`from P import name` is an import of P's __init__ (`import ibpo`, `from ibpo import x`: of the
+package root's). An import is allowed inside a function only for heavy optional dependencies,
+never for a module of this package, with one exception (LAZY): the package's `__getattr__`
+imports the API on first use of `ibpo.train`, so that `import ibpo` (which every `import
+ibpo.<module>` runs first) stays light. Outside the package: nothing in it imports bench/ or
+scripts/, and each scripts/eval_<benchmark>.py is one benchmark's docstring and a call of
+ibpo/evaluation/cli.py.
 """
 
 from __future__ import annotations

@@ -236,9 +236,8 @@ def test_a_round_reports_its_own_grader_failures_not_an_earlier_gradings():
     def fails_on(bad):
         def grade(text, gold):
             if gold == bad:  # as a built-in grader does with a failure of its own
-                errors.record("math", RecursionError("deep"))
-                return 0.0
-            return 1.0
+                return errors.Graded(0.0, errors.failed("math", RecursionError("deep")))
+            return errors.Graded(1.0)
 
         return grader_rewards(grade)
 

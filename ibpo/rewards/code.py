@@ -118,8 +118,9 @@ def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[st
     completion: a failure of the grader itself scores 0 with its reason, and the failure
     (errors.GraderFailure) under "failure" (only then). A malformed spec (the dataset's answer)
     raises ValueError, a sandbox that this process refuses (a training run's policy,
-    sandbox/policy.py) sandbox.policy.Refused, both naming the fix. `mode`: the sandbox's isolation mode (default: the most isolated that
-    works here). A program over MAX_CODE_CHARS scores 0 without running."""
+    sandbox/policy.py) sandbox.policy.Refused, both naming the fix. `mode`: the sandbox's
+    isolation mode (default: the most isolated that works here). A program over MAX_CODE_CHARS
+    scores 0 without running."""
     spec = _parse_spec(answer)
     out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
     try:

@@ -38,8 +38,9 @@ class GraderFailure:
 
 @dataclass(frozen=True)
 class Graded:
-    """What a grader of GRADERS returns for one completion: its score in [0, 1] and, when the
-    grader itself failed on it (the score is then 0), that failure."""
+    """What a grader of GRADERS returns for one completion: its score (in [0, 1]) and, when
+    the grader itself failed on it (the score is then 0), that failure. A reward function may
+    return one as a value (functions.py)."""
 
     score: float
     failure: GraderFailure | None = None

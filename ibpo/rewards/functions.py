@@ -30,7 +30,10 @@ Each call gets values of its own (`_own` copies, at every depth): what a functio
 its arguments (appending to a list inside a row's column) reaches no other call, no later step
 and not the dataset's rows.
 
-None means "this reward does not apply to that completion". The reward is TRL's weighted sum
+None means "this reward does not apply to that completion". A value may also be a grader's
+`errors.Graded` (what the built-ins return, or what a function of yours passes on from
+`score_math` / `score_code`): its score, and its failure, if the grader had one, returned with the
+grading. The reward is TRL's weighted sum
 over the functions that apply (`nansum` of weight x value); a completion no function applies
 to has no reward (NaN, TRL's rule: left out of its group's baseline, no advantage), and a
 warning names the first such row. Each function's mean over the completions it applies to is
@@ -163,9 +166,9 @@ def _problem_text(prompt) -> str | None:
 def builtin(name: str) -> RewardCallable:
     """The grader GRADERS[name] (`(text, gold) -> Graded`) as a function called as reward
     functions are, reading the `answer` column, and the problem's options (problem_choices) for
-    a grader that takes `choices`; it returns each completion's Graded (score and failure),
-    which the RewardSet reads for a built-in. Looked up when called, so that a grader
-    registered later is the one used."""
+    a grader that takes `choices`; it returns each completion's Graded (score and the grader's
+    failure, if it had one). Looked up when called, so that a grader registered later is the
+    one used."""
 
     def reward(completions: list, answer: list | None = None, prompts=None, **columns):
         grader = GRADERS[name]
@@ -262,12 +265,12 @@ def _signature(fn) -> inspect.Signature | None:
 @dataclass(frozen=True)
 class RewardFunction:
     """One function of a RewardSet: its name (metrics `rewards/<name>`), the callable and its
-    weight in the total. A built-in (`builtin`) returns each completion's Graded."""
+    weight in the total."""
 
     name: str
     fn: RewardCallable
     weight: float = 1.0
-    builtin: bool = False  # a built-in grader: reads the gold `answer`, returns Graded
+    builtin: bool = False  # a built-in grader: reads the gold `answer`
 
     @functools.cached_property
     def is_async(self) -> bool:
@@ -521,8 +524,9 @@ class RewardSet:
             message, error = self._raised(r, base, lo, hi, o.error)
             raise RewardError(message) from error
         value = o.value
-        if r.builtin:  # each completion's Graded: its score, and the grader's failure if any
-            value = list(value)
+        if isinstance(value, list) and any(isinstance(g, Graded) for g in value):
+            # a grader's Graded (a built-in's, or one a function of the user's passed on): its
+            # score, and its failure placed at its completion and function
             grades.failures += [
                 replace(g.failure, index=lo + i, function=r.name)
                 for i, g in enumerate(value)
