@@ -42,6 +42,7 @@ from ibpo.hub.push import main as push_main
 from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
 from ibpo.recipe import load_config
+from ibpo.rewards.functions import RewardError
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
 
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ibpo: error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # in the held-out evaluation before training: nothing trained
+        print(f"ibpo: error: {e}", file=sys.stderr)
+        return EXIT_CODES["reward_failed"]
     except RuntimeError as e:
         if "embedded default model" not in str(e):
             raise

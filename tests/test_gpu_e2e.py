@@ -1,4 +1,4 @@
-"""The real training loop (ibpo.trainer.train) on CUDA, end to end, on a tiny Qwen3.
+"""The real training loop (ibpo.trainer.run_recipe) on CUDA, end to end, on a tiny Qwen3.
 
 Collected everywhere, skipped without CUDA: `pytest -m gpu tests/test_gpu_e2e.py` on a GPU machine
 (scripts/gpu_check.py runs it on the device with the carried bitsandbytes wheel). Every run takes

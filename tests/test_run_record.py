@@ -160,7 +160,7 @@ def _code_line(out: Path) -> str:
 
 
 def test_a_run_without_git_trains_and_records_unknown(tiny_model_dir, tmp_path, monkeypatch):
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     alone = tmp_path / "installed" / "ibpo"
     alone.mkdir(parents=True)
@@ -181,7 +181,7 @@ def test_a_run_without_git_trains_and_records_unknown(tiny_model_dir, tmp_path, 
             "train.steps=1",
         ],
     )
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     unknown = {"version": ibpo.__version__, "commit": "unknown", "dirty": "unknown"}
     assert summary["status"] == "completed" and summary["code"] == unknown
     assert json.loads((out / "summary.json").read_text())["code"] == unknown

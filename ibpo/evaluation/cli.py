@@ -34,6 +34,7 @@ from ibpo.generation import decode_engine, engine_kwargs, generate, import_vllm
 from ibpo.generation.multiturn import ToolRollouts
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.quiet import quiet_third_party
+from ibpo.rewards.functions import RewardError
 from ibpo.tools import resolve_tools
 
 
@@ -377,8 +378,8 @@ def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
         args.benchmark = benchmark
     try:
         summary = evaluate(args)
-    except (ConfigError, RuntimeError) as e:
-        if not isinstance(e, ConfigError) and "embedded default model" not in str(e):
+    except (ConfigError, RewardError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "embedded default model" not in str(e):
             raise
         print(f"eval: error: {e}", file=sys.stderr)
         return 2

@@ -108,8 +108,11 @@ NOT_COLUMNS = frozenset({"prompt", "completion", *ARGUMENTS})
 _SHOWN = 200  # characters of a prompt, completion or column shown in a warning
 
 
-class RewardError(ConfigError):
-    """A reward function misbehaved; the message names the function and what it did."""
+class RewardError(Exception):
+    """A reward function failed while grading (it raised, returned what is not one number per
+    completion, or could not take its arguments): the message names the function, what it did
+    and the fix. Not a ConfigError: the run's configuration was read and checked; a run ends
+    on it with status reward_failed (run/failures.py)."""
 
 
 def _text(completion) -> str:
