@@ -1,4 +1,4 @@
-"""The run around the step: `run_recipe(cfg)` from a recipe to a saved adapter and a summary.
+"""The run around the step: `run_recipe(cfg)`, from a recipe to a saved adapter and a summary.
 
 In order: launch checks (one process, DDP or FSDP2; DeepSpeed and FSDP1 are refused); the output
 folder created; data, the QLoRA policy, optimizer and scheduler, prepared by Accelerate; only then

@@ -230,7 +230,9 @@ def test_a_checkpoint_saved_with_the_older_objective_and_reward_keys_resumes(
     state = json.loads((saved / "config.json").read_text())
     (saved / "config.json").write_text(json.dumps(_older_layout(state)))
     capsys.readouterr()
-    resumed = run_recipe(load_config(run / "config.yaml", ["run.resume_from=latest", "train.steps=3"]))
+    resumed = run_recipe(
+        load_config(run / "config.yaml", ["run.resume_from=latest", "train.steps=3"])
+    )
     assert resumed["status"] == "completed" and resumed["steps"] == 3
     assert resumed["resumed_from"] == str(saved)
     out = capsys.readouterr()

@@ -31,7 +31,9 @@ def reward(monkeypatch):
 
 
 def _run(model_dir, out, steps, *extra):
-    return run_recipe(load_config(None, _args(model_dir, out, steps, "objective.name=grpo", *extra)))
+    return run_recipe(
+        load_config(None, _args(model_dir, out, steps, "objective.name=grpo", *extra))
+    )
 
 
 def _metrics(out):
