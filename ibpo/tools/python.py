@@ -1,6 +1,6 @@
 """The built-in `python` tool: the model's program run in the package's sandbox.
 
-It runs with the code reward's limits (sandbox.run.Limits' defaults, as rewards/code.py grades
+It runs with the code reward's limits (sandbox.cases.Limits' defaults, as rewards/code.py grades
 with: CPU time, memory over all processes, output size, process count), no network and no host
 files (the isolation of every sandboxed test), and under the run's sandbox policy
 (reward.sandbox, enforced by the sandbox itself). A loop is killed at the time limit.
