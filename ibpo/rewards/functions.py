@@ -59,7 +59,7 @@ held-out evaluation, the benchmarks): problems, rendered prompts and completion 
 `Grades` out.
 
 `reward.functions` names them: a built-in (`math`, `code`: the graders of
-ibpo.rewards.GRADERS, each `(text, gold) -> float`, wrapped here), an import path
+ibpo.rewards.GRADERS, each `(text, gold) -> Graded`, wrapped here), an import path
 `package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
 them; `reward.weights` gives one weight per function (default 1 each). The Python API passes
 callables directly (ibpo.train), and a reward model as the pair (model, tokenizer).
