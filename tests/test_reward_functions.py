@@ -120,7 +120,7 @@ def test_an_exception_names_the_function_the_sample_and_its_last_line():
     assert str(e.value) == (
         "reward function 'verifier' raised on sample 2: ValueError: the program crashed: exit 3"
     )
-    assert isinstance(e.value, ConfigError)  # before training: the CLI's one line, exit 2
+    assert not isinstance(e.value, ConfigError)  # a reward failing, not the configuration
 
 
 def test_names_import_paths_and_weights_are_checked_before_anything_loads():
