@@ -237,7 +237,7 @@ class Harness:
         cfg = load_config(None, args)
         entry = REPORT["runs"][label] = {"args": args, "status": "started"}
         try:
-            summary = trainer_mod.train(cfg)
+            summary = trainer_mod.run_recipe(cfg)
             entry.update(status=summary["status"], message=summary["message"])
         except BaseException as e:
             entry["status"] = f"raised {type(e).__name__}: {str(e)[:500]}"
