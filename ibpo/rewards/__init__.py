@@ -17,4 +17,12 @@ from ibpo.rewards.math import extract_answer, math_reward, score_math
 
 GRADERS: dict[str, Callable[..., Graded]] = {"math": score_math, "code": score_code}
 
-__all__ = ["GRADERS", "Graded", "code_reward", "extract_answer", "math_reward"]
+__all__ = [
+    "GRADERS",
+    "Graded",
+    "code_reward",
+    "extract_answer",
+    "math_reward",
+    "score_code",
+    "score_math",
+]
