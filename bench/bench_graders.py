@@ -97,7 +97,7 @@ def _hostile_sizes() -> None:
     import tracemalloc
 
     from ibpo.rewards.math import math_reward
-    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.cases import Limits, TestCase
     from ibpo.sandbox.verdict import classify
 
     for kb in (8, 32, 64):
@@ -175,8 +175,8 @@ GAMING = {
 
 def _sandbox_costs() -> None:
     from ibpo.sandbox import run as sandbox
+    from ibpo.sandbox.cases import Limits, TestCase
     from ibpo.sandbox.memory import describe
-    from ibpo.sandbox.run import Limits, TestCase
 
     add = "def add(a, b):\n    return a + b\n"
     check = "def check(candidate):\n    assert candidate(3, 4) == 7\n"

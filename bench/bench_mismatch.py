@@ -4,7 +4,7 @@
     python bench/bench_mismatch.py --steps 5 train.learning_rate=1e-3
     python bench/bench_mismatch.py --smoke --model PATH   # tiny 1-step check (CI)
 
-Each path trains the default demo recipe for a few steps (`ibpo.trainer.train`, no held-out
+Each path trains the default demo recipe for a few steps (`ibpo.trainer.run_recipe`, no held-out
 evaluation) and reads the per-step mismatch metrics (ibpo/algo/mismatch.py) from metrics.jsonl:
 
     fp32            model.quantization=none: generate() and the update on the same fp32 weights
@@ -60,7 +60,7 @@ def adapter_dropped():
 
 def run_path(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
     from ibpo.recipe import load_config
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     cfg = load_config(
         None,
@@ -82,9 +82,9 @@ def run_path(name: str, overrides: list[str], steps: int, out: Path) -> list[dic
     try:
         if name.endswith("dropped"):
             with adapter_dropped():
-                train(cfg)
+                run_recipe(cfg)
         else:
-            train(cfg)
+            run_recipe(cfg)
     finally:
         modeling.AUTO_DEQUANTIZE_MAX_BYTES, alarm.WARN_KL = limit, warn
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,7 @@
     (--cpu keeps a CUDA machine's run on the CPU; the device is Accelerate's choice otherwise)
 
 The steps are the package's own: the model, optimizer, scheduler and prompt stream are built as
-`ibpo.trainer.train` builds them and each step is `ibpo.step.rl_step`. No held-out evaluation,
+`ibpo.trainer.run_recipe` builds them and each step is `ibpo.step.rl_step`. No held-out evaluation,
 no checkpoint. Phases of a step (seconds, mean over the timed steps):
 
     generate    sampling the G completions per prompt            (metric time_generate)
@@ -65,7 +65,7 @@ PHASES = ["generate", "repair", "score", "frozen", "update", "forward", "backwar
 
 @dataclass
 class Run:
-    """Everything `rl_step` needs, built as `ibpo.trainer.train` builds it."""
+    """Everything `rl_step` needs, built as `ibpo.trainer.run_recipe` builds it."""
 
     cfg: object
     accelerator: object

@@ -93,9 +93,9 @@ def run_one(objective: str, seed: int, out: Path, overrides: list[str], in_proce
     print(f"[run] {objective} seed {seed}", flush=True)
     if in_process:  # smoke mode: no interpreter start-up per run
         from ibpo.recipe import load_config
-        from ibpo.trainer import train
+        from ibpo.trainer import run_recipe
 
-        train(load_config(None, args))
+        run_recipe(load_config(None, args))
     else:
         subprocess.run([sys.executable, "-m", "ibpo.cli", "train", *args], check=True)
     return run_dir

@@ -55,12 +55,12 @@ def _train_here(args: list[str], threads: int) -> None:
     import torch
 
     from ibpo.recipe import load_config
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        train(load_config(None, args))
+        run_recipe(load_config(None, args))
     finally:
         torch.set_num_threads(before)
 

@@ -35,7 +35,8 @@ does.
 
 The CLI (`ibpo train`, recipes/train.py) loads the recipe once and calls `run_loaded`; under
 `accelerate launch` every process does, as every process runs the CLI. Configuration errors
-raise ConfigError (the CLI prints its one line and exits 2); how the run ended is
+raise ConfigError (the CLI prints its one line and exits 2), a reward function failing in the
+held-out evaluation before training RewardError (one line, exit 6); how the run ended is
 `result.status` (summary.json's `status` and `exit_code`, as the CLI exits).
 
 Not here: the run itself (trainer.py), the schema (config.py).
@@ -55,7 +56,7 @@ from ibpo.data import IN_MEMORY
 from ibpo.recipe import load_config
 from ibpo.rewards.functions import import_path
 from ibpo.tools.schema import BUILTIN
-from ibpo.trainer import train as run_recipe
+from ibpo.trainer import run_recipe
 
 # a built-in tool passed as a function is recorded by its name (ibpo.tools.schema.BUILTIN)
 BUILTIN_NAMES = {fn: name for name, fn in BUILTIN.items()}

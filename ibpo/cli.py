@@ -31,8 +31,9 @@ import sys
 
 import yaml
 
-from ibpo import catalog
 from ibpo.api import run_loaded
+from ibpo.catalog import main as recipes_main
+from ibpo.catalog import resolve_recipe
 from ibpo.config import ConfigError
 from ibpo.distributed import leave_if_ended_together
 from ibpo.evaluation.benchmarks import BENCHMARKS
@@ -41,6 +42,7 @@ from ibpo.hub.push import main as push_main
 from ibpo.plan.fit import estimate, format_plan
 from ibpo.quiet import quiet_third_party
 from ibpo.recipe import load_config
+from ibpo.rewards.functions import RewardError
 from ibpo.run.failures import EXIT_CODES, StoppedEarly, exit_code
 from ibpo.run.report import main as report_main
 
@@ -73,6 +75,20 @@ def summary_line(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_third_party()  # known harmless third-party noise (ibpo/quiet.py); -W shows it
+    if argv[:1] in (["eval"], ["report"], ["push"], ["recipes"]):
+        return _delegated(argv)
+    parser = _parser()
+    # parse_known_args: overrides may follow options (`ibpo plan r.yaml --gpus 2 train.steps=5`)
+    ns, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    ns.args = [*ns.args, *extra]
+    return _run(ns)
+
+
+def _delegated(argv: list[str]) -> int:
+    """The commands with a command line of their own: eval, report, push, recipes."""
     if argv[:1] == ["eval"]:  # `ibpo eval BENCHMARK [options]` = scripts/eval_<BENCHMARK>.py
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             print(f"usage: ibpo eval {{{','.join(sorted(BENCHMARKS))}}} [options]", file=sys.stderr)
@@ -82,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_main(argv[1:])
     if argv[:1] == ["push"]:  # `ibpo push OUTPUT_DIR --repo-id USER/NAME` = scripts/push_adapter.py
         return push_main(argv[1:])
-    if argv[:1] == ["recipes"]:  # `ibpo recipes [list | copy NAME [DEST]]`: the packaged recipes
-        return catalog.main(argv[1:])
+    return recipes_main(argv[1:])  # `ibpo recipes [list | copy NAME [DEST]]`: the packaged recipes
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ibpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a recipe (default: the embedded CPU demo)")
@@ -107,15 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument(
         "--model-config", help="config.json, model folder or Hub id (default: model.name)"
     )
-    # parse_known_args: overrides may follow options (`ibpo plan r.yaml --gpus 2 train.steps=5`)
-    ns, extra = parser.parse_known_args(argv)
-    stray = [e for e in extra if e.startswith("-") or "=" not in e]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    ns.args = [*ns.args, *extra]
+    return parser
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """train, config or plan on the recipe and overrides given -> the exit status."""
     try:
         recipe, overrides = _split_args(ns.args)
-        cfg = load_config(catalog.resolve_recipe(recipe), overrides)
+        cfg = load_config(resolve_recipe(recipe), overrides)
         if ns.command == "config":
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
@@ -133,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ibpo: error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # in the held-out evaluation before training: nothing trained
+        print(f"ibpo: error: {e}", file=sys.stderr)
+        return EXIT_CODES["reward_failed"]
     except RuntimeError as e:
         if "embedded default model" not in str(e):
             raise

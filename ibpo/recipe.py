@@ -12,7 +12,7 @@ aggregation and kl_estimator in the algorithm's tables, objective.params through
 declares, ObjectiveSpec.resolve), and what it declares (its params, its shared defaults,
 repair.enabled, rollout.dynamic_sampling) and what each None-means-inherit field inherits filled
 in, so that every later reader, the saved config.yaml and `ibpo config` see the values the run
-uses; last, the rules between fields (config.check_across) on those values. An objective
+uses; last, the rules between fields (check_across) on those values. An objective
 registered before the recipe loads is checked and filled the same way as a shipped one, its own
 knobs included.
 
@@ -38,7 +38,6 @@ from typing import Any
 
 import yaml
 
-from ibpo import config, trl_config
 from ibpo.algo.objectives import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -47,8 +46,18 @@ from ibpo.algo.objectives import (
     ParamError,
     ResolvedObjective,
 )
-from ibpo.config import BUILTIN_PROMPT_TEMPLATE, Config, ConfigError, ObjectiveConfig
+from ibpo.config import (
+    BUILTIN_PROMPT_TEMPLATE,
+    Config,
+    ConfigError,
+    DataConfig,
+    ObjectiveConfig,
+    check_across,
+    check_fields,
+    reward_list,
+)
 from ibpo.rewards import GRADERS
+from ibpo.trl_config import batch_overrides, grpo_config_overrides, is_training_arguments, to_ibpo
 
 # objective field -> the algorithm's names it takes
 CHOICES: dict[str, Collection[str]] = {"aggregation": AGGREGATIONS, "kl_estimator": KL_ESTIMATORS}
@@ -242,7 +251,7 @@ def load_config(
 ) -> Config:
     """Defaults <- recipe YAML (or a Config's values, what it inherited inheriting afresh) <-
     `section.key=value` overrides (or a mapping {"section.key": value}), checked and resolved."""
-    return config.check_across(resolve(validate(read_recipe(recipe, overrides))))
+    return check_across(resolve(validate(read_recipe(recipe, overrides))))
 
 
 def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
@@ -250,7 +259,7 @@ def from_dict(tree: dict[str, Any], origin: str = "config") -> Config:
     migrated) -> the Config, checked and resolved."""
     cfg = Config()
     _update(cfg, migrate(tree), origin)
-    return config.check_across(resolve(validate(cfg)))
+    return check_across(resolve(validate(cfg)))
 
 
 def read_recipe(
@@ -264,8 +273,8 @@ def read_recipe(
     items = _override_items(overrides)
     if isinstance(recipe, Config):
         _update(cfg, recipe.to_dict(recipe=True), "the given Config")
-    elif trl_config.is_training_arguments(recipe):
-        pairs = trl_config.grpo_config_overrides(recipe)
+    elif is_training_arguments(recipe):
+        pairs = grpo_config_overrides(recipe)
         items = [("GRPOConfig", [k], v) for k, v in pairs] + items
     elif isinstance(recipe, (str, Path)):
         _update(cfg, move(_read_yaml(recipe), str(recipe)), str(recipe))
@@ -278,7 +287,7 @@ def read_recipe(
     for origin, path, value in items:
         if len(path) == 1:  # one of TRL's names: the ibpo keys it stands for
             try:
-                keys = trl_config.to_ibpo(path[0], value, cfg, given)
+                keys = to_ibpo(path[0], value, cfg, given)
             except ConfigError as e:
                 raise ConfigError(f"{origin}: {e}") from None
             for key, v in keys.items():
@@ -289,7 +298,7 @@ def read_recipe(
             say_moved(origin, old, MOVED[old])
             path = MOVED[old].split(".")
         _update(cfg, _tree(path, value), origin)
-    batch = trl_config.batch_overrides(given, cfg.rollout.group_size)
+    batch = batch_overrides(given, cfg.rollout.group_size)
     for key, value in batch.items():
         section, name = key.split(".")
         _update(cfg, {section: {name: value}}, "TRL's batch names")
@@ -442,7 +451,7 @@ def section_with(section: str, values: Mapping[str, Any]) -> Any:
     first that is not."""
     obj = next(f for f in dataclasses.fields(Config) if f.name == section).default_factory()
     _apply(obj, section, dict(values))
-    config.check_fields(obj, section)
+    check_fields(obj, section)
     return obj
 
 
@@ -453,8 +462,8 @@ def validate(cfg: Config) -> Config:
     """Every field's own rule, then the reward names (the objective against its registration
     is resolve's). -> cfg, unchanged."""
     for f in dataclasses.fields(cfg):
-        config.check_fields(getattr(cfg, f.name), f.name)
-    for name in config.reward_list(cfg.reward):
+        check_fields(getattr(cfg, f.name), f.name)
+    for name in reward_list(cfg.reward):
         if name not in GRADERS and ":" not in name and "/" not in name:
             raise ConfigError(
                 f"reward.functions={name!r}; choose one of: {', '.join(GRADERS)}, or an "
@@ -512,7 +521,7 @@ def inherit(cfg: Config, declared: Mapping[str, Any] | None = None) -> Config:
     return cfg
 
 
-def _inherit_eval(data: config.DataConfig) -> None:
+def _inherit_eval(data: DataConfig) -> None:
     """data.eval's null items: training's columns and answer format; training's subset where
     the held-out set is the training source (another dataset's null subset is its default)."""
     ev = data.eval

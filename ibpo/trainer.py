@@ -1,4 +1,4 @@
-"""The run around the step: `train(cfg)` from a recipe to a saved adapter and a summary.
+"""The run around the step: `run_recipe(cfg)`, from a recipe to a saved adapter and a summary.
 
 In order: launch checks (one process, DDP or FSDP2; DeepSpeed and FSDP1 are refused); the output
 folder created; data, the QLoRA policy, optimizer and scheduler, prepared by Accelerate; only then
@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 import yaml
@@ -236,7 +237,7 @@ def finish_run(out: Path, cfg: Config, status: str) -> None:
             )
 
 
-def train(
+def run_recipe(
     cfg: Config,
     *,
     rows=None,
@@ -362,6 +363,23 @@ class Ending:
     alone: bool = False  # this process ends by itself (the others may be in a collective)
 
 
+@dataclass
+class _Logs:
+    """Where a run's steps are logged: the progress bar, and on the main process metrics.jsonl
+    and the completions table."""
+
+    bar: Any
+    metrics: IO | None
+    table: IO | None
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+        if self.table:
+            self.table.close()
+
+
 class Run:
     """What the loop, its checkpoints and the ending of one training run share. `begin` then
     gives it its state: resumed from the checkpoint, or fresh."""
@@ -413,6 +431,7 @@ class Run:
         self.state = ckpt.TrainerState()
         self.start = start
         self.prior = 0.0  # wall seconds of earlier sessions of this run
+        self.phase = "step"  # what the loop runs now: step | eval | save | callback
         device = accelerator.device
         folded = use_dequantized_base(cfg.model, device, parts.model)
         self.alarm = MismatchAlarm.for_run(cfg, device.type, folded)
@@ -463,131 +482,157 @@ class Run:
         """The steps, with their metrics, periodic evaluations and checkpoints, until the last
         step, a signal, too many non-finite steps, a rollout mismatch over its stop threshold,
         running out of memory or a full disk."""
-        from tqdm.auto import tqdm
-
         cfg, state, acc = self.cfg, self.state, self.accelerator
-        tr, run = cfg.train, cfg.run
         end = Ending(last=self.resume)
-        metrics = open(self.metrics_path, "a" if self.resume else "w") if self.main else None  # noqa: SIM115
-        table_path = self.out / COMPLETIONS
-        table = open(table_path, "a" if self.resume else "w") if self.main else None  # noqa: SIM115
-        bar = tqdm(
-            total=tr.steps,
-            initial=min(state.step, tr.steps),
-            desc="ibpo",
-            disable=True if not self.main else None,  # None: shown on a terminal only
-        )
-        phase = "step"  # what ran when an error came: step | eval | save | callback
-        cbs = self.callbacks
+        logs = self._open_logs()
+        self.phase = "step"  # what ran when an error came: its handler below reads it
         try:
             with failures.GracefulStop() as stop:
-                phase = "callback"
-                self._observe()
-                cbs.call("on_train_begin")
-                while state.step < tr.steps:
-                    phase = "callback"
-                    self._observe()
-                    cbs.call("on_step_begin")
-                    phase = "step"
-                    rows: list[dict] = []
-                    learning_rate = self.parts.optimizer.param_groups[0]["lr"]  # this step's
-                    m = rl_step(
-                        self.parts,
-                        self.tokenizer,
-                        acc,
-                        cfg,
-                        self.objective,
-                        self.engine,
-                        step=state.step,
-                        reward_fns=self.reward_fns,
-                        table=rows,
-                        tools=self.tools,
-                    )
-                    state.step += 1
-                    state.count_step(m["skipped_nonfinite"] > 0)
-                    m["learning_rate"], m["epoch"] = learning_rate, self._epoch()  # as TRL logs
-                    log_step(m, state.step, bar, metrics, acc, run.log_with)
-                    if acc.num_processes > 1:  # one table: every process's completions
-                        rows = gather_object(rows)
-                    if table:
-                        log_completions(rows, state.step, table)
-                    phase = "callback"
-                    self._observe(m)
-                    cbs.call("on_step_end", metrics=m)
-                    cbs.call("on_log", logs=m)
-                    wants_stop, wants_save, wants_eval = cbs.take(acc) if cbs else (0, 0, 0)
-                    if state.nonfinite_streak >= failures.MAX_NONFINITE_STEPS:
-                        end.status = "nonfinite"
-                        break
-                    # the same verdict on every process: the metrics are gathered ones
-                    stop_message = self.alarm.check(m, state.step, self.main)
-                    if stop_message:
-                        end.status, end.message = "mismatch", stop_message
-                        break
-                    if stop.requested(acc):
-                        end.status, end.signum = "interrupted", stop.signum
-                        break
-                    if wants_stop and state.step < tr.steps:
-                        end.status = "stopped"
-                        end.message = (
-                            f"stopped by a callback after step {state.step} of {tr.steps} "
-                            "(run.resume_from=latest with a later train.steps goes on)"
-                        )
-                        break
-                    periodic = tr.eval_every and state.step % tr.eval_every == 0
-                    if (periodic or wants_eval) and state.step < tr.steps:
-                        phase = "eval"
-                        e = self.held_out()
-                        log_eval(e, state.step, bar, metrics, acc, run.log_with)
-                        phase = "callback"
-                        self._observe(e)
-                        cbs.call("on_evaluate", metrics=e)
-                    if (run.save_every and state.step % run.save_every == 0) or wants_save:
-                        phase = "save"
-                        end.last = self.checkpoint()
-                        phase = "callback"
-                        cbs.call("on_save", checkpoint=end.last)
-                phase = "save"
-                # the end, a signal or a non-finite stop: checkpoint what the last save missed
-                if end.last is None or ckpt.step_of(end.last) != state.step:
-                    end.last = self.checkpoint()
+                self._steps(end, stop, logs)
         except reward_calls.Interrupted:  # a signal while reward calls ran: not waited for
-            self._interrupted_in_rewards(end, phase, stop.signum)
+            self._interrupted_in_rewards(end, self.phase, stop.signum)
         except KeyboardInterrupt:  # a second Ctrl-C: this step is lost, the last checkpoint stands
             # the live adapter may be mid-update (and under FSDP saving would gather shards from
             # processes caught at other points): the run's adapter is the last checkpoint's
             end.status, end.cut_short, end.signum = "interrupted", True, signal.SIGINT
             end.message = failures.stopped_at_once_message(state.step + 1, end.last)
         except OSError as e:  # a full disk while saving: the previous checkpoint stands
-            if phase != "save":
+            if self.phase != "save":
                 raise
             end.status, end.cut_short = "failed", True
             end.message = failures.save_failed_message(e, end.last)
         except CallbackError as e:  # the callback is named; the steps before it are kept
             self._callback_failed(end, e)
         except RewardError as e:  # the function is named; the steps before it are kept
-            self._reward_failed(end, e, phase)
+            self._reward_failed(end, e, self.phase)
         except Exception as e:
             if not failures.is_oom(e):
                 raise
             end.status = "out_of_memory"
-            if phase == "eval" and acc.num_processes == 1:  # the step itself finished
+            if self.phase == "eval" and acc.num_processes == 1:  # the step itself finished
                 end.last = self.checkpoint()
                 end.message = failures.oom_message(cfg, state.step, e, end.last, in_eval=True)
             else:
                 end.message = failures.oom_message(cfg, state.step + 1, e, end.last)
                 end.cut_short = True
         finally:
-            bar.close()
-            if metrics:
-                metrics.close()
-            if table:
-                table.close()
+            logs.close()
         if end.status == "nonfinite":
             end.message = failures.nonfinite_message(state, end.last)
         if end.status == "interrupted" and end.message is None:
             end.message = failures.interrupted_message(state.step, end.last)
         return end
+
+    def _open_logs(self) -> _Logs:
+        """The progress bar, and on the main process metrics.jsonl and the completions table
+        (appended to when the run resumes)."""
+        from tqdm.auto import tqdm
+
+        mode = "a" if self.resume else "w"
+        return _Logs(
+            tqdm(
+                total=self.cfg.train.steps,
+                initial=min(self.state.step, self.cfg.train.steps),
+                desc="ibpo",
+                disable=True if not self.main else None,  # None: shown on a terminal only
+            ),
+            open(self.metrics_path, mode) if self.main else None,  # noqa: SIM115
+            open(self.out / COMPLETIONS, mode) if self.main else None,  # noqa: SIM115
+        )
+
+    def _steps(self, end: Ending, stop: failures.GracefulStop, logs: _Logs) -> None:
+        """Step after step until the last one or a reason to end (end.status), then the
+        checkpoint the last save missed."""
+        state, steps = self.state, self.cfg.train.steps
+        self.phase = "callback"
+        self._observe()
+        self.callbacks.call("on_train_begin")
+        while state.step < steps:
+            m, (wants_stop, wants_save, wants_eval) = self._step(logs)
+            if self._ends_after(m, stop, end, wants_stop):
+                break
+            periodic = self.cfg.train.eval_every and state.step % self.cfg.train.eval_every == 0
+            if (periodic or wants_eval) and state.step < steps:
+                self.phase = "eval"
+                e = self.held_out()
+                log_eval(
+                    e, state.step, logs.bar, logs.metrics, self.accelerator, self.cfg.run.log_with
+                )
+                self.phase = "callback"
+                self._observe(e)
+                self.callbacks.call("on_evaluate", metrics=e)
+            save_every = self.cfg.run.save_every
+            if (save_every and state.step % save_every == 0) or wants_save:
+                self.phase = "save"
+                end.last = self.checkpoint()
+                self.phase = "callback"
+                self.callbacks.call("on_save", checkpoint=end.last)
+        self.phase = "save"
+        # the end, a signal or a non-finite stop: checkpoint what the last save missed
+        if end.last is None or ckpt.step_of(end.last) != state.step:
+            end.last = self.checkpoint()
+
+    def _step(self, logs: _Logs) -> tuple[dict, tuple]:
+        """One RL step with its callbacks, logged metrics and completions -> (its metrics, what
+        the callbacks asked for: stop, save, evaluate)."""
+        cfg, state, acc, cbs = self.cfg, self.state, self.accelerator, self.callbacks
+        self.phase = "callback"
+        self._observe()
+        cbs.call("on_step_begin")
+        self.phase = "step"
+        rows: list[dict] = []
+        learning_rate = self.parts.optimizer.param_groups[0]["lr"]  # this step's
+        m = rl_step(
+            self.parts,
+            self.tokenizer,
+            acc,
+            cfg,
+            self.objective,
+            self.engine,
+            step=state.step,
+            reward_fns=self.reward_fns,
+            table=rows,
+            tools=self.tools,
+        )
+        state.step += 1
+        state.count_step(m["skipped_nonfinite"] > 0)
+        m["learning_rate"], m["epoch"] = learning_rate, self._epoch()  # as TRL logs
+        log_step(m, state.step, logs.bar, logs.metrics, acc, cfg.run.log_with)
+        if acc.num_processes > 1:  # one table: every process's completions
+            rows = gather_object(rows)
+        if logs.table:
+            log_completions(rows, state.step, logs.table)
+        self.phase = "callback"
+        self._observe(m)
+        cbs.call("on_step_end", metrics=m)
+        cbs.call("on_log", logs=m)
+        return m, (cbs.take(acc) if cbs else (0, 0, 0))
+
+    def _ends_after(
+        self, m: dict, stop: failures.GracefulStop, end: Ending, wants_stop: bool
+    ) -> bool:
+        """Whether the run ends after the step that logged `m` (end.status says why): too many
+        non-finite steps, the mismatch alarm, a signal, a callback's stop."""
+        state, steps = self.state, self.cfg.train.steps
+        if state.nonfinite_streak >= failures.MAX_NONFINITE_STEPS:
+            end.status = "nonfinite"
+            return True
+        # the same verdict on every process: the metrics are gathered ones
+        stop_message = self.alarm.check(m, state.step, self.main)
+        if stop_message:
+            end.status, end.message = "mismatch", stop_message
+            return True
+        if stop.requested(self.accelerator):
+            end.status, end.signum = "interrupted", stop.signum
+            return True
+        if wants_stop and state.step < steps:
+            end.status = "stopped"
+            end.message = (
+                f"stopped by a callback after step {state.step} of {steps} "
+                "(run.resume_from=latest with a later train.steps goes on)"
+            )
+            return True
+        return False
 
     def _epoch(self) -> float:
         """Passes over this process's training examples so far (TRL's epoch; fractional but
@@ -665,7 +710,7 @@ class Run:
     def finish(self, end: Ending) -> dict:
         """Print how the run ended, keep its adapter, write summary.json (before and after the
         final held-out evaluation), then the plots and the Hub upload."""
-        cfg, acc, out, state, main = self.cfg, self.accelerator, self.out, self.state, self.main
+        cfg, acc, out, main = self.cfg, self.accelerator, self.out, self.main
         # Out of memory with several processes: the others may be inside a collective of this step
         # that this one will never join, so it joins none from here on and ends (the CLI exits 3);
         # the others' collective then fails and the launcher stops the run, instead of everyone
@@ -682,34 +727,7 @@ class Run:
                 "(the first's reason is above)",
                 file=sys.stderr,
             )
-        adapter = out / "adapter"
-        if end.cut_short:  # the checkpoint's adapter, not the live one (maybe mid-update)
-            adapter = outdir.keep_checkpoint_adapter(end.last, adapter) if main else None
-        else:
-            save_adapter(acc, self.parts.model, adapter)
-            if main:
-                self.tokenizer.save_pretrained(adapter)
-        isolation = self.isolation(alone)
-        summary = {
-            "eval_before": state.eval_before,
-            "eval_after": None,
-            "steps": state.step,
-            "objective": self.objective.name,
-            "model": cfg.model.name,
-            "quantization": cfg.model.quantization,
-            "dataset": cfg.data.dataset,
-            "code": self.code,  # {"version", "commit", "dirty"}: "unknown" without git
-            "prompt_template": prompt_template(cfg.data),  # None: the prompts as given
-            "isolation": isolation,  # the sandbox modes tests ran in; None: no test ran
-            "status": end.status,
-            "message": end.message,
-            "nonfinite_steps": state.nonfinite_total,
-            "resumed_from": self.resume and str(self.resume),
-            "checkpoint": end.last and str(end.last),
-            "wall_seconds": round(self.wall_seconds(), 1),
-            "adapter": adapter and str(adapter),
-            "exit_code": failures.exit_code(end.status, end.signum),  # of `ibpo train`
-        }
+        summary = self._summary(end, self._keep_adapter(end), self.isolation(alone))
         if main:  # written now too: a run killed in its final evaluation still has a summary
             (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if not alone:
@@ -730,3 +748,38 @@ class Run:
         if cfg.run.log_with and not alone:
             acc.end_training()
         return summary
+
+    def _keep_adapter(self, end: Ending) -> Path | None:
+        """The run's adapter in <output_dir>/adapter: the live one, or after a run cut short
+        mid-step the last checkpoint's (the live one may be mid-update); None on the processes
+        that keep none."""
+        adapter = self.out / "adapter"
+        if end.cut_short:
+            return outdir.keep_checkpoint_adapter(end.last, adapter) if self.main else None
+        save_adapter(self.accelerator, self.parts.model, adapter)
+        if self.main:
+            self.tokenizer.save_pretrained(adapter)
+        return adapter
+
+    def _summary(self, end: Ending, adapter: Path | None, isolation) -> dict:
+        """summary.json as the run ended, before its final held-out evaluation."""
+        return {
+            "eval_before": self.state.eval_before,
+            "eval_after": None,
+            "steps": self.state.step,
+            "objective": self.objective.name,
+            "model": self.cfg.model.name,
+            "quantization": self.cfg.model.quantization,
+            "dataset": self.cfg.data.dataset,
+            "code": self.code,  # {"version", "commit", "dirty"}: "unknown" without git
+            "prompt_template": prompt_template(self.cfg.data),  # None: the prompts as given
+            "isolation": isolation,  # the sandbox modes tests ran in; None: no test ran
+            "status": end.status,
+            "message": end.message,
+            "nonfinite_steps": self.state.nonfinite_total,
+            "resumed_from": self.resume and str(self.resume),
+            "checkpoint": end.last and str(end.last),
+            "wall_seconds": round(self.wall_seconds(), 1),
+            "adapter": adapter and str(adapter),
+            "exit_code": failures.exit_code(end.status, end.signum),  # of `ibpo train`
+        }

@@ -78,8 +78,8 @@ def smollm2_dir():
 
 
 def grader_rewards(grader, name: str = "grader"):
-    """A per-completion grader `(text, gold) -> float` as the RewardSet the step, repairs and
-    evaluation grade with (a reward function in TRL's convention reading `answer`)."""
+    """A per-completion grader `(text, gold) -> float or Graded` as the RewardSet the step,
+    repairs and evaluation grade with (a reward function in TRL's convention reading `answer`)."""
     from ibpo.rewards.functions import reward_set
 
     def fn(completions, answer, **_):

@@ -267,7 +267,7 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         modeling.AUTO_DEQUANTIZE_MAX_BYTES = -1
     trainer.rl_step, step.observe_repairs = spy, observe
     try:
-        summary = trainer.train(load_config(None, [f"model.name={model_dir}", *overrides]))
+        summary = trainer.run_recipe(load_config(None, [f"model.name={model_dir}", *overrides]))
     finally:
         trainer.rl_step, step.observe_repairs = real_step, real_observe
     base = getattr(seen["model"], "module", seen["model"]).get_base_model()

@@ -32,7 +32,7 @@ from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
 from ibpo.step import StepParts
-from ibpo.trainer import train
+from ibpo.trainer import run_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = "ckpt_test_parity"
@@ -182,9 +182,9 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(
     assert "SIGTERM" in (tmp_path / "b.log").read_text()
     assert [s for s, _ in _rewards(run)] == list(range(1, stopped + 1))  # no duplicate lines
     # 3. resume to the end (in this process), and an uninterrupted run with the same seed
-    resumed = train(load_config(None, resume))
+    resumed = run_recipe(load_config(None, resume))
     assert resumed["status"] == "completed" and resumed["steps"] == steps
-    ref = train(load_config(None, _args(tiny_model_dir, tmp_path / "ref", steps, *SPENDING)))
+    ref = run_recipe(load_config(None, _args(tiny_model_dir, tmp_path / "ref", steps, *SPENDING)))
     assert ref["status"] == "completed"
     got, want = _lora(run / "adapter"), _lora(tmp_path / "ref" / "adapter")
     assert got.keys() == want.keys() and any("lora_B" in k for k in got)
@@ -222,7 +222,7 @@ def test_a_checkpoint_saved_with_the_older_objective_and_reward_keys_resumes(
 
     run = tmp_path / "run"
     args = _args(tiny_model_dir, run, 2, "objective.name=dfpo", "objective.params.gate=group")
-    assert train(load_config(None, args))["status"] == "completed"
+    assert run_recipe(load_config(None, args))["status"] == "completed"
     saved = ckpt.latest_checkpoint(run / "checkpoints")
     recipe = yaml.safe_load((run / "config.yaml").read_text())
     assert recipe["objective"]["params"] == {"gate": "group"}  # the recipe form
@@ -230,7 +230,9 @@ def test_a_checkpoint_saved_with_the_older_objective_and_reward_keys_resumes(
     state = json.loads((saved / "config.json").read_text())
     (saved / "config.json").write_text(json.dumps(_older_layout(state)))
     capsys.readouterr()
-    resumed = train(load_config(run / "config.yaml", ["run.resume_from=latest", "train.steps=3"]))
+    resumed = run_recipe(
+        load_config(run / "config.yaml", ["run.resume_from=latest", "train.steps=3"])
+    )
     assert resumed["status"] == "completed" and resumed["steps"] == 3
     assert resumed["resumed_from"] == str(saved)
     out = capsys.readouterr()
@@ -367,7 +369,7 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(
         "train.lr_scheduler=linear",
     )
     cfg = load_config(None, args)
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     assert summary["status"] == "nonfinite" and summary["steps"] == 5
     assert summary["nonfinite_steps"] == 3
     assert "2 consecutive steps (4-5)" in summary["message"]
@@ -415,7 +417,7 @@ def test_out_of_memory_ends_with_advice(tiny_model_dir, tmp_path, monkeypatch, r
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     out = tmp_path / "run"
-    summary = train(load_config(None, _args(tiny_model_dir, out, 4, "objective.name=grpo")))
+    summary = run_recipe(load_config(None, _args(tiny_model_dir, out, 4, "objective.name=grpo")))
     assert summary["status"] == "out_of_memory" and summary["steps"] == 2
     for knob in (
         "train.micro_batch_groups",
@@ -440,7 +442,7 @@ def test_other_errors_propagate(tiny_model_dir, tmp_path, monkeypatch, reward):
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     with pytest.raises(ValueError, match="a bug"):
-        train(load_config(None, _args(tiny_model_dir, tmp_path / "run", 2)))
+        run_recipe(load_config(None, _args(tiny_model_dir, tmp_path / "run", 2)))
 
 
 @pytest.mark.parametrize("presses", [1, 2])
@@ -458,7 +460,7 @@ def test_ctrl_c_saves_a_checkpoint_and_twice_stops_at_once(
 
     monkeypatch.setattr(trainer_mod, "rl_step", step)
     out = tmp_path / "run"
-    summary = train(
+    summary = run_recipe(
         load_config(None, _args(tiny_model_dir, out, 5, "objective.name=grpo", "run.save_every=0"))
     )
     assert summary["status"] == "interrupted"

@@ -34,3 +34,22 @@ def test_plan_accepts_overrides_after_options_and_rejects_stray_words(tmp_path, 
     assert "recipe 'missing.yaml' not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--model-config", str(path), "--bogus", "1"])
+
+
+def test_a_reward_failing_before_training_is_no_config_error(monkeypatch, capsys):
+    """A reward function that fails in the held-out evaluation before training: one line and
+    the reward_failed exit code (6), not the bad-input one (2) of a configuration error."""
+    from ibpo import cli
+    from ibpo.config import ConfigError
+    from ibpo.rewards.functions import RewardError
+
+    assert not issubclass(RewardError, ConfigError)
+
+    def fails(cfg):
+        raise RewardError("reward function 'f' raised on sample 2: ValueError: no")
+
+    monkeypatch.setattr(cli, "run_loaded", fails)
+    assert main(["train", "train.steps=1"]) == 6
+    assert capsys.readouterr().err == (
+        "ibpo: error: reward function 'f' raised on sample 2: ValueError: no\n"
+    )

@@ -15,6 +15,7 @@ from ibpo.rewards.code import (
     grade_code,
     humaneval_spec,
     livecodebench_spec,
+    score_code,
 )
 
 ADD_SPEC = livecodebench_spec(
@@ -235,7 +236,7 @@ def test_bad_specs_are_clear_errors():
 
 
 def test_registered():
-    assert GRADERS["code"] is code_reward
+    assert GRADERS["code"] is score_code
 
 
 # ---- HumanEval's harness: strict (training) and compatible (the official harness's semantics).
@@ -350,7 +351,7 @@ def test_huge_and_strange_return_values_are_bounded_messages():
 
 @pytest.mark.parametrize("signum", [32, 35, 40, 63])
 def test_a_real_time_signal_is_an_error_not_a_crash(signum):
-    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.cases import Limits, TestCase
     from ibpo.sandbox.verdict import classify
 
     # the wait status of a process killed by that signal
@@ -364,18 +365,18 @@ def test_a_real_time_signal_is_an_error_not_a_crash(signum):
 
 def test_a_failing_grader_scores_zero_with_its_reason_and_is_reported(monkeypatch):
     from ibpo.rewards import code as code_grader
-    from ibpo.rewards import errors
 
     def broken(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")
 
+    assert "failure" not in grade_code(fenced(ADD), ADD_SPEC)
     monkeypatch.setattr(code_grader, "run_tests", broken)
-    with errors.collecting() as failures:
-        out = grade_code(fenced(ADD), ADD_SPEC)
-        assert out["reward"] == 0.0 and out["passed"] == 0
-        assert out["reason"].startswith("grader error (code): BlockingIOError")
-        assert code_reward(fenced(ADD), ADD_SPEC) == 0.0
-    assert [f.kind for f in failures] == ["code", "code"]
-    assert failures[0].reason == out["reason"]
+    out = grade_code(fenced(ADD), ADD_SPEC)
+    assert out["reward"] == 0.0 and out["passed"] == 0
+    assert out["reason"].startswith("grader error (code): BlockingIOError")
+    assert out["failure"].kind == "code" and out["failure"].reason == out["reason"]
+    graded = score_code(fenced(ADD), ADD_SPEC)
+    assert graded.score == 0.0 and graded.failure.reason == out["reason"]
+    assert code_reward(fenced(ADD), ADD_SPEC) == 0.0
     with pytest.raises(ValueError, match="JSON test spec"):  # the dataset's error still says so
         code_reward(fenced(ADD), "not json")

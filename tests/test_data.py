@@ -244,7 +244,10 @@ def test_code_tests_answers_grade_end_to_end(tmp_path):
         by_question["Read a and b; print a + b."],
         by_question["Write add(a, b)."],
     )
-    reward = GRADERS["code"]
+
+    def reward(text, spec):
+        return GRADERS["code"](text, spec).score
+
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     wrong = "```python\na, b = map(int, input().split())\nprint(a * b)\n```"
     assert (reward(right, stdin_spec), reward(wrong, stdin_spec)) == (1.0, 0.0)

@@ -258,13 +258,13 @@ def test_the_step_logs_the_share_of_decoding_spent_on_ended_rows(tiny_model_dir,
     """decode_idle_share: 1 - completion tokens / (rows x steps of each generate() call)."""
     import json
 
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.quantization=none",
                              "train.steps=1", "data.eval_size=0", "repair.enabled=false",
                              "rollout.decode=graph", f"run.output_dir={out}"])  # fmt: skip
-    train(cfg)
+    run_recipe(cfg)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     slots, tokens = row["decode_slot_steps"], row["decode_slot_tokens"]
     assert slots >= tokens > 0 and slots % cfg.rollout.group_size == 0

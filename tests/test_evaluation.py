@@ -226,8 +226,8 @@ def test_math_answers_grade_with_the_training_grader():
 
     for name, golds in EXPECTED_GOLD.items():
         for p, gold in zip(load_problems(BENCHMARKS[name], data=fixture(name)), golds):
-            assert GRADERS["math"](f"So the answer is \\boxed{{{gold}}}.", p.gold) == 1.0
-            assert GRADERS["math"]("So the answer is \\boxed{1000003}.", p.gold) == 0.0
+            assert GRADERS["math"](f"So the answer is \\boxed{{{gold}}}.", p.gold).score == 1.0
+            assert GRADERS["math"]("So the answer is \\boxed{1000003}.", p.gold).score == 0.0
 
 
 def test_livecodebench_rows_decode_public_and_compressed_private_tests():
@@ -283,12 +283,12 @@ def test_canonical_code_solutions_score_one():
     rows = [json.loads(x) for x in open(fixture("humaneval"))]
     for p, row in zip(he, rows):
         body = row["prompt"] + row["canonical_solution"]
-        assert grade(f"```python\n{body}```", p.gold) == 1.0
-        assert grade(f"```python\n{row['prompt']}    return None\n```", p.gold) == 0.0
+        assert grade(f"```python\n{body}```", p.gold).score == 1.0
+        assert grade(f"```python\n{row['prompt']}    return None\n```", p.gold).score == 0.0
     solutions = json.loads((FIXTURES / "livecodebench_solutions.json").read_text())
     for p in load_problems(BENCHMARKS["livecodebench"], data=fixture("livecodebench")):
-        assert grade(solutions[p.id], p.gold) == 1.0
-        assert grade("```python\nprint(0)\n```", p.gold) == 0.0
+        assert grade(solutions[p.id], p.gold).score == 1.0
+        assert grade("```python\nprint(0)\n```", p.gold).score == 0.0
 
 
 # --- the scripts end to end on SmolLM2 -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The real training loop (ibpo.trainer.train) on CUDA, end to end, on a tiny Qwen3.
+"""The real training loop (ibpo.trainer.run_recipe) on CUDA, end to end, on a tiny Qwen3.
 
 Collected everywhere, skipped without CUDA: `pytest -m gpu tests/test_gpu_e2e.py` on a GPU machine
 (scripts/gpu_check.py runs it on the device with the carried bitsandbytes wheel). Every run takes
@@ -237,7 +237,7 @@ class Harness:
         cfg = load_config(None, args)
         entry = REPORT["runs"][label] = {"args": args, "status": "started"}
         try:
-            summary = trainer_mod.train(cfg)
+            summary = trainer_mod.run_recipe(cfg)
             entry.update(status=summary["status"], message=summary["message"])
         except BaseException as e:
             entry["status"] = f"raised {type(e).__name__}: {str(e)[:500]}"

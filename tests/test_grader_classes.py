@@ -19,7 +19,8 @@ from fractions import Fraction
 import pytest
 
 from ibpo.rewards.math import answers_match, math_reward
-from ibpo.sandbox.run import Limits, TestCase, run_tests
+from ibpo.sandbox.cases import Limits, TestCase
+from ibpo.sandbox.run import run_tests
 from tests.conftest import sandbox_modes
 
 MODES = sandbox_modes()

@@ -1,7 +1,7 @@
 """Fuzz the graders with generated hostile programs, return values and answers.
 
 Every test kind (stdin, call, check, script) in every isolation mode that works here, through
-the graders themselves (grade_code, math_reward): no exception escapes, every reason is
+the graders themselves (grade_code, score_math): no exception escapes, every reason is
 bounded, nothing a program started is left running, and no forged pass scores (the programs
 never compute the answer; the script kind is forgeable by design and only has to stay
 contained). Deterministic: the programs come from a seeded generator.
@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ibpo.rewards import code as code_grader
-from ibpo.rewards import errors
-from ibpo.rewards.math import math_reward
+from ibpo.rewards.errors import Graded
+from ibpo.rewards.math import math_reward, score_math
 from ibpo.sandbox import run as sandbox
 from tests.conftest import alive
 
@@ -137,12 +137,10 @@ def test_hostile_programs_in_every_kind_and_mode():
     counts, statuses, forged = Counter(), Counter(), []
 
     def grade(case):  # in its own collecting context: pool threads start without the caller's
-        with errors.collecting() as caught:
-            return code_grader.grade_code(case[2], case[3], mode=case[1]), caught
+        return code_grader.grade_code(case[2], case[3], mode=case[1])
 
     with ThreadPoolExecutor(4) as pool:
-        graded = list(pool.map(grade, cases))
-    outs = [out for out, _ in graded]
+        outs = list(pool.map(grade, cases))
     for (kind, mode, completion, _), out in zip(cases, outs):
         counts[kind, mode] += 1
         for r in out["results"]:
@@ -158,7 +156,7 @@ def test_hostile_programs_in_every_kind_and_mode():
     left = alive(TAG)
     for pid in left:
         os.kill(pid, 9)
-    failures = [f.reason for _, caught in graded for f in caught]
+    failures = [out["failure"].reason for out in outs if "failure" in out]
     print(f"\nfuzz: {sum(counts.values())} programs, {dict(sorted(counts.items()))}")
     print(f"fuzz: test statuses {dict(statuses)}; grader errors {failures}; left running {left}")
     assert not forged, forged[:3]
@@ -219,15 +217,16 @@ def _answer(rng: random.Random) -> str:
 def test_hostile_math_answers_never_raise():
     rng = random.Random(29)
     scores = Counter()
-    with errors.collecting() as failures:
-        for _ in range(300):
-            completion = _answer(rng)
-            gold = rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
-            reward = math_reward(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
-            assert reward in (0.0, 1.0)
-            scores[reward] += 1
-        hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
-        assert [math_reward(c, "6") for c in hedges] == [0.0, 0.0, 0.0]
+    failures = []
+    for _ in range(300):
+        completion = _answer(rng)
+        gold = rng.choice(["6", "3", "0", "\\frac{1}{2}", "(1, 6)", "C"])
+        graded = score_math(completion, gold, rng.choice([None, _answer(rng), ["3", "6"]]))
+        assert graded.score in (0.0, 1.0)
+        scores[graded.score] += 1
+        failures += [graded.failure] if graded.failure else []
+    hedges = ["\\boxed{3 \\lor 6}", "\\boxed{6 \\text{ or maybe } 3}", "\\boxed{1 = 6}"]
+    assert [score_math(c, "6") for c in hedges] == [Graded(0.0)] * 3
     print(f"\nfuzz: 300 math answers, rewards {dict(scores)}; grader errors {failures}")
     assert not failures, failures
 
@@ -316,17 +315,19 @@ def _honest(rng: random.Random, gold: str) -> str:
 def test_generated_negations_and_several_candidates_never_score():
     rng = random.Random(36)
     forged, missed = [], []
-    with errors.collecting() as failures:
-        for i in range(360):
-            gold = rng.choice(GOLDS)
-            completion = (_negated if i % 2 else _several)(rng, gold)
-            if math_reward(completion, gold) != 0.0:
-                forged.append((completion, gold))
-        for _ in range(120):
-            gold = rng.choice(GOLDS)
-            completion = _honest(rng, gold)
-            if math_reward(completion, gold) != 1.0:
-                missed.append((completion, gold))
+    failures = []
+    for i in range(360):
+        gold = rng.choice(GOLDS)
+        completion = (_negated if i % 2 else _several)(rng, gold)
+        if (graded := score_math(completion, gold)).score != 0.0:
+            forged.append((completion, gold))
+        failures += [graded.failure] if graded.failure else []
+    for _ in range(120):
+        gold = rng.choice(GOLDS)
+        completion = _honest(rng, gold)
+        if (graded := score_math(completion, gold)).score != 1.0:
+            missed.append((completion, gold))
+        failures += [graded.failure] if graded.failure else []
     print(
         f"\nfuzz: 360 negated/several answers, {len(forged)} scored; 120 honest, {len(missed)} not"
     )

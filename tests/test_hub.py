@@ -54,7 +54,7 @@ def run(tiny_model_dir, tmp_path_factory):
     GRADERS["alternating"] = lambda text, answer: float(next(calls) % 2)
     try:
         cfg.reward.functions = "alternating"
-        trainer.train(cfg)
+        trainer.run_recipe(cfg)
     finally:
         del GRADERS["alternating"]
     if not list(out.glob("plots/*.png")):  # the trainer may write plots itself

@@ -17,12 +17,14 @@ Layers, bottom to top (a module imports only from its own layer or below):
 
 Satellites do not import each other except where an arrow says so below (the Hub card shows
 evaluation rows and checkpoint facts). The graph is read from the source with `ast`, so a
-module-level import and one inside a function count alike; an import is allowed inside a
-function only for heavy optional dependencies, never for a module of this package, with one
-exception (LAZY): the package's `__getattr__` imports the API on first use of `ibpo.train`, so
-that `import ibpo` (which every `import ibpo.<module>` runs first) stays light. Outside the
-package: nothing in it imports bench/ or scripts/, and each scripts/eval_<benchmark>.py is one
-benchmark's docstring and a call of ibpo/evaluation/cli.py.
+module-level import, one inside a function and one under `if TYPE_CHECKING:` count alike, and
+`from P import name` is an import of P's __init__ (`import ibpo`, `from ibpo import x`: of the
+package root's). An import is allowed inside a function only for heavy optional dependencies,
+never for a module of this package, with one exception (LAZY): the package's `__getattr__`
+imports the API on first use of `ibpo.train`, so that `import ibpo` (which every `import
+ibpo.<module>` runs first) stays light. Outside the package: nothing in it imports bench/ or
+scripts/, and each scripts/eval_<benchmark>.py is one benchmark's docstring and a call of
+ibpo/evaluation/cli.py.
 """
 
 from __future__ import annotations
@@ -61,22 +63,25 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
-    """(imported ibpo module, inside a function?) for every import in the file."""
+    """(imported ibpo module, inside a function?) for every import in the file, wherever it
+    is: at module level, inside a function, under `if TYPE_CHECKING:` (a type-only import is
+    still a dependency, and a type-only circle is still a circle). `from P import x` imports P
+    (its __init__ runs, and its attributes and `__getattr__` are read for x) and, where x is a
+    module, P.x too; `import P.x` imports P.x (its parents are already there)."""
     tree = ast.parse(path.read_text())
     found = []
 
     def visit(node, in_function: bool):
         for child in ast.iter_child_nodes(node):
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue  # type-only imports do not run
             if isinstance(child, ast.Import):
-                names = [a.name for a in child.names if a.name.startswith("ibpo")]
+                names = [a.name for a in child.names if a.name.split(".")[0] == "ibpo"]
                 found.extend((name, in_function) for name in names)
-            elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("ibpo"):
-                for a in child.names:  # `from ibpo.pkg import module` imports that module
-                    sub = f"{child.module}.{a.name}"
-                    found.append((sub if sub in known else child.module, in_function))
+            elif isinstance(child, ast.ImportFrom) and (child.module or "").split(".")[0] == "ibpo":
+                found.append((child.module, in_function))
+                for a in child.names:  # `from ibpo.pkg import module` imports that module too
+                    if f"{child.module}.{a.name}" in known:
+                        found.append((f"{child.module}.{a.name}", in_function))
             visit(child, inner)
 
     visit(tree, False)
@@ -177,20 +182,42 @@ def test_no_package_import_inside_a_function():
 
 
 def test_the_graph_reader_sees_what_it_must():
-    """The reader itself: a nested import, a submodule through `from pkg import mod`, and a
-    TYPE_CHECKING import (ignored) in a made-up module."""
+    """The reader itself, on a made-up module: a nested import, a submodule through `from pkg
+    import mod` (an import of pkg too), a TYPE_CHECKING import, and the package root through
+    `import ibpo` and `from ibpo import name`."""
     import tempfile
 
     src = (
-        "from typing import TYPE_CHECKING\nfrom ibpo.run import checkpoint\n"
+        "from typing import TYPE_CHECKING\nimport ibpo\nfrom ibpo.run import checkpoint\n"
         "if TYPE_CHECKING:\n    from ibpo.step import StepParts\n"
-        "def f():\n    from ibpo.plan.fit import estimate\n"
+        "def f():\n    from ibpo.plan.fit import estimate\n    from ibpo import __version__\n"
     )
+    known = {"ibpo", "ibpo.run", "ibpo.run.checkpoint", "ibpo.plan.fit", "ibpo.step"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.py"
         path.write_text(src)
-        found = imports(path, {"ibpo.run.checkpoint", "ibpo.plan.fit", "ibpo.step"})
-    assert found == [("ibpo.run.checkpoint", False), ("ibpo.plan.fit", True)]
+        found = imports(path, known)
+    assert found == [
+        ("ibpo", False),
+        ("ibpo.run", False),
+        ("ibpo.run.checkpoint", False),
+        ("ibpo.step", False),
+        ("ibpo.plan.fit", True),
+        ("ibpo", True),
+    ]
+
+
+def test_the_cycle_check_sees_a_circle_through_the_package_root(monkeypatch):
+    """A made-up graph with the circle the package once had (the root's lazy `train` imports
+    the API, and a module the API imports reads `from ibpo import config`) fails the check."""
+    edges = {"ibpo": {"ibpo.api"}, "ibpo.api": {"ibpo.recipe"}, "ibpo.recipe": {"ibpo"}}
+    monkeypatch.setattr(sys.modules[__name__], "graph", lambda: (edges, []))
+    try:
+        test_no_import_cycles()
+    except AssertionError as e:
+        assert "ibpo -> ibpo.api -> ibpo.recipe -> ibpo" in str(e)
+    else:
+        raise AssertionError("the cycle check passed a graph with a cycle")
 
 
 def test_import_ibpo_stays_light():

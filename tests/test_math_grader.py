@@ -498,19 +498,16 @@ def test_a_failing_grader_scores_zero_and_is_reported(monkeypatch, caplog):
 
     monkeypatch.setattr(errors, "_logged", set())
     monkeypatch.setattr(grader, "_normalize", broken)
-    with caplog.at_level(logging.WARNING, logger="ibpo.rewards"), errors.collecting() as failures:
-        assert math_reward("\\boxed{2}", "2") == 0.0
+    with caplog.at_level(logging.WARNING, logger="ibpo.rewards"):
+        graded = grader.score_math("\\boxed{2}", "2")
         assert grader.answers_match("2", "2") is False
-        with errors.sample(7):
-            assert math_reward("\\boxed{3}", "3") == 0.0
-    assert [f.kind for f in failures] == ["math"] * 3
-    assert [f.index for f in failures] == [None, None, 7]
-    assert failures[2].reason.startswith("grader error (math): RecursionError")
+        assert math_reward("\\boxed{3}", "3") == 0.0
+    assert graded.score == 0.0 and graded.failure.kind == "math"
+    assert graded.failure.index is None  # placed at its completion by the grading
+    assert graded.failure.reason.startswith("grader error (math): RecursionError")
     assert sum("grader error (math)" in r.getMessage() for r in caplog.records) == 1  # once
     monkeypatch.undo()
-    with errors.collecting() as failures:
-        assert math_reward("\\boxed{3}", "3") == 1.0
-    assert failures == []
+    assert grader.score_math("\\boxed{3}", "3") == errors.Graded(1.0)
 
 
 # Words and marks that negate, condition, hedge or bound an answer: none may score, in the box,

@@ -187,7 +187,7 @@ def parity_reward():
 
 
 def _run(tiny_model_dir, tmp_path, *overrides):
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     out = tmp_path / "run"
     cfg = load_config(
@@ -206,7 +206,7 @@ def _run(tiny_model_dir, tmp_path, *overrides):
             *overrides,
         ],
     )
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, [r for r in rows if "mismatch_kl" in r]
 

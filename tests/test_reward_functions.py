@@ -120,7 +120,7 @@ def test_an_exception_names_the_function_the_sample_and_its_last_line():
     assert str(e.value) == (
         "reward function 'verifier' raised on sample 2: ValueError: the program crashed: exit 3"
     )
-    assert isinstance(e.value, ConfigError)  # before training: the CLI's one line, exit 2
+    assert not isinstance(e.value, ConfigError)  # a reward failing, not the configuration
 
 
 def test_names_import_paths_and_weights_are_checked_before_anything_loads():
@@ -296,12 +296,13 @@ def test_two_concurrent_gradings_each_keep_exactly_their_own_grader_failures(mon
     assert fns.score(["\\boxed{3}"], {"answer": ["3"]}, ["p"]).failures == []  # none left over
 
 
-def test_a_user_function_that_calls_a_grader_names_its_failures_with_errors_sample(monkeypatch):
-    """docs/rewards.md's pattern: a function of the user's calls math_reward inside
-    errors.sample(i); the grader's own failure scores 0 and is reported at completion i, under
-    the user's function; without sample(i) the failure is still reported, its index unsaid."""
-    from ibpo.rewards import errors
+def test_a_user_function_that_returns_a_graders_graded_has_its_failures_counted(monkeypatch):
+    """docs/rewards.md's pattern: a function of the user's calls score_math and returns its
+    Graded (here with a value of its own); the grader's own failure scores 0 and is reported at
+    its completion, under the user's function. math_reward's float drops the failure (it is
+    only logged): a function returning those reports none."""
     from ibpo.rewards import math as grader
+    from ibpo.rewards.errors import Graded
 
     real = grader._normalize
 
@@ -312,9 +313,9 @@ def test_a_user_function_that_calls_a_grader_names_its_failures_with_errors_samp
 
     def boxed(completions, answer, **kwargs):
         scores = []
-        for i, (text, gold) in enumerate(zip(completions, answer)):
-            with errors.sample(i):
-                scores.append(grader.math_reward(text, gold))
+        for text, gold in zip(completions, answer):
+            graded = grader.score_math(text, gold)
+            scores.append(Graded(graded.score / 2, graded.failure))
         return scores
 
     def unnamed(completions, answer, **kwargs):
@@ -323,9 +324,9 @@ def test_a_user_function_that_calls_a_grader_names_its_failures_with_errors_samp
     monkeypatch.setattr(grader, "_normalize", flaky)
     texts, gold = ["\\boxed{1}", "\\boxed{95}", "\\boxed{3}"], ["1", "95", "3"]
     got = reward_set(boxed).score(texts, {"answer": gold}, ["p"] * 3)
-    assert got.totals == [1.0, 0.0, 1.0]
+    assert got.totals == [0.5, 0.0, 0.5]
     assert [(f.index, f.function, f.kind) for f in got.failures] == [(1, "boxed", "math")]
     assert "deep 95" in got.failure_reasons()[1]
     plain = reward_set(unnamed).score(texts, {"answer": gold}, ["p"] * 3)
     assert plain.totals == [1.0, 0.0, 1.0]
-    assert [(f.index, f.function) for f in plain.failures] == [(None, "unnamed")]
+    assert plain.failures == []

@@ -21,7 +21,7 @@ from ibpo.recipe import load_config
 from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
-from ibpo.trainer import train
+from ibpo.trainer import run_recipe
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 
 
@@ -31,7 +31,9 @@ def reward(monkeypatch):
 
 
 def _run(model_dir, out, steps, *extra):
-    return train(load_config(None, _args(model_dir, out, steps, "objective.name=grpo", *extra)))
+    return run_recipe(
+        load_config(None, _args(model_dir, out, steps, "objective.name=grpo", *extra))
+    )
 
 
 def _metrics(out):

@@ -160,7 +160,7 @@ def _code_line(out: Path) -> str:
 
 
 def test_a_run_without_git_trains_and_records_unknown(tiny_model_dir, tmp_path, monkeypatch):
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     alone = tmp_path / "installed" / "ibpo"
     alone.mkdir(parents=True)
@@ -181,7 +181,7 @@ def test_a_run_without_git_trains_and_records_unknown(tiny_model_dir, tmp_path, 
             "train.steps=1",
         ],
     )
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     unknown = {"version": ibpo.__version__, "commit": "unknown", "dirty": "unknown"}
     assert summary["status"] == "completed" and summary["code"] == unknown
     assert json.loads((out / "summary.json").read_text())["code"] == unknown
@@ -236,9 +236,8 @@ def test_a_round_reports_its_own_grader_failures_not_an_earlier_gradings():
     def fails_on(bad):
         def grade(text, gold):
             if gold == bad:  # as a built-in grader does with a failure of its own
-                errors.record("math", RecursionError("deep"))
-                return 0.0
-            return 1.0
+                return errors.Graded(0.0, errors.failed("math", RecursionError("deep")))
+            return errors.Graded(1.0)
 
         return grader_rewards(grade)
 

@@ -131,8 +131,8 @@ def test_the_trainer_keys_each_step_by_the_steps_done_before_it(
     args = [f"model.name={tiny_model_dir}", "model.quantization=none", "train.prompts_per_step=1",
             "rollout.group_size=2", "rollout.max_new_tokens=4", "data.eval_size=0",
             f"run.output_dir={tmp_path / 'run'}"]  # fmt: skip
-    trainer_mod.train(load_config(None, [*args, "train.steps=2"]))
-    trainer_mod.train(load_config(None, [*args, "train.steps=3", "run.resume_from=latest"]))
+    trainer_mod.run_recipe(load_config(None, [*args, "train.steps=2"]))
+    trainer_mod.run_recipe(load_config(None, [*args, "train.steps=3", "run.resume_from=latest"]))
     assert seen == [0, 1, 2]  # a resumed run goes on with the next step's streams
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from ibpo.rewards import errors
 from ibpo.rewards.code import grade_code
 from ibpo.sandbox import memory, policy
 from ibpo.sandbox import run as sandbox
+from ibpo.sandbox.cases import Limits, TestCase
 from ibpo.sandbox.memory import memory_mode
-from ibpo.sandbox.run import Limits, TestCase, isolation_mode, run_tests
+from ibpo.sandbox.run import isolation_mode, run_tests
 from ibpo.sandbox.verdict import stdout_matches
 from tests.conftest import sandbox_modes
 
@@ -240,7 +240,8 @@ def test_sandboxes_die_with_their_parent(tmp_path):
 
     before = marked()
     script = (
-        "from ibpo.sandbox.run import Limits, TestCase, run_tests\n"
+        "from ibpo.sandbox.cases import Limits, TestCase\n"
+        "from ibpo.sandbox.run import run_tests\n"
         "r = run_tests('import time\\ntime.sleep(60)', [TestCase('script')] * 2,\n"
         "              Limits(time_s=30))\n"
         "print(r)"  # reached only if the sandboxes ended by themselves: says why
@@ -456,9 +457,8 @@ def test_socket_patch_as_root_is_refused_where_a_test_would_stay_root(monkeypatc
     with pytest.raises(policy.Refused, match="world-readable"):
         run_tests("print(1)", [TestCase("script")], FAST, mode="socket-patch")
     spec = json.dumps({"tests": [{"input": "", "output": "1"}]})
-    with errors.collecting() as failures, pytest.raises(policy.Refused, match="world-readable"):
-        grade_code("```python\nprint(1)\n```", spec, mode="socket-patch")
-    assert failures == []  # the setup's fault, not a grader error scored 0
+    with pytest.raises(policy.Refused, match="world-readable"):  # the setup's fault: raised,
+        grade_code("```python\nprint(1)\n```", spec, mode="socket-patch")  # not scored 0
     monkeypatch.setattr(sandbox, "_world_readable", lambda path: True)
     assert sandbox.uncontained("socket-patch") is None
 
@@ -540,19 +540,19 @@ PRINTS_1 = "```python\nprint(1)\n```"
 def test_a_policy_holds_every_caller_in_every_thread_and_records_what_ran():
     accept, refuse = ISOLATING
     only = policy.Policy((accept,), False, mode_fix="Fix: the other one.")
-    with policy.enforced(only) as record, errors.collecting() as failures:
+    with policy.enforced(only) as record:
         with pytest.raises(policy.Refused, match=f"{refuse} mode.*Fix: the other one"):
             run_tests("print(1)", [TestCase("script")], FAST, mode=refuse)
         with ThreadPoolExecutor(2) as pool:  # a reward worker's thread, a user's own
             in_context = lambda *a: contextvars.copy_context().run(grade_code, *a)  # noqa: E731
             with pytest.raises(policy.Refused):
                 pool.submit(in_context, PRINTS_1, SPEC, refuse).result()
-            assert pool.submit(in_context, PRINTS_1, SPEC, accept).result()["reward"] == 1.0
+            passed = pool.submit(in_context, PRINTS_1, SPEC, accept).result()
+            assert passed["reward"] == 1.0 and "failure" not in passed
         assert statuses(run_tests("pass", [TestCase("script")] * 2, FAST, mode=accept)) == [
             "passed",
             "passed",
         ]
-    assert failures == []  # refusals are no grader errors scored 0
     assert record.modes == {accept: 3} and record.isolation() == accept
     assert sum(record.memory.values()) == 3
     # the policy ended with its block

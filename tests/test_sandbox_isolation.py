@@ -17,7 +17,7 @@ import pytest
 
 from ibpo.sandbox import memory
 from ibpo.sandbox import run as sandbox
-from ibpo.sandbox.run import Limits, TestCase
+from ibpo.sandbox.cases import Limits, TestCase
 from tests.conftest import alive, sandbox_modes
 
 FS_MODES = sandbox_modes(("bwrap", "namespaces"))  # socket-patch shares the host's files

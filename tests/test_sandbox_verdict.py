@@ -10,7 +10,8 @@ machine has.
 import pytest
 
 from ibpo.sandbox import run as sandbox
-from ibpo.sandbox.run import Limits, TestCase, run_tests
+from ibpo.sandbox.cases import Limits, TestCase
+from ibpo.sandbox.run import run_tests
 from ibpo.sandbox.verdict import classify
 from tests.conftest import sandbox_modes
 
@@ -280,7 +281,7 @@ def test_what_a_test_sends_back_is_read_within_a_bounded_memory(kind, out, res, 
     (an 8 MB record parsed as JSON took 221 MB, 8 MB of newlines split 129 MB)."""
     import tracemalloc
 
-    from ibpo.sandbox.run import Limits, TestCase
+    from ibpo.sandbox.cases import Limits, TestCase
 
     test = {
         "call": TestCase("call", [2, 3], 6, fn_name="mul"),

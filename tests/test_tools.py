@@ -177,7 +177,7 @@ def test_calls_run_concurrently_up_to_the_workers():
 
 
 def test_the_python_tool_runs_code_in_the_sandbox_with_the_code_rewards_limits():
-    from ibpo.sandbox.run import Limits
+    from ibpo.sandbox.cases import Limits
     from ibpo.tools.python import LIMITS, python
 
     assert (LIMITS.time_s, LIMITS.memory_mb) == (Limits().time_s, Limits().memory_mb)

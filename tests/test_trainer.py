@@ -13,7 +13,7 @@ from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
 from ibpo.rewards import GRADERS
 from ibpo.step import StepParts, rl_step
-from ibpo.trainer import build_optimizer, train
+from ibpo.trainer import build_optimizer, run_recipe
 
 
 class GradRecorder(torch.optim.Optimizer):
@@ -194,7 +194,7 @@ def test_train_writes_adapter_summary_and_metrics(tiny_model_dir, tmp_path):
             "train.eval_every=2",
         ],
     )
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == summary
     assert summary["steps"] == 3 and summary["status"] == "completed"
@@ -297,7 +297,7 @@ def test_a_code_reward_refuses_the_socket_patch_sandbox(tmp_path, monkeypatch):
     out = tmp_path / "run"
     overrides = ["reward.functions=code", "data.answer_format=plain", f"run.output_dir={out}"]
     with pytest.raises(ConfigError, match="bubblewrap.*reward.sandbox=allow_socket_patch"):
-        train(load_config(None, overrides))
+        run_recipe(load_config(None, overrides))
     assert not out.exists()
     allow = code_grader.training_policy("allow_socket_patch")
     assert code_grader.check_training_sandbox(allow) == "socket-patch"
@@ -320,7 +320,7 @@ def test_a_code_reward_refuses_a_sandbox_without_a_whole_test_memory_bound(tmp_p
     out = tmp_path / "run"
     overrides = ["reward.functions=code", "data.answer_format=plain", f"run.output_dir={out}"]
     with pytest.raises(ConfigError, match="no memory cgroup.*allow_per_process_memory"):
-        train(load_config(None, overrides))
+        run_recipe(load_config(None, overrides))
     assert not out.exists()
     for name in ("allow_per_process_memory", "allow_socket_patch"):
         assert code_grader.check_training_sandbox(code_grader.training_policy(name)) == "bwrap"

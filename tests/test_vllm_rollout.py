@@ -207,7 +207,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
     """A whole run: held-out answers, rollouts and IBPO's repairs come from the engine, each
     phase (eval before, 2 steps, eval after) with the adapter as it is then; the adapter trains."""
     from ibpo.rewards import GRADERS
-    from ibpo.trainer import train
+    from ibpo.trainer import run_recipe
 
     # a random tiny model never answers right: reward odd-length answers, so groups differ
     monkeypatch.setitem(GRADERS, "odd_length", lambda text, answer: float(len(text) % 2))
@@ -232,7 +232,7 @@ def test_training_on_the_vllm_backend(fake_vllm, tiny_model_dir, tmp_path, monke
             "repair.reference_selection=correct_first",  # the repair counts below need every plan
         ],
     )
-    summary = train(cfg)
+    summary = run_recipe(cfg)
     assert summary["status"] == "completed" and summary["eval_after"]["n"] == 4
     llm = fake_vllm.ENGINES[-1]
     ids = [lora.lora_int_id for _, lora in llm.requests]
@@ -285,7 +285,7 @@ def test_engine_failures(fake_vllm, tiny_model_dir, tmp_path, monkeypatch):
         ],
     )
     with pytest.raises(RuntimeError, match="a bug"):
-        trainer.train(run)
+        trainer.run_recipe(run)
     assert len(started) == 1 and started[0].llm is None  # closed
     assert not started[0].workdir.exists()
 

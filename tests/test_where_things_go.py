@@ -314,7 +314,7 @@ def test_a_new_benchmark_is_one_entry_the_eval_command_runs(tiny_model_dir, tmp_
     problems = benchmarks.load_problems(bench, data=str(rows), limit=2)
     assert [(p.id, p.gold) for p in problems] == [("s0", "1"), ("s1", "2")]
     grade, extract = benchmarks.grader(bench)
-    assert grade("The answer is \\boxed{2}", "2") == 1.0 and extract("\\boxed{2}") == "2"
+    assert grade("The answer is \\boxed{2}", "2").score == 1.0 and extract("\\boxed{2}") == "2"
 
     out = tmp_path / "eval"
     argv = ["--model", str(tiny_model_dir), "--data", str(rows), "--limit", "2", "--n", "1",

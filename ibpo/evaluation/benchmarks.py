@@ -32,6 +32,7 @@ from ibpo.config import ConfigError
 from ibpo.data import gold_answer, read_json_records, read_parquet_file
 from ibpo.rewards import GRADERS
 from ibpo.rewards.code import extract_code, humaneval_spec, livecodebench_spec
+from ibpo.rewards.errors import Graded
 from ibpo.rewards.functions import RewardSet, reward_set
 from ibpo.rewards.math import extract_answer
 
@@ -220,9 +221,9 @@ BENCHMARKS: dict[str, Benchmark] = {
 }  # fmt: skip
 
 
-def grader(bench: Benchmark) -> tuple[Callable[[str, str], float], Callable[[str], str | None]]:
-    """(the training grader, what a completion answered: final answer for math, program for
-    code)."""
+def grader(bench: Benchmark) -> tuple[Callable[..., Graded], Callable[[str], str | None]]:
+    """(the training grader, returning Graded; what a completion answered: final answer for
+    math, program for code)."""
     if bench.reward not in GRADERS:
         raise ConfigError(f"{bench.name} needs the '{bench.reward}' grader in ibpo.rewards")
     extract = extract_code if bench.reward == "code" else extract_answer

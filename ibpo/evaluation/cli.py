@@ -34,6 +34,7 @@ from ibpo.generation import decode_engine, engine_kwargs, generate, import_vllm
 from ibpo.generation.multiturn import ToolRollouts
 from ibpo.modeling import load_for_inference, load_tokenizer, resolve_model_path
 from ibpo.quiet import quiet_third_party
+from ibpo.rewards.functions import RewardError
 from ibpo.tools import resolve_tools
 
 
@@ -292,6 +293,35 @@ def evaluate(args) -> dict:
         bench, args.data, args.revision, args.subset, args.limit, (args.start_date, args.end_date)
     )
     out_dir = Path(args.output_dir or default_output_dir(bench.name, args.model, args.adapter))
+    fingerprint = _fingerprint(args, bench)
+    check_run(out_dir, fingerprint, args.overwrite)
+    builder = vllm_sampler if args.backend == "vllm" else hf_sampler
+    records = run_benchmark(
+        problems,
+        args.n,
+        out_dir,
+        lambda: builder(args),
+        reward_fns(bench),
+        extract,
+        args.enable_thinking,
+        args.batch_size,
+        args.progress,
+        seed=args.seed,
+    )
+    metrics = summarize(problems, records, args.n, vote=bench.reward == "math")
+    wall = round(time.time() - start, 1)
+    summary = {**fingerprint, **metrics, "wall_seconds": wall}
+    summary["output_dir"] = str(out_dir)
+    if args.adapter and Path(args.adapter).is_dir():  # how `ibpo push` finds this evaluation
+        summary["adapter_path"] = str(Path(args.adapter).resolve())
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown_row(summary, header=True))
+    return summary
+
+
+def _fingerprint(args, bench) -> dict:
+    """The settings an evaluation's samples come from (check_run: the samples already in its
+    output folder must share them; summary.json opens with them)."""
     fingerprint = {
         "benchmark": bench.name,
         "data": args.data or bench.dataset,
@@ -317,29 +347,7 @@ def evaluate(args) -> dict:
         fingerprint.update(tools=list(args.tools), max_tool_calls=args.max_tool_calls)
     if args.temperature > 0:  # greedy samples need no seeds: earlier greedy folders still match
         fingerprint["sample_seeds"] = SAMPLE_SEEDS
-    check_run(out_dir, fingerprint, args.overwrite)
-    builder = vllm_sampler if args.backend == "vllm" else hf_sampler
-    records = run_benchmark(
-        problems,
-        args.n,
-        out_dir,
-        lambda: builder(args),
-        reward_fns(bench),
-        extract,
-        args.enable_thinking,
-        args.batch_size,
-        args.progress,
-        seed=args.seed,
-    )
-    metrics = summarize(problems, records, args.n, vote=bench.reward == "math")
-    wall = round(time.time() - start, 1)
-    summary = {**fingerprint, **metrics, "wall_seconds": wall}
-    summary["output_dir"] = str(out_dir)
-    if args.adapter and Path(args.adapter).is_dir():  # how `ibpo push` finds this evaluation
-        summary["adapter_path"] = str(Path(args.adapter).resolve())
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown_row(summary, header=True))
-    return summary
+    return fingerprint
 
 
 def _cell(v) -> str:
@@ -377,8 +385,8 @@ def main(argv: list[str] | None = None, benchmark: str | None = None) -> int:
         args.benchmark = benchmark
     try:
         summary = evaluate(args)
-    except (ConfigError, RuntimeError) as e:
-        if not isinstance(e, ConfigError) and "embedded default model" not in str(e):
+    except (ConfigError, RewardError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "embedded default model" not in str(e):
             raise
         print(f"eval: error: {e}", file=sys.stderr)
         return 2

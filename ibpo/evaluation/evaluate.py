@@ -56,7 +56,7 @@ from ibpo.config import ConfigError, DataConfig
 from ibpo.data import Example, render_example, render_prompt
 from ibpo.generation import Generator
 from ibpo.generation.multiturn import ToolRollouts, tool_columns
-from ibpo.rewards.functions import RewardSet, grade_completions, logged_metrics
+from ibpo.rewards.functions import Grades, RewardSet, grade_completions, logged_metrics
 from ibpo.rewards.math import answers_match, text_to_grade
 
 # (prompts, one sampling seed per prompt) -> (completion text, length in tokens, hit
@@ -314,28 +314,35 @@ def run_benchmark(
         texts = [out[0] for out in outs]  # with tools: the last assistant turn
         grades = grade_completions(reward_fns, [as_example(p) for p, _ in chunk], prompts, texts)
         answered = [extract(text_to_grade(p, t)) for p, t in zip(prompts, texts)]
-        new = [
-            {
-                "problem_id": p.id,
-                "sample": i,
-                "completion": out[0],
-                "extracted": a,
-                "reward": float(r),
-                "length": out[1],
-                "truncated": bool(out[2]),
-                **({"grader_error": why} if why else {}),  # the grader's own failure: scored 0
-                **(out[3] if len(out) > 3 else {}),  # a tool sampler's conversation and calls
-            }
-            for (p, i), out, a, r, why in zip(
-                chunk, outs, answered, grades.totals, grades.failure_reasons()
-            )
-        ]
+        new = _sample_records(chunk, outs, answered, grades)
         append_samples(path, new)
         records.update({(r["problem_id"], r["sample"]): r for r in new})
         bar.update(len(chunk))
         bar.set_postfix(reward=f"{_mean([r['reward'] for r in new]):.3f}")
     bar.close()
     return records
+
+
+def _sample_records(chunk: list, outs: list, answered: list, grades: Grades) -> list[dict]:
+    """samples.jsonl's records of one chunk of (problem, sample) pairs: what the sampler gave
+    (text, length, truncated; a tool sampler's conversation and calls), the answer extracted,
+    the reward and the grader's own failure where it had one."""
+    return [
+        {
+            "problem_id": p.id,
+            "sample": i,
+            "completion": out[0],
+            "extracted": a,
+            "reward": float(r),
+            "length": out[1],
+            "truncated": bool(out[2]),
+            **({"grader_error": why} if why else {}),  # the grader's own failure: scored 0
+            **(out[3] if len(out) > 3 else {}),  # a tool sampler's conversation and calls
+        }
+        for (p, i), out, a, r, why in zip(
+            chunk, outs, answered, grades.totals, grades.failure_reasons()
+        )
+    ]
 
 
 def as_example(problem) -> Example:

@@ -134,52 +134,63 @@ def generate(
             # recompilation); each call here gets its own length (a repair prompt is ~3x longer)
             vars(unwrap(model)).pop("_previous_max_cache_length", None)
             processors = list(logits_processor or [])
-            recorder = SampledLogprobs(temperature, top_k, top_p) if do_sample else None
             ids, mask = prompt_ids[s : s + batch_size], prompt_mask[s : s + batch_size]
-            inputs = dict(input_ids=ids, attention_mask=mask)
-            width = ids.shape[1]  # left-padded: a row's real ids are its last ones
-            host = zip(host_ids[s : s + batch_size].tolist(), host_mask[s : s + batch_size].sum(-1))
-            real = [row[width - int(m) :] for row, m in host]
-            if shares_prefill(gen_model, ids.shape, num_samples):
-                inputs[CACHE_KWARG] = prefill(gen_model, ids, mask, num_samples)
-                computed += sum(len(r) - 1 for r in real[::num_samples]) + len(real)
-            elif share_prefixes and num_samples == 1 and shares_prefixes(gen_model):
-                runs = plan_shared_prefixes(real)
-                if runs is not None:
-                    plan = shared_prefix_inputs(
-                        gen_model, real, runs, tokenizer.pad_token_id, device
-                    )
-                    inputs = dict(input_ids=plan.input_ids, attention_mask=plan.attention_mask)
-                    inputs[CACHE_KWARG] = plan.cache
-                    computed += plan.computed_tokens
-                else:
-                    computed += sum(len(r) for r in real)
-            else:
-                computed += sum(len(r) for r in real)
+            host = host_ids[s : s + batch_size], host_mask[s : s + batch_size]
+            inputs, ran = _prompt_inputs(
+                gen_model, tokenizer, ids, mask, host, num_samples, share_prefixes
+            )
+            computed += ran
             with sampling_stream(device, key, k) if key and k else nullcontext():
-                decoded = None
-                if engine is not None:
-                    sampling = Sampling(do_sample, temperature, top_k, top_p)
-                    decoded = engine_decode(engine, gen_model, inputs, kwargs, sampling, processors)
-                if decoded is not None:
-                    pieces.append(decoded[0])
-                    if decoded[1] is not None:
-                        logprobs.append(decoded[1])
-                    continue
-                out = gen_model.generate(
-                    logits_processor=processors + ([recorder] if recorder else []),
-                    **inputs,
-                    **kwargs,
-                )
-            pieces.append(out[:, inputs["input_ids"].shape[1] :])
-            if recorder is not None:
-                logprobs.append(recorder.finish(pieces[-1]))
+                sampling = Sampling(do_sample, temperature, top_k, top_p)
+                piece, sampled = _decode(gen_model, inputs, kwargs, engine, sampling, processors)
+            pieces.append(piece)
+            if sampled is not None:
+                logprobs.append(sampled)
     finally:
         model.train(was_training)
     slots = sum(p.shape[0] * p.shape[1] for p in pieces)  # each slice ran all its rows
     return assemble(
         prompt_ids, prompt_mask, pieces, tokenizer, eos, logprobs or None, computed, slots
     )
+
+
+def _prompt_inputs(
+    model, tokenizer, ids, mask, host: tuple, num_samples: int, share_prefixes: bool
+) -> tuple[dict, int]:
+    """One slice's generate inputs with the prompt cache it can share (a group's prompt run
+    once: prefill; prefixes distinct prompts share: prefixes.py), and the prompt tokens the
+    model runs for it. `host`: the slice's ids and mask on the host (no read from the device)."""
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    width = ids.shape[1]  # left-padded: a row's real ids are its last ones
+    real = [row[width - int(m) :] for row, m in zip(host[0].tolist(), host[1].sum(-1))]
+    if shares_prefill(model, ids.shape, num_samples):
+        inputs[CACHE_KWARG] = prefill(model, ids, mask, num_samples)
+        return inputs, sum(len(r) - 1 for r in real[::num_samples]) + len(real)
+    if share_prefixes and num_samples == 1 and shares_prefixes(model):
+        runs = plan_shared_prefixes(real)
+        if runs is not None:
+            plan = shared_prefix_inputs(model, real, runs, tokenizer.pad_token_id, ids.device)
+            shared = dict(input_ids=plan.input_ids, attention_mask=plan.attention_mask)
+            shared[CACHE_KWARG] = plan.cache
+            return shared, plan.computed_tokens
+    return inputs, sum(len(r) for r in real)
+
+
+def _decode(model, inputs: dict, kwargs: dict, engine, sampling: Sampling, processors: list):
+    """One slice's completion tokens [n, t] and, when sampled, their behaviour log-probs (None
+    when greedy): the package's engine where it decodes, else HF generate."""
+    if engine is not None:
+        decoded = engine_decode(engine, model, inputs, kwargs, sampling, processors)
+        if decoded is not None:
+            return decoded
+    recorder = None
+    if sampling.do_sample:
+        recorder = SampledLogprobs(sampling.temperature, sampling.top_k, sampling.top_p)
+    out = model.generate(
+        logits_processor=processors + ([recorder] if recorder else []), **inputs, **kwargs
+    )
+    piece = out[:, inputs["input_ids"].shape[1] :]
+    return piece, (recorder.finish(piece) if recorder is not None else None)
 
 
 def engine_decode(engine: DecodeEngine, model, inputs: dict, kwargs: dict, sampling, processors):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from ibpo import config
-from ibpo.config import ConfigError
+from ibpo.config import REPO_ID, ConfigError
+from ibpo.config import check_repo_id as repo_id_rule
 from ibpo.embedded import EMBEDDED_NAME
 from ibpo.evaluation.benchmarks import BENCHMARKS
 from ibpo.evaluation.cli import markdown_row
@@ -62,7 +62,7 @@ class HubError(ConfigError):
 def check_repo_id(repo_id: str | None) -> str:
     """The Hub's repo-id rule (config.check_repo_id, which run.hub_repo_id is checked by too),
     raising HubError."""
-    return config.check_repo_id(repo_id, HubError)
+    return repo_id_rule(repo_id, HubError)
 
 
 # --- what a run left behind ----------------------------------------------------------------------
@@ -153,14 +153,12 @@ def scrub(tree):
 
 
 def _is_hub_id(name: str | None) -> bool:
-    return bool(name) and config.REPO_ID.fullmatch(name) is not None and not Path(name).exists()
+    return bool(name) and REPO_ID.fullmatch(name) is not None and not Path(name).exists()
 
 
 def base_model_id(model_name: str | None, override: str | None = None) -> str | None:
     if override:
-        if not config.REPO_ID.fullmatch(
-            override
-        ):  # a path would land in the card and adapter config
+        if not REPO_ID.fullmatch(override):  # a path would land in the card and adapter config
             raise HubError(
                 f"--base-model {override!r} is not a Hub model id. Fix: the Hub id the local base "
                 "was copied from, e.g. --base-model Qwen/Qwen3-1.7B"

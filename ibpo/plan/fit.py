@@ -150,26 +150,7 @@ def estimate(
                 "no batch setting fits: shorten rollout.max_new_tokens or "
                 "data.max_prompt_tokens, or use a larger GPU"
             )
-    if gpus > 1 and sharding == "ddp":
-        notes.append("DDP: every GPU holds all of this (--sharding fsdp for FSDP full shard)")
-    if gpus > 1 and sharding == "fsdp":
-        notes.append(
-            f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
-            "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
-            "layers are counted whole (FSDP all-gathers them)"
-        )
-        notes.append("FSDP: generation runs on a whole gathered copy of the weights")
-    if cfg.rollout.backend == "vllm":
-        notes.append(
-            "rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
-            "not measured; it sleeps during training (weights in host memory)"
-        )
-    if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
-        host = offloaded_bytes(shape, cfg, dtype_bytes(cfg.model)) / GIB
-        notes.append(
-            f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "
-            "pinned host memory during the update"
-        )
+    notes += _notes(shape, cfg, gpus, sharding)
     name = (
         model_config.get("_name_or_path", "model config")
         if isinstance(model_config, Mapping)
@@ -192,6 +173,33 @@ def estimate(
         notes,
         sharding,
     )
+
+
+def _notes(shape: ModelShape, cfg: Config, gpus: int, sharding: str) -> list[str]:
+    """What a plan says beside its numbers: how the GPUs share the run, the vLLM engine's
+    estimate, activations offloaded to host memory."""
+    notes = []
+    if gpus > 1 and sharding == "ddp":
+        notes.append("DDP: every GPU holds all of this (--sharding fsdp for FSDP full shard)")
+    if gpus > 1 and sharding == "fsdp":
+        notes.append(
+            f"FSDP full shard: weights, LoRA, grads and optimizer state are 1/{gpus} "
+            "per GPU; 4-bit quantisation state, embeddings/lm_head and two decoder "
+            "layers are counted whole (FSDP all-gathers them)"
+        )
+        notes.append("FSDP: generation runs on a whole gathered copy of the weights")
+    if cfg.rollout.backend == "vllm":
+        notes.append(
+            "rollout.backend=vllm: the engine's CUDA graphs and buffers are an estimate, "
+            "not measured; it sleeps during training (weights in host memory)"
+        )
+    if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
+        host = offloaded_bytes(shape, cfg, dtype_bytes(cfg.model)) / GIB
+        notes.append(
+            f"model.offload_activations: the layer inputs wait in {host:.2f} GiB of "
+            "pinned host memory during the update"
+        )
+    return notes
 
 
 def format_plan(plan: Plan) -> str:

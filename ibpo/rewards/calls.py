@@ -8,7 +8,7 @@ within a time limit.
   limit each runs on a daemon thread that is abandoned when its time is up (a thread cannot be
   stopped; its late result is ignored, and a daemon thread never holds the process at exit).
   Every call runs in a copy of the caller's context (contextvars), on whichever thread: what
-  the caller's context holds (the grader failures being collected, errors.py) reaches it.
+  the caller's context holds (a context variable a reward function's caller set) reaches it.
 * `EventLoop`: one asyncio loop on a daemon thread of its own, on which the coroutines of
   `async def` rewards are awaited together (`asyncio.gather`), each within the time limit (a
   coroutine that runs out of time is cancelled). A loop of its own, not `asyncio.run`: in a

@@ -50,12 +50,13 @@ from dataclasses import asdict
 from typing import Any
 
 from ibpo.config import ConfigError
-from ibpo.rewards import errors as grader_errors
+from ibpo.rewards.errors import Graded, failed
 from ibpo.rewards.math import strip_thinking
 from ibpo.sandbox import memory
 from ibpo.sandbox import policy as sandbox_policy
+from ibpo.sandbox.cases import Limits, TestCase
 from ibpo.sandbox.policy import Policy
-from ibpo.sandbox.run import MODES, Limits, TestCase, isolation_mode, run_tests, uncontained
+from ibpo.sandbox.run import MODES, isolation_mode, run_tests, uncontained
 
 _LANG = re.compile(r"[ \t]*([\w+#.-]*)")  # a fence's info string: its language first
 _PY_LANGS = ("python", "python3", "py", "")
@@ -114,11 +115,12 @@ def _fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
 
 def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[str, Any]:
     """Grade one completion; per-test details for evaluation reports. Never raises for a
-    completion: a failure of the grader itself scores 0 with its reason and is counted
-    (ibpo.rewards.errors). A malformed spec (the dataset's answer) raises ValueError, a sandbox
-    that this process refuses (a training run's policy, sandbox/policy.py) sandbox.policy.Refused,
-    both naming the fix. `mode`: the sandbox's isolation mode (default: the most isolated that
-    works here). A program over MAX_CODE_CHARS scores 0 without running."""
+    completion: a failure of the grader itself scores 0 with its reason, and the failure
+    (errors.GraderFailure) under "failure" (only then). A malformed spec (the dataset's answer)
+    raises ValueError, a sandbox that this process refuses (a training run's policy,
+    sandbox/policy.py) sandbox.policy.Refused, both naming the fix. `mode`: the sandbox's
+    isolation mode (default: the most isolated that works here). A program over MAX_CODE_CHARS
+    scores 0 without running."""
     spec = _parse_spec(answer)
     out: dict[str, Any] = {"reward": 0.0, "passed": 0, "total": 0, "results": []}
     try:
@@ -134,14 +136,16 @@ def grade_code(completion: str, answer: str, mode: str | None = None) -> dict[st
     except ValueError:
         raise  # the spec's own tests are malformed: the message names the fix
     except Exception as e:
-        out["reason"] = grader_errors.record("code", e)
+        out["failure"] = failed("code", e)
+        out["reason"] = out["failure"].reason
         return out
     try:
         return _grade(program, tests, spec, mode, out)
     except sandbox_policy.Refused:
         raise  # the run's sandbox, not the completion: the message names the fix
     except Exception as e:
-        out.update(reward=0.0, passed=0, results=[], reason=grader_errors.record("code", e))
+        failure = failed("code", e)
+        out.update(reward=0.0, passed=0, results=[], reason=failure.reason, failure=failure)
         return out
 
 
@@ -161,9 +165,16 @@ def _grade(program: str, tests: list[TestCase], spec: dict, mode: str, out: dict
     return out
 
 
+def score_code(completion: str, answer: str) -> Graded:
+    """The grader GRADERS["code"]: score 1.0 when the extracted program passes every test (or
+    the passed share in "fraction" mode), else 0.0, with the grader's own failure if it had one.
+    Same signature as score_math; never raises for a completion."""
+    out = grade_code(completion, answer)
+    return Graded(out["reward"], out.get("failure"))
+
+
 def code_reward(completion: str, answer: str) -> float:
-    """1.0 when the extracted program passes every test (or the passed share in "fraction"
-    mode), else 0.0. Same signature as math_reward; never raises for a completion."""
+    """score_code's score alone (a failure of the grader itself is logged and scores 0)."""
     return grade_code(completion, answer)["reward"]
 
 

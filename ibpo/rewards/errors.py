@@ -1,17 +1,14 @@
-"""Grader failures, reported with the grading instead of raised: a grader's own failure is
+"""Grader failures, returned with the score instead of raised: a grader's own failure is
 reward 0, never a stop.
 
-The built-in graders (math_reward, answers_match, grade_code / code_reward) catch every
-exception of their own internals for any completion (a RecursionError on a deeply nested value,
-an OSError starting a sandbox, a bug), call `record(kind, exc)` and return reward 0 with the
-reason. `record` adds a `GraderFailure` to the failures being collected in the caller's context
-(`collecting()`, a context variable: each grading collects its own, however many run at once,
-and worker threads that run in a copy of the grading's context add to it); `sample(i)` says
-which completion of a call is being graded. The grading returns them with its score
+The built-in graders (math.score_math, code.score_code) catch every exception of their own
+internals for any completion (a RecursionError on a deeply nested value, an OSError starting a
+sandbox, a bug) and return `Graded(0.0, GraderFailure(kind, reason))`: the score with the
+failure that gave it. The grading that called them (functions.RewardSet.score) places each
+failure at its completion and reward function and returns them with its scores
 (functions.Grades.failures): the step logs their count as `grader_errors`, the held-out
-evaluation as `eval_grader_errors`, a benchmark keeps each sample's reason. The first failure of
-each kind is also logged once per process, with its traceback; a failure outside any
-`collecting()` (a grader called directly) is only logged.
+evaluation as `eval_grader_errors`, a benchmark keeps each sample's reason. The first failure
+of each kind is also logged once per process, with its traceback (`failed`).
 
 Not here: errors in the gold answers themselves (a malformed code test spec raises ValueError
 with the fix: it is the dataset's, not the completion's), grading itself (math.py, code.py).
@@ -21,9 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 _log = logging.getLogger("ibpo.rewards")
@@ -38,47 +32,28 @@ class GraderFailure:
 
     kind: str  # the grader: "math", "code"
     reason: str  # "grader error (<kind>): <exception>", bounded
-    index: int | None = None  # the completion within its grading (None: not said)
+    index: int | None = None  # the completion within its grading (None: not placed yet)
     function: str | None = None  # the reward function that called the grader
 
 
-_failures: ContextVar[list[GraderFailure] | None] = ContextVar("grader_failures", default=None)
-_sample: ContextVar[int | None] = ContextVar("grader_sample", default=None)
+@dataclass(frozen=True)
+class Graded:
+    """What a grader of GRADERS returns for one completion: its score (in [0, 1]) and, when
+    the grader itself failed on it (the score is then 0), that failure. A reward function may
+    return one as a value (functions.py)."""
+
+    score: float
+    failure: GraderFailure | None = None
 
 
-@contextmanager
-def collecting() -> Iterator[list[GraderFailure]]:
-    """The failures recorded in this context until the block ends (nested: the innermost
-    block's list only)."""
-    caught: list[GraderFailure] = []
-    token = _failures.set(caught)
-    try:
-        yield caught
-    finally:
-        _failures.reset(token)
-
-
-@contextmanager
-def sample(index: int) -> Iterator[None]:
-    """Failures recorded in the block are completion `index`'s."""
-    token = _sample.set(index)
-    try:
-        yield
-    finally:
-        _sample.reset(token)
-
-
-def record(kind: str, exc: BaseException) -> str:
-    """One failure of grader `kind` (e.g. "math", "code"), added to the failures being
-    collected; -> the reason, bounded."""
+def failed(kind: str, exc: BaseException) -> GraderFailure:
+    """The failure of grader `kind` (e.g. "math", "code") on `exc`, its reason bounded; the
+    first of each kind in this process is logged with its traceback."""
     try:
         detail = str(exc)
     except Exception:  # a str() that fails (or is huge) says nothing more than the type
         detail = ""
     reason = f"grader error ({kind}): {type(exc).__name__}: {detail}"[:MAX_REASON_CHARS]
-    caught = _failures.get()
-    if caught is not None:
-        caught.append(GraderFailure(kind, reason, _sample.get()))
     with _lock:
         first = kind not in _logged
         _logged.add(kind)
@@ -88,4 +63,4 @@ def record(kind: str, exc: BaseException) -> str:
             reason,
             exc_info=(type(exc), exc, exc.__traceback__),
         )
-    return reason
+    return GraderFailure(kind, reason)

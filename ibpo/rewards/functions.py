@@ -30,7 +30,10 @@ Each call gets values of its own (`_own` copies, at every depth): what a functio
 its arguments (appending to a list inside a row's column) reaches no other call, no later step
 and not the dataset's rows.
 
-None means "this reward does not apply to that completion". The reward is TRL's weighted sum
+None means "this reward does not apply to that completion". A value may also be a grader's
+`errors.Graded` (what the built-ins return, or what a function of yours passes on from
+`score_math` / `score_code`): its score, and its failure, if the grader had one, returned with the
+grading. The reward is TRL's weighted sum
 over the functions that apply (`nansum` of weight x value); a completion no function applies
 to has no reward (NaN, TRL's rule: left out of its group's baseline, no advantage), and a
 warning names the first such row. Each function's mean over the completions it applies to is
@@ -49,13 +52,14 @@ completions, counted (`reward_timeouts`, one warning naming it), and the run goe
 
 A grading returns `Grades`: the weighted totals, each function's values, the columns and
 metrics the functions logged, the calls that ran out of time and the built-in graders' own
-failures (errors.py), all of that grading's alone, so gradings may run at once.
+failures (which they return with their scores: errors.Graded), all of that grading's alone, so
+gradings may run at once.
 `grade_completions` is the route every grading takes (the step's rollouts and repairs, the
 held-out evaluation, the benchmarks): problems, rendered prompts and completion texts in,
 `Grades` out.
 
 `reward.functions` names them: a built-in (`math`, `code`: the graders of
-ibpo.rewards.GRADERS, each `(text, gold) -> float`, wrapped here), an import path
+ibpo.rewards.GRADERS, each `(text, gold) -> Graded`, wrapped here), an import path
 `package.module:function`, a reward model's Hub id or folder (rewards/models.py), or a list of
 them; `reward.weights` gives one weight per function (default 1 each). The Python API passes
 callables directly (ibpo.train), and a reward model as the pair (model, tokenizer).
@@ -86,9 +90,8 @@ from typing import Any
 
 from ibpo.config import ConfigError, check_reward_weights
 from ibpo.rewards import GRADERS
-from ibpo.rewards import errors as grader_errors
 from ibpo.rewards.calls import EventLoop, Outcome, run_sync
-from ibpo.rewards.errors import GraderFailure
+from ibpo.rewards.errors import Graded, GraderFailure
 from ibpo.rewards.math import text_to_grade
 from ibpo.rewards.models import hub_reward_model, reward_model
 from ibpo.sandbox.policy import Refused
@@ -105,8 +108,11 @@ NOT_COLUMNS = frozenset({"prompt", "completion", *ARGUMENTS})
 _SHOWN = 200  # characters of a prompt, completion or column shown in a warning
 
 
-class RewardError(ConfigError):
-    """A reward function misbehaved; the message names the function and what it did."""
+class RewardError(Exception):
+    """A reward function failed while grading (it raised, returned what is not one number per
+    completion, or could not take its arguments): the message names the function, what it did
+    and the fix. Not a ConfigError: the run's configuration was read and checked; a run ends
+    on it with status reward_failed (run/failures.py)."""
 
 
 def _text(completion) -> str:
@@ -161,9 +167,11 @@ def _problem_text(prompt) -> str | None:
 
 
 def builtin(name: str) -> RewardCallable:
-    """The grader GRADERS[name] (`(text, gold) -> float`) as a reward function reading the
-    `answer` column, and the problem's options (problem_choices) for a grader that takes
-    `choices`. Looked up when called, so that a grader registered later is the one used."""
+    """The grader GRADERS[name] (`(text, gold) -> Graded`) as a function called as reward
+    functions are, reading the `answer` column, and the problem's options (problem_choices) for
+    a grader that takes `choices`; it returns each completion's Graded (score and the grader's
+    failure, if it had one). Looked up when called, so that a grader registered later is the
+    one used."""
 
     def reward(completions: list, answer: list | None = None, prompts=None, **columns):
         grader = GRADERS[name]
@@ -171,11 +179,10 @@ def builtin(name: str) -> RewardCallable:
         options = {}
         if takes_choices(grader):
             options = {"choices": problem_choices(columns, prompts, len(completions))}
-        values = []
-        for i, (c, a) in enumerate(zip(completions, gold)):
-            with grader_errors.sample(i):  # a failure of the grader is completion i's
-                values.append(grader(_text(c), a, **{k: v[i] for k, v in options.items()}))
-        return values
+        return [
+            grader(_text(c), a, **{k: v[i] for k, v in options.items()})
+            for i, (c, a) in enumerate(zip(completions, gold))
+        ]
 
     reward.__name__ = name
     return reward
@@ -422,7 +429,7 @@ class RewardSet:
         concurrent = [r for r in self.functions if r.is_async]
         pending = None
         if concurrent:  # started first: awaited on the loop while the others run
-            coros = [_caught(r.fn(**self._kwargs(r, base, 0, n, grading))) for r in concurrent]
+            coros = [r.fn(**self._kwargs(r, base, 0, n, grading)) for r in concurrent]
             pending = self._loop.start(coros, self.timeout)
         chunks = _chunks(n, self.workers)
         jobs = [(r, lo, hi) for r in sync for lo, hi in chunks]
@@ -454,20 +461,19 @@ class RewardSet:
         return kw
 
     def _call(self, r: RewardFunction, kw: dict) -> Callable[[], Any]:
-        """A synchronous function's call -> (its value, the grader failures it recorded); an
-        awaitable it returns is awaited on the loop."""
+        """A synchronous function's call -> its value; an awaitable it returns is awaited on
+        the loop."""
 
         def call():
-            with grader_errors.collecting() as failures:
-                out = r.fn(**kw)
-                if inspect.isawaitable(out):
-                    (done,) = self._loop.run([out], self.timeout)
-                    if done.timed_out:
-                        raise _TimedOut
-                    if done.error is not None:
-                        raise done.error
-                    out = done.value
-            return out, failures
+            out = r.fn(**kw)
+            if inspect.isawaitable(out):
+                (done,) = self._loop.run([out], self.timeout)
+                if done.timed_out:
+                    raise _TimedOut
+                if done.error is not None:
+                    raise done.error
+                out = done.value
+            return out
 
         return call
 
@@ -503,8 +509,8 @@ class RewardSet:
     def _values(
         self, r: RewardFunction, o: Outcome, base: dict, lo: int, hi: int, grades: Grades
     ) -> list[float]:
-        """One call's values on completions[lo:hi]; its timeout or grader failures go to
-        `grades`."""
+        """One call's values on completions[lo:hi]; its timeout, or the failures a built-in
+        grader returned, go to `grades`."""
         if o.timed_out or isinstance(o.error, _TimedOut):
             grades.timeouts += 1
             self._warn_once(
@@ -520,11 +526,16 @@ class RewardSet:
         if o.error is not None:
             message, error = self._raised(r, base, lo, hi, o.error)
             raise RewardError(message) from error
-        value, failures = o.value
-        grades.failures += [
-            replace(f, index=None if f.index is None else lo + f.index, function=r.name)
-            for f in failures
-        ]
+        value = o.value
+        if isinstance(value, list) and any(isinstance(g, Graded) for g in value):
+            # a grader's Graded (a built-in's, or one a function of the user's passed on): its
+            # score, and its failure placed at its completion and function
+            grades.failures += [
+                replace(g.failure, index=lo + i, function=r.name)
+                for i, g in enumerate(value)
+                if isinstance(g, Graded) and g.failure is not None
+            ]
+            value = [g.score if isinstance(g, Graded) else g for g in value]
         return _checked(r, value, hi - lo, lo)
 
     def _raised(self, r: RewardFunction, base: dict, lo: int, hi: int, e: BaseException):
@@ -533,7 +544,7 @@ class RewardSet:
         for i in range(lo, hi):
             kw = self._kwargs(r, base, i, i + 1, _Grading(hi))  # what it logs: not kept
             if r.is_async:
-                (o,) = self._loop.run([_caught(r.fn(**kw))], self.timeout)
+                (o,) = self._loop.run([r.fn(**kw)], self.timeout)
             else:
                 (o,) = run_sync([self._call(r, kw)], 1, self.timeout)
             if o.timed_out or isinstance(o.error, _TimedOut):
@@ -578,13 +589,6 @@ class RewardSet:
                     f"<= {self.failed:g} (IBPO repairs it). If your rewards' scale is another, "
                     "set reward.correct_threshold and reward.failed_threshold to it",
                 )
-
-
-async def _caught(awaitable) -> tuple[Any, list[GraderFailure]]:
-    """An async function's (value, the grader failures it recorded): collected in the task
-    that awaits it, as a synchronous call's are on its thread."""
-    with grader_errors.collecting() as failures:
-        return await awaitable, failures
 
 
 def _short(value) -> str:

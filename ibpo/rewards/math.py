@@ -75,7 +75,8 @@ and after each kill) and a pipe round trip (well under 1 ms) per comparison. Ver
 timeouts included, so a repeated pathological answer costs one kill. Where no worker can start
 (non-POSIX, no subprocess), math-verify runs in-process behind the text guards, with a warning.
 
-A failure of the grader itself (any exception) is no match, counted (ibpo.rewards.errors).
+A failure of the grader itself (any exception) is no match, returned with the score
+(score_math -> errors.Graded).
 
 Not here: partial credit, tolerance beyond the rules above, unit conversion (5 m vs 500 cm), code
 execution (sandbox), format rewards, dataset-specific gold parsing (data/rows.py).
@@ -99,7 +100,7 @@ import time
 import unicodedata
 from fractions import Fraction
 
-from ibpo.rewards import errors as grader_errors
+from ibpo.rewards.errors import Graded, failed
 
 # We turn math-verify's signal timeouts off on purpose (thread safety); silence its reminder.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -378,7 +379,8 @@ def _one_answer(answers: list[str], choices: dict | None) -> str | None:
             others.append(a)
             if len(others) >= MAX_CANDIDATES:
                 return None
-    if all(answers_match(a, last, choices) and answers_match(last, a, choices) for a in others):
+    # a failure comparing them is the grading's (score_math returns it), not a mismatch
+    if all(_answers_match(a, last, choices) and _answers_match(last, a, choices) for a in others):
         return last
     return None
 
@@ -387,8 +389,13 @@ def extract_answer(text: str, choices=None) -> str | None:
     """The final answer of a completion (raw text, not normalised), or None when it gives none:
     no answer, an answer its own words negate, condition or hedge, or several different boxed
     answers. `choices`: the problem's options, as math_reward takes them (a letter and its
-    value boxed apart are one answer)."""
-    return _final_answer(text, choices_of(choices))
+    value boxed apart are one answer). Never raises: a failure of the grader itself is logged
+    (errors.failed) and is no answer."""
+    try:
+        return _final_answer(text, choices_of(choices))
+    except Exception as e:
+        failed("math", e)
+        return None
 
 
 # ---------------------------------------------------------------------------- normalisation
@@ -1001,11 +1008,11 @@ def _squash(s: str) -> str:
 def answers_match(pred: str, gold: str, choices=None) -> bool:
     """Whether the extracted answer `pred` equals the gold answer (see the module docstring);
     `choices` as math_reward takes them. Never raises: a failure of the grader itself is
-    counted (errors.record) and is no match."""
+    logged (errors.failed) and is no match."""
     try:
         return _answers_match(pred, gold, choices_of(choices))
     except Exception as e:
-        grader_errors.record("math", e)
+        failed("math", e)
         return False
 
 
@@ -1055,20 +1062,25 @@ def _answers_match(pred: str, gold: str, choices: dict | None = None) -> bool:
     return _verify_bounded(gold, pred)
 
 
-def math_reward(completion: str, answer: str, choices=None) -> float:
-    """1.0 when the completion's final answer equals the gold answer, else 0.0. `choices`: the
-    problem's options when it gives them (a dataset column or the problem's text: choices_of),
-    so that a letter, its value or both score against a gold letter or value. Never raises: a
-    failure of the grader itself scores 0 and is counted (ibpo.rewards.errors)."""
+def score_math(completion: str, answer: str, choices=None) -> Graded:
+    """The grader GRADERS["math"]: score 1.0 when the completion's final answer equals the
+    gold answer, else 0.0. `choices`: the problem's options when it gives them (a dataset column
+    or the problem's text: choices_of), so that a letter, its value or both score against a gold
+    letter or value. Never raises: a failure of the grader itself scores 0 and is returned with
+    the score (ibpo.rewards.errors)."""
     try:
         if not completion or answer is None:
-            return 0.0
+            return Graded(0.0)
         options = choices_of(choices)
         pred = _final_answer(completion, options)
-        return float(pred is not None and _answers_match(pred, str(answer), options))
+        return Graded(float(pred is not None and _answers_match(pred, str(answer), options)))
     except Exception as e:
-        grader_errors.record("math", e)
-        return 0.0
+        return Graded(0.0, failed("math", e))
+
+
+def math_reward(completion: str, answer: str, choices=None) -> float:
+    """score_math's score alone (a failure of the grader itself is logged and scores 0)."""
+    return score_math(completion, answer, choices).score
 
 
 # ---------------------------------------------------------------------------- math-verify

@@ -89,7 +89,6 @@ import contextlib
 import inspect
 import logging
 import marshal
-import math
 import os
 import queue
 import resource
@@ -106,9 +105,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 from ibpo.sandbox import memory, policy
+from ibpo.sandbox.cases import Limits, TestCase
 from ibpo.sandbox.child import FUNCTIONS
 from ibpo.sandbox.verdict import classify
 
@@ -121,37 +120,6 @@ _SLOTS: queue.Queue[int] = queue.Queue()
 for _i in range(_MAX_SLOTS):
     _SLOTS.put(_i)
 _USERNS = os.geteuid() != 0  # root drops to a slot uid instead of mapping itself in a user ns
-
-
-@dataclass(frozen=True)
-class Limits:
-    # CPU seconds per test, interpreter start included. The kernel kills at the next whole
-    # second (RLIMIT_CPU); a test that ends above time_s still counts as a timeout.
-    time_s: float = 2.0
-    memory_mb: int = 1024  # all processes of the test (cgroups), else each one (memory.py)
-    max_output_bytes: int = 8 << 20  # stdout / stderr / any written file
-    max_processes: int = 8  # processes + threads alive at once (the test itself counts)
-    scratch_mb: int = 64  # size of the private working directory (bwrap, namespaces)
-
-    @property
-    def cpu_limit_s(self) -> int:
-        # What the kernel enforces (RLIMIT_CPU): whole seconds
-        return max(1, math.ceil(self.time_s))
-
-    @property
-    def wall_s(self) -> float:
-        # Generous against a busy machine; CPU time is the fair limit.
-        return 2 * self.time_s + 1
-
-
-@dataclass(frozen=True)
-class TestCase:
-    __test__ = False  # not a pytest class
-
-    kind: str  # "stdin" | "call" | "check" | "script"
-    input: Any = ""  # stdin text | list of call arguments | test code | unused
-    expected: Any = None  # expected stdout text | expected return value | unused | unused
-    fn_name: str | None = None  # "call": the function; "check": the entry point
 
 
 @dataclass

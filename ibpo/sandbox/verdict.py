@@ -20,10 +20,9 @@ import json
 import math
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ibpo.sandbox.run import Limits, TestCase
+from ibpo.sandbox.cases import Limits, TestCase
 
 SETUP_FAILED = 121  # exit code of the child when it could not build its sandbox (child.py)
 

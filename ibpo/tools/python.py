@@ -1,6 +1,6 @@
 """The built-in `python` tool: the model's program run in the package's sandbox.
 
-It runs with the code reward's limits (sandbox.run.Limits' defaults, as rewards/code.py grades
+It runs with the code reward's limits (sandbox.cases.Limits' defaults, as rewards/code.py grades
 with: CPU time, memory over all processes, output size, process count), no network and no host
 files (the isolation of every sandboxed test), and under the run's sandbox policy
 (reward.sandbox, enforced by the sandbox itself). A loop is killed at the time limit.
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 
-from ibpo.sandbox.run import Limits, run_program
+from ibpo.sandbox.cases import Limits
+from ibpo.sandbox.run import run_program
 
 # the code reward's limits (rewards/code.py grades with Limits' defaults unless a test spec
 # sets its own), with printed output bounded well below a test's: the model reads it back
