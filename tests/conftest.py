@@ -70,6 +70,21 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`).
+
+    Their matmuls are tiny (the tiny Qwen3; SmolLM2 decoding a few rows), so a second thread
+    saves little even on idle cores, while on a busy machine every parallel op waits for a
+    descheduled second thread: SmolLM2's greedy rollout of 3 rows took 139 s on two threads and
+    9.7 s on one under the same load. Processes a test starts get the same count where it
+    passes them torch.get_num_threads()."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from ibpo.embedded import embedded_model_path
