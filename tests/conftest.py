@@ -70,6 +70,22 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`).
+
+    On a busy machine every parallel op waits for a descheduled second thread: under the same
+    load, SmolLM2's greedy rollout of 3 rows took 139 s on two threads and 9.7 s on one, and
+    a 4-bit RL step with its adapter reload 151 s and 32 s. On idle cores the tiny Qwen3's
+    matmuls gain little from a second thread; the real model's may take up to twice as long
+    on one. Processes a test starts get the same count where it passes them
+    torch.get_num_threads() (or sets OMP_NUM_THREADS)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from ibpo.embedded import embedded_model_path

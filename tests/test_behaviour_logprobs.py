@@ -12,6 +12,9 @@ from ibpo.generation.sampling import SampledLogprobs, top_k_filter, top_p_filter
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 
+# small matmuls: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_top_k_and_top_p_filters_keep_the_expected_tokens():
     scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.05, 0.1, 0.8]]))

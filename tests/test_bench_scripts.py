@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# a tiny model gains nothing from a second, busy core (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _script(name: str):
@@ -120,8 +122,9 @@ def test_bench_mismatch_smoke(tiny_model_dir, capsys):
     assert bench.main(["--smoke", "--paths", "bf16"]) == 2
 
 
-def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path):
+def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path, monkeypatch):
     """Two seeds of a tiny `ibpo train`, each in its own process, with the range printed."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the runs' processes: one thread, as here
     bench = _script("bench_demo")
     out = tmp_path / "demo"
     assert (
@@ -139,17 +142,7 @@ def test_bench_demo_smoke(tiny_model_dir, capsys, tmp_path):
     assert "per step, mean:" in text
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from a second, busy core
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_bench_decode_smoke_times_each_variant(tmp_path, one_thread):
+def test_bench_decode_smoke_times_each_variant(tmp_path):
     """bench_decode on CPU (tiny Qwen3): every variant, HF generate and the engine, measured with
     seconds per decoding step from its two calls, the ratio against the first, the mismatch,
     and the file written."""
@@ -169,7 +162,7 @@ def test_bench_decode_smoke_times_each_variant(tmp_path, one_thread):
     assert json.loads(out.read_text()) == summary
 
 
-def test_bench_gpu_smoke_measures_the_recipe_phase_by_phase(tmp_path, one_thread):
+def test_bench_gpu_smoke_measures_the_recipe_phase_by_phase(tmp_path):
     """The recipe row on CPU (tiny Qwen3, 8 tokens): every phase with its time, tokens/s and the
     planner's figure, the mismatch, and the file rewritten with each phase."""
     bench = _script("bench_gpu")
@@ -231,7 +224,7 @@ def test_bench_refuses_repair_prompts_off_the_plan():
         bench.check_repair_prompts([17600], 2816)
 
 
-def test_bench_gpu_keeps_what_it_measured_when_a_phase_fails(tmp_path, one_thread, monkeypatch):
+def test_bench_gpu_keeps_what_it_measured_when_a_phase_fails(tmp_path, monkeypatch):
     """An error that is no OOM, in the first configuration's update: the row keeps the phases
     before it, saved after each, names the error and its phase, and the next one still runs."""
     bench = _script("bench_gpu")
@@ -295,7 +288,7 @@ def test_bench_starts_no_row_that_does_not_fit_its_budget(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == f"bench_gpu failed: tiny:8 {row['status']}"
 
 
-def test_a_phase_that_no_longer_fits_stops_its_row_before_it(one_thread, monkeypatch):
+def test_a_phase_that_no_longer_fits_stops_its_row_before_it(monkeypatch):
     """The deadline is checked again before each phase with the plan scaled by what the run
     measured: a row whose build ran long stops before its rollout (not cut in the middle), and
     an optional phase that does not fit is left out, saying so."""
@@ -351,7 +344,7 @@ def test_the_planned_schedule_follows_the_runs_rules():
     assert d.scale == 0.5
 
 
-def test_bench_gpu_without_4bit_measures_what_fits(one_thread):
+def test_bench_gpu_without_4bit_measures_what_fits():
     """The fallback: no NF4 layer, torch AdamW; the 8B recipe that does not fit without 4-bit
     is measured on the largest Qwen3 the planner fits (planned only here: nothing is built)."""
     bench = _script("bench_gpu")
@@ -395,7 +388,7 @@ def test_random_weights_quantised_in_memory_match_a_loaded_nf4_base(tiny_model_d
         assert torch.equal(mine(ids).logits, loaded(ids).logits)
 
 
-def test_the_learning_run_learns_and_a_frozen_one_is_told_apart(one_thread, capsys):
+def test_the_learning_run_learns_and_a_frozen_one_is_told_apart(capsys):
     """20 steps of ibpo with repairs on the tiny Qwen3, rewarded for writing mostly character
     tokens: the reward rises by more than the margin; with a learning rate of 1e-9 it does not
     (10 steps), and the script says so."""

@@ -34,6 +34,9 @@ from ibpo.run import failures
 from ibpo.step import StepParts
 from ibpo.trainer import run_recipe
 
+# one intra-op thread (conftest.one_thread), here and in the training processes started
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 REWARD = "ckpt_test_parity"
 # deterministic in the text and about half right on the random tiny model: real advantages

@@ -19,6 +19,9 @@ from ibpo.logprobs import completion_logprobs
 from ibpo.recipe import load_config
 from tests.conftest import make_tiny_qwen3, make_tokenizer
 
+# small matmuls: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 # different real lengths (left padding); the first two share a long prefix (shared_prefix_inputs)
 PROMPTS = [

@@ -24,6 +24,8 @@ from ibpo.rewards import GRADERS
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 FAKE_TOKEN = "hf_" + "FakeTokenForTests" * 2  # the shape of a real token, 37 characters
 RUN_RECORD = {"ibpo_config.yaml", "summary.json", "metrics.jsonl", "README.md"}
+# the run trains the tiny model in this process: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

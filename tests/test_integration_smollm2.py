@@ -15,7 +15,8 @@ from ibpo.recipe import load_config, resolve_params
 from ibpo.step import StepParts, rl_step
 from ibpo.trainer import build_optimizer
 
-pytestmark = pytest.mark.slow
+# one intra-op thread (conftest.one_thread): on a busy machine a second thread stalls every op
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_ibpo_steps_save_and_reload_adapter(smollm2_dir, tmp_path):

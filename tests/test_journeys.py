@@ -17,6 +17,9 @@ from ibpo.cli import main
 from ibpo.config import ConfigError
 from ibpo.evaluation.adapter import fill_from_adapter, trained_on
 
+# the journeys train the tiny model in this process: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "benchmarks"
 FAKE_TOKEN = "hf_" + "FakeTokenForJourneys" * 2
 

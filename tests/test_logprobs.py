@@ -23,6 +23,9 @@ from ibpo.logprobs import (
 from ibpo.modeling import load_policy
 from tests.conftest import make_tiny_qwen3
 
+# tiny models: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

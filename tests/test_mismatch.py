@@ -19,6 +19,9 @@ from ibpo.rewards import GRADERS
 from ibpo.run.alarm import MismatchAlarm
 from ibpo.run.failures import exit_code
 
+# the runs train the tiny model in this process: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 G = 4
 TOKENS = torch.tensor([[5, 1, 2, 0], [5, 1, 3, 4], [5, 1, 2, 9], [5, 8, 8, 0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float)

@@ -29,6 +29,9 @@ from ibpo.run import failures
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 from tests.test_run_lifecycle import full_disk
 
+# the runs train the tiny model in this process: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(autouse=True)
 def reward(monkeypatch):

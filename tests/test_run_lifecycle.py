@@ -24,6 +24,9 @@ from ibpo.run import failures
 from ibpo.trainer import run_recipe
 from tests.test_checkpoint import REWARD, REWARD_SRC, _args, _lora
 
+# the runs train the tiny model in this process: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(autouse=True)
 def reward(monkeypatch):

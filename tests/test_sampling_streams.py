@@ -15,6 +15,9 @@ from ibpo.recipe import load_config, resolve_params
 from ibpo.step import collect_batch
 from tests.conftest import grader_rewards
 
+# tiny models: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 KEY = (0, 0, 5, "rollout", 0)
 

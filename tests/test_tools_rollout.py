@@ -21,6 +21,9 @@ from ibpo.step import ScoredBatch, micro_batch_loss, repairs_enabled
 from ibpo.tools import resolve_tools
 from tests.tool_script import ScriptedTurns, call_text, tool_model, tool_tokenizer
 
+# tiny models: one intra-op thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROBLEM = Example(question="what is 6*7?", answer="42")
 
 

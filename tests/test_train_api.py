@@ -19,6 +19,10 @@ from ibpo.cli import main as cli_main
 from ibpo.config import ConfigError
 from tests import reward_module
 
+# one intra-op thread (conftest.one_thread), the real model's example included: on a busy
+# machine a second thread stalls every op
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
