@@ -8,8 +8,9 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
      and repairs use too (rewards/functions.py), each one's mean logged as rewards/<name>; NaN
      where none applies (no advantage), correct and failed by the set's thresholds;
   4. (IBPO) repairs: each failed completion repaired locally given a sibling, the repairs
-     graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py). With
-     dynamic sampling, groups whose shaped rewards are all equal are dropped and refilled;
+     graded -> phi and edit masks; shaped rewards R' = R + lambda * phi (repair.py), as many
+     as the spending rule's decision and budget allow (repair_budget.py). With dynamic
+     sampling, groups whose shaped rewards are all equal are dropped and refilled;
   5. advantages: group-centred (std-scaled when the objective says so), DAPO's length penalty
      where on, broadcast to tokens [N, T] with the edit masks applied (algo/advantages.py);
   6. old and reference log-probs, detached: old only when a rollout is reused
@@ -18,11 +19,11 @@ A step (B prompts per process, G completions each, N = B * G sequences, T comple
   7. micro-batches of whole groups: log-probs with grad -> objective -> backward, each loss
      divided by a normaliser from the whole step and all processes (algo/objectives.py);
   8. clip, then the optimizer and scheduler step, unless a loss or the gradient is not finite;
-  9. metrics, gathered over processes (with what the gradings reported: the graders' own
-     failures as grader_errors, calls out of time as reward_timeouts, what reward functions
-     logged).
-Stages hand each other small dataclasses: `Round` (one generation round), `ScoredBatch` (what
-the update trains on), `UpdateResult` (what the update did).
+  9. metrics (collected by step_metrics.py), gathered over processes (with what the gradings
+     reported: the graders' own failures as grader_errors, calls out of time as
+     reward_timeouts, what reward functions logged).
+Stages hand each other small dataclasses (step_parts.py): `Round` (one generation round),
+`ScoredBatch` (what the update trains on), `UpdateResult` (what the update did).
 
 Device contract: a rollout's tensors stay on its device and it carries host copies of its
 tokens and lengths; rewards, phi, shaped rewards and edit masks are host (CPU) tensors;
@@ -37,7 +38,7 @@ with zero weight. Under FSDP generation runs on gathered weights (distributed.ga
 
 Not here: the run around the step (trainer.py: output dir, resume, signals, evaluation,
 checkpoints, summary), the math (algo/: objectives, advantages, counterfactual, cancellation,
-mismatch), model loading.
+mismatch, the spending rule), the metrics' bookkeeping (step_metrics.py), model loading.
 """
 
 from __future__ import annotations
