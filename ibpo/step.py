@@ -163,10 +163,8 @@ def rl_step(
     t_end = time.perf_counter()
     # 9. metrics: the step's, what the reward functions logged, timings and memory
     metrics = step_metrics(batch, upd, lr, reward_fns.correct)
-    tokens = sum(batch.rollout.lengths)
-    metrics.update(
-        time_metrics(t0, t_gen, t_end, upd.time_frozen, tokens), **memory_metrics(device)
-    )
+    metrics.update(time_metrics(t0, t_gen, t_end, upd.time_frozen, sum(batch.rollout.lengths)))
+    metrics.update(memory_metrics(device))
     if table is not None:
         table.extend(batch.table)
     return gather_metrics(accelerator, metrics)
