@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import gc
 import itertools
@@ -77,7 +78,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
-from ibpo import sizes, step, trainer  # noqa: E402
+from ibpo import sizes, step, step_metrics, step_parts, trainer  # noqa: E402
 from ibpo.data import Example, PromptStream, render_prompt  # noqa: E402
 from ibpo.generation import set_kv_cache  # noqa: E402
 from ibpo.logprobs import unwrap  # noqa: E402
@@ -231,7 +232,8 @@ class Meter:
                 device_used_gb=round((total - self.min_free) / 2**30, 3),
             )
         else:
-            rec["peak_rss_gb"] = round(step.memory_metrics(self.device)["peak_memory_gb"], 3)
+            peak = step_metrics.memory_metrics(self.device)["peak_memory_gb"]
+            rec["peak_rss_gb"] = round(peak, 3)
         rec["plan_gb"] = self.row.get("plan_phases_gb", {}).get(PLAN_PHASE.get(self.name))
         rec["plan_s"] = self.row.get("plan_seconds", {}).get(self.name)
         if self.deadline is not None and rec["plan_s"]:
@@ -612,7 +614,7 @@ def _measure_step(cfg, base, question, args, device, meter: Meter) -> None:
     meter.end(optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__)
     objective = resolve_params(cfg.objective)
     examples = [Example(question, "0")] * cfg.train.prompts_per_step
-    parts = step.StepParts(
+    parts = step_parts.StepParts(
         model, optimizer, scheduler, PromptStream(examples, 0, False), random.Random(0)
     )
     captured: dict = {}
@@ -670,10 +672,10 @@ def _phase_hooks(meter: Meter, cfg, captured: dict):
 
         return feed
 
-    def measured_repairs(generator, *a, **k):
+    def measured_repairs(gen, *a, **k):
         meter.end(tokens=completions * cfg.rollout.max_new_tokens)
         _start(meter, "repairs")
-        out = repairs(checked(generator), *a, **k)
+        out = repairs(dataclasses.replace(gen, generator=checked(gen.generator)), *a, **k)
         meter.end(tokens=int(out.stats.get("repair_tokens", 0)), repairs=out.stats.get("repairs"))
         meter.start("scoring")
         return out
@@ -799,7 +801,7 @@ def learning_run(args, device: torch.device) -> dict:
     threshold, initial_share = calibrate_threshold(model, tok, cfg, device)
     GRADERS[LEARN_REWARD] = characters_reward(threshold)
     examples = [Example("write", "")] * cfg.train.prompts_per_step
-    parts = step.StepParts(
+    parts = step_parts.StepParts(
         model, optimizer, scheduler, PromptStream(examples, 0, True), random.Random(0)
     )
     objective = resolve_params(cfg.objective)

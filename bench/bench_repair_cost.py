@@ -113,9 +113,8 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
     real = step.run_repairs
     turn = itertools.count()
 
-    def measured(generator, tokenizer, examples, rollout, rewards, reward_fns, rep, *args):
-        data_cfg, gen, rng = args[:3]
-        model = generator.args[0]  # hf_generator's partial: the policy
+    def measured(gen, examples, rollout, rewards, reward_fns, rep, rng, *args):
+        model = gen.generator.args[0]  # hf_generator's partial: the policy
         names = list(chosen)
         k = next(turn) % len(names)
         result, after = None, None
@@ -128,8 +127,8 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
             with torch.random.fork_rng():  # every variant from the round's repair stream
                 t0 = time.perf_counter()
                 variant = replace(rep, template=template, reference_selection=selection)
-                out = real(timed, tokenizer, examples, rollout, rewards, reward_fns, variant,
-                           data_cfg, gen, plan, *args[3:])  # fmt: skip
+                out = real(replace(gen, generator=timed), examples, rollout, rewards,
+                           reward_fns, variant, plan, *args)  # fmt: skip
                 wall = time.perf_counter() - t0 - seconds["s_prefill"]
             st, t = out.stats, totals[name]
             t["prompt"] += st["repair_prompt_tokens"]
@@ -163,7 +162,8 @@ def install(chosen: dict[str, tuple[str, bool, str]], train_on: str, totals: dic
 
 def run(cfg, steps: int, chosen: dict, train_on: str) -> dict:
     import ibpo.step as step
-    from ibpo.step import StepParts, rl_step
+    from ibpo.step import rl_step
+    from ibpo.step_parts import StepParts
 
     r = build(cfg)
     parts = StepParts(r.model, r.optimizer, r.scheduler, r.stream, r.rng)

@@ -59,7 +59,7 @@ from ibpo.algo.spending import SKIP, SpendingState, decide, observe
 from ibpo.config import DEFAULT_REPAIR_TEMPLATE, DataConfig, RepairConfig
 from ibpo.data import builtin_examples, render_prompt
 from ibpo.generation import hf_generator
-from ibpo.repair import run_repairs
+from ibpo.repair import RepairGeneration, run_repairs
 from ibpo.rewards.functions import grade_completions, reward_set
 
 TEMPLATES = {
@@ -162,9 +162,9 @@ def bench(ns: argparse.Namespace) -> dict:
         for name, rep, budget, share in chosen:
             torch.manual_seed(seed + 1)
             t0 = time.perf_counter()
+            repair_gen = RepairGeneration(generators[share], tok, data, budget, **gen)
             out = run_repairs(
-                generators[share], tok, pick, rollout, rewards, reward_fns, rep, data,
-                dict(gen, max_new_tokens=budget), random.Random(seed),
+                repair_gen, pick, rollout, rewards, reward_fns, rep, random.Random(seed)
             )  # fmt: skip
             t = totals[name]
             st = out.stats

@@ -226,7 +226,8 @@ def step_phases(m: dict, totals: dict[str, float], wall: float) -> dict[str, flo
 
 def run_steps(run: Run, steps: int, warmup: int) -> dict:
     """Warmup steps, then `steps` timed steps; returns the per-step figures and their means."""
-    from ibpo.step import StepParts, rl_step
+    from ibpo.step import rl_step
+    from ibpo.step_parts import StepParts
 
     parts = StepParts(run.model, run.optimizer, run.scheduler, run.stream, run.rng)
 

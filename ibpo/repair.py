@@ -15,9 +15,9 @@ module reads no value from the device, and step.py moves the masks to the rollou
 one place. Repairs are scored, never trained on.
 
 Not here: the repair arithmetic (algo/counterfactual.py), the reward shaping (algo/advantages.py),
-the spending rule (algo/spending.py) or the loss. How many of the planned repairs run is the
-spending rule's: under a finite token budget a random subset that fits, the rest skipped
-(logged as repairs_skipped).
+the spending rule (algo/spending.py, applied by repair_budget.py) or the loss. How many of the
+planned repairs run is the spending rule's: under a finite token budget a random subset that
+fits (repair_budget.within_budget), the rest skipped (logged as repairs_skipped).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -35,11 +36,38 @@ from ibpo.algo.counterfactual import (
     phi_from_repairs,
     plan_repairs,
 )
-from ibpo.algo.spending import SpendingState, affordable, repair_cost
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example, prompt_messages, render_messages, render_user_message, user_message
 from ibpo.generation import Generator, Rollout
+from ibpo.repair_budget import RepairBudget, within_budget
 from ibpo.rewards.functions import Grades, RewardSet, grade_completions
+
+
+@dataclass(frozen=True)
+class RepairGeneration:
+    """What generating a step's repairs needs: the generator (the rollout's, adapter on) and
+    tokenizer, how a problem's prompt renders (`data`), and the sampling of the repair
+    generations (the rollout's temperature and top_p, repair.batch_size)."""
+
+    generator: Generator
+    tokenizer: Any
+    data: DataConfig
+    max_new_tokens: int
+    batch_size: int
+    temperature: float
+    top_p: float
+
+    def __call__(self, prompts: list[str]) -> Rollout:
+        """One repair per prompt, all in one batched call."""
+        return self.generator(
+            self.tokenizer,
+            prompts,
+            1,
+            self.max_new_tokens,
+            self.batch_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+        )
 
 
 @dataclass
@@ -69,26 +97,21 @@ def repair_prompt(
 
 
 def run_repairs(
-    generator: Generator,
-    tokenizer,
+    gen: RepairGeneration,
     examples: list[Example],
     rollout: Rollout,
     rewards: Tensor,
     reward_fns: RewardSet,
     rep: RepairConfig,
-    data_cfg: DataConfig,
-    gen: dict,
     rng: random.Random,
-    budget: float = math.inf,
-    spending: SpendingState | None = None,
+    budget: RepairBudget | None = None,
 ) -> RepairOutcome:
     """Generate and grade the repairs of one step. rewards [B, G] on the host (the weighted
-    rewards of `examples`' completions), graded again by `reward_fns` for the repairs; `gen`:
-    max_new_tokens, batch_size, temperature, top_p for the repair generations (already
-    resolved). `budget`: the tokens the repairs may run (algo/spending.py; `spending` holds
-    the cost estimates): when it is finite, a random subset of the planned repairs that fits
-    runs, the others are skipped. A step that runs no repair (every member correct, no eligible
-    reference, no budget) gets phi = 0 and all-blame masks from the same code as one that does."""
+    rewards of `examples`' completions), graded again by `reward_fns` for the repairs.
+    `budget`: what the repairs may cost (repair_budget.py; None: no limit): when it is finite,
+    a random subset of the planned repairs that fits runs, the others are skipped. A step that
+    runs no repair (every member correct, no eligible reference, no budget) gets phi = 0 and
+    all-blame masks from the same code as one that does."""
     B, G = rewards.shape
     jobs = plan_repairs(
         rewards,
@@ -99,27 +122,44 @@ def run_repairs(
         reward_fns.correct,
         reward_fns.failed,
     )
-    width = rollout.completion_mask.shape[1]
-    n_wrong = int((rewards <= reward_fns.failed).sum().item())
     texts = rollout.texts
     prompts = [
         repair_prompt(
-            tokenizer,
+            gen.tokenizer,
             examples[j.group],
             texts[j.group * G + j.member],
             texts[j.group * G + j.reference],
             rep,
-            data_cfg,
+            gen.data,
         )
         for j in jobs
     ]
     planned = len(jobs)
-    if math.isfinite(budget) and jobs:
-        keep = within_budget(tokenizer, prompts, budget, spending, gen["max_new_tokens"], rng)
+    if budget is not None and math.isfinite(budget.tokens) and jobs:
+        keep = within_budget(gen.tokenizer, prompts, budget, gen.max_new_tokens, rng)
         jobs, prompts = [jobs[i] for i in keep], [prompts[i] for i in keep]
-    stats = {
-        "repairs": float(len(jobs)),
-        "repairs_skipped": float(planned - len(jobs)),
+    stats = empty_stats(len(jobs), planned)
+    width, attempts = rollout.completion_mask.shape[1], rollout.host_tokens()
+    if not jobs:
+        edited, _ = edit_masks(attempts, width, [], [], [], G)
+        return RepairOutcome(phi_from_repairs([], [], (B, G), rep.rho), edited, stats)
+    out = gen(prompts)
+    grades = grade_completions(
+        reward_fns, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
+    )
+    success = [t >= reward_fns.correct for t in grades.totals]
+    phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
+    edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
+    n_wrong = int((rewards <= reward_fns.failed).sum().item())
+    stats.update(ran_stats(out, jobs, success, n_wrong), edited_token_fraction=frac)
+    return RepairOutcome(phi, edited, stats, jobs, success, grades)
+
+
+def empty_stats(repairs: int, planned: int) -> dict[str, float]:
+    """A step's repair statistics before any repair ran (their logged order)."""
+    return {
+        "repairs": float(repairs),
+        "repairs_skipped": float(planned - repairs),
         "repair_successes": 0.0,
         "repair_tokens": 0.0,
         # the repair phase's work: prompt tokens the model ran (a prefix repair prompts share,
@@ -132,55 +172,19 @@ def run_repairs(
         "repair_success_rate": 0.0,
         "edited_token_fraction": 0.0,
     }
-    attempts = rollout.host_tokens()
-    if not jobs:
-        edited, _ = edit_masks(attempts, width, [], [], [], G)
-        return RepairOutcome(phi_from_repairs([], [], (B, G), rep.rho), edited, stats)
-    out = generator(
-        tokenizer,
-        prompts,
-        1,
-        gen["max_new_tokens"],
-        gen["batch_size"],
-        temperature=gen["temperature"],
-        top_p=gen["top_p"],
-    )
-    grades = grade_completions(
-        reward_fns, [examples[j.group] for j in jobs], prompts, out.texts, out.host_tokens()
-    )
-    success = [t >= reward_fns.correct for t in grades.totals]
+
+
+def ran_stats(out: Rollout, jobs: list[RepairJob], success: list[bool], n_wrong: int) -> dict:
+    """What the repairs that ran cost and returned; `n_wrong`: the step's failed members."""
     prompt_tokens = sum(out.host_prompt_lengths())
-    phi = phi_from_repairs(jobs, success, (B, G), rep.rho)
-    edited, frac = edit_masks(attempts, width, jobs, out.host_tokens(), success, G)
-    stats.update(
-        repair_tokens=float(sum(out.lengths)),
-        repair_prefill_tokens=float(
+    return {
+        "repair_tokens": float(sum(out.lengths)),
+        "repair_prefill_tokens": float(
             prompt_tokens if out.prefill_tokens is None else out.prefill_tokens
         ),
-        repair_prompt_tokens=float(prompt_tokens),
-        repair_decode_tokens=float(sum(out.lengths)),
-        repair_successes=float(sum(success)),
-        repair_rate=len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
-        repair_success_rate=sum(success) / len(jobs),
-        edited_token_fraction=frac,
-    )
-    return RepairOutcome(phi, edited, stats, jobs, success, grades)
-
-
-def within_budget(
-    tokenizer,
-    prompts: list[str],
-    budget: float,
-    spending: SpendingState | None,
-    max_new_tokens: int,
-    rng: random.Random,
-) -> list[int]:
-    """The planned repairs that run under a budget of `budget` tokens: in a random order, as
-    many as fit by the spending rule's cost estimates (algo/spending.py), returned in plan order."""
-    order = rng.sample(range(len(prompts)), len(prompts))
-    if budget <= 0:
-        return []
-    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    state = spending or SpendingState()
-    costs = [repair_cost(state, len(ids[i]), max_new_tokens) for i in order]
-    return sorted(order[: affordable(costs, budget)])
+        "repair_prompt_tokens": float(prompt_tokens),
+        "repair_decode_tokens": float(sum(out.lengths)),
+        "repair_successes": float(sum(success)),
+        "repair_rate": len({(j.group, j.member) for j in jobs}) / max(n_wrong, 1),
+        "repair_success_rate": sum(success) / len(jobs),
+    }

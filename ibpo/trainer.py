@@ -69,7 +69,8 @@ from ibpo.run.callbacks import CallbackError, Callbacks, RunState
 from ibpo.run.log import COMPLETIONS, log_completions, log_eval, log_step, trim_completions
 from ibpo.run.version import code_version, header
 from ibpo.sandbox import policy as sandbox_policy
-from ibpo.step import StepParts, generating, rl_step
+from ibpo.step import generating, rl_step
+from ibpo.step_parts import StepParts
 from ibpo.tools import resolve_tools
 from ibpo.trl_config import TrainingArgs
 

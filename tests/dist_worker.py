@@ -32,7 +32,7 @@ def fixed_batch(tok, rows_of_groups: list[int]):
     """Deterministic prompts, completions of varied lengths and rewards; the chosen groups."""
     from ibpo.algo.advantages import group_advantages, token_advantages
     from ibpo.generation import Rollout
-    from ibpo.step import ScoredBatch
+    from ibpo.step_parts import ScoredBatch
 
     rng = random.Random(7)
     chars = "0123456789+-*=?:. abcdefghijklmnopqrstuvwxyz"
@@ -239,6 +239,7 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
     import ibpo.trainer as trainer
     from ibpo.distributed import is_fsdp
     from ibpo.recipe import load_config
+    from ibpo.repair_budget import REPAIR_TOTALS
     from ibpo.rewards import GRADERS
 
     # deterministic in the text and about half right on the random tiny model: real advantages
@@ -254,12 +255,12 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         return real_step(parts, *args, **kwargs)
 
     real_observe = step.observe_repairs
-    spending = []  # per step: this process's own repair totals, then the rule's state after it
+    rule = []  # per step: the decision, this process's own repair totals, the history after it
 
-    def observe(accelerator, state, mode, stats):
-        after = real_observe(accelerator, state, mode, stats)
-        local = [stats.get(k, 0.0) for k in step.SPENDING_TOTALS]
-        spending.append({"mode": mode, "local": local, "state": after.state_dict()})
+    def observe(accelerator, history, mode, stats):
+        after = real_observe(accelerator, history, mode, stats)
+        local = [stats.get(k, 0.0) for k in REPAIR_TOTALS]
+        rule.append({"mode": mode, "local": local, "state": after.state_dict()})
         return after
 
     if "--bnb-kernels" in overrides:
@@ -280,7 +281,7 @@ def run_train(model_dir: str, overrides: list[str]) -> dict:
         "q_proj_weight": shard,
         "torch_rng": seen["rng"][0],
         "repair_rng": seen["rng"][1],
-        "spending": spending,
+        "repair_rule": rule,
     }
 
 

@@ -31,7 +31,7 @@ from ibpo.recipe import load_config
 from ibpo.rewards import GRADERS
 from ibpo.run import checkpoint as ckpt
 from ibpo.run import failures
-from ibpo.step import StepParts
+from ibpo.step_parts import StepParts
 from ibpo.trainer import run_recipe
 
 # one intra-op thread (conftest.one_thread), here and in the training processes started
@@ -269,8 +269,8 @@ def _parts(model_dir: str):
     sched.step()
     stream = PromptStream(builtin_examples("arithmetic", "train")[:10], seed=0, shuffle=True)
     stream.take(13)  # into the second epoch
-    spending = SpendingState(attempts=12.5, successes=1.5, prompt_tokens=900, idle=3)
-    return acc, StepParts(model, opt, sched, stream, random.Random(7), spending)
+    history = SpendingState(attempts=12.5, successes=1.5, prompt_tokens=900, idle=3)
+    return acc, StepParts(model, opt, sched, stream, random.Random(7), history)
 
 
 def _draws(parts) -> tuple:
@@ -291,8 +291,8 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     saved = {n: p.detach().clone() for n, p in lora.items()}
     adam = {k: v.clone() for k, v in parts.optimizer.state[next(iter(lora.values()))].items()}
     expected = _draws(parts)  # what the run would draw next
-    spending = parts.spending
-    parts.spending = SpendingState()
+    history = parts.repair_history
+    parts.repair_history = SpendingState()
     with torch.no_grad():
         for p in lora.values():
             p.add_(1.0)
@@ -319,7 +319,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, 
     assert all(torch.equal(restored[k], v) for k, v in adam.items())
     again = _draws(parts)
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
-    assert parts.spending == spending  # the repair spending rule's state
+    assert parts.repair_history == history  # the repair spending rule's history
 
     # the next save removes the leftover and moves `latest`; keep=1 drops step-1
     second = ckpt.save_checkpoint(acc, root, parts, ckpt.TrainerState(step=2), None, keep=1)

@@ -148,13 +148,9 @@ def test_update_stages_read_no_device_value(case):
     from ibpo.algo.cancellation import cancellation_residual
     from ibpo.algo.mismatch import mismatch_stats
     from ibpo.batching import micro_batches
-    from ibpo.step import (
-        UpdateResult,
-        behaviour_policy,
-        global_normaliser,
-        stack_stats,
-        step_metrics,
-    )
+    from ibpo.step import behaviour_policy, global_normaliser
+    from ibpo.step_metrics import stack_stats, step_metrics
+    from ibpo.step_parts import UpdateResult
 
     CORRECTIONS = [("rollout", "none"), ("trainer", "truncate"), ("trainer", "mask")]
 

@@ -99,7 +99,7 @@ class _Tok:
 def _fake_rounds(monkeypatch, reward_rows):
     """Each round returns the next list of group reward rows (one row per requested prompt)."""
     import ibpo.step as step
-    from ibpo.step import Round
+    from ibpo.step_parts import Round
 
     rows = iter(reward_rows)
 
@@ -199,7 +199,7 @@ def _lengths_round(monkeypatch, rewards, lengths, width=16):
     """One round of `collect_batch` whose completions have the given lengths (tokens)."""
     import ibpo.step as step
     from ibpo.generation import Rollout
-    from ibpo.step import Round
+    from ibpo.step_parts import Round
 
     def fake_round(model, tok, examples, cfg, repairing, reward_fn, rng, *streams):
         r = torch.tensor(rewards[: len(examples)], dtype=torch.float32)

@@ -196,8 +196,8 @@ def test_two_process_training_run(tiny_model_dir, tmp_path):
     assert r0["summary"]["eval_after"]["n"] == 4  # evaluation is split over processes, then joined
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]  # the main process writes, once per step
-    # each rank repaired its own groups; the rule's state and decisions are the same on both
-    s0, s1 = r0["spending"], r1["spending"]
+    # each rank repaired its own groups; the rule's history and decisions are the same on both
+    s0, s1 = r0["repair_rule"], r1["repair_rule"]
     assert len(s0) == len(s1) == 3
     assert [s["mode"] for s in s0] == [s["mode"] for s in s1]
     assert [s["state"] for s in s0] == [s["state"] for s in s1]

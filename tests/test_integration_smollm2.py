@@ -12,7 +12,8 @@ from ibpo.generation import generate
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
-from ibpo.step import StepParts, rl_step
+from ibpo.step import rl_step
+from ibpo.step_parts import StepParts
 from ibpo.trainer import build_optimizer
 
 # one intra-op thread (conftest.one_thread): on a busy machine a second thread stalls every op

@@ -7,7 +7,10 @@ Layers, bottom to top (a module imports only from its own layer or below):
   core                        recipe (a recipe checked against the registries and resolved),
                               data/, embedded, modeling, generation/ (rollouts on the hf and vLLM
                               backends), logprobs, batching, distributed, repair (a step's
-                              repairs, run), sizes (shapes and byte counts, which the planner and
+                              repairs, run), repair_budget (the repair spending rule as a
+                              step applies it), step_parts (what a step changes and what its
+                              stages hand each other), step_metrics (a step's logged metrics,
+                              collected), sizes (shapes and byte counts, which the planner and
                               the vLLM engine share), quiet (third-party noise filters), catalog
                               (the packaged recipes), trl_config (TRL's GRPOConfig names), rewards/,
                               sandbox/, tools/ (tools rollouts call)
@@ -41,6 +44,7 @@ LAYERS = {
     "recipe": 2, "data": 2, "embedded": 2, "modeling": 2, "generation": 2, "logprobs": 2,
     "batching": 2, "distributed": 2, "repair": 2, "rewards": 2, "sandbox": 2, "sizes": 2,
     "quiet": 2, "catalog": 2, "trl_config": 2, "tools": 2,
+    "repair_budget": 2, "step_parts": 2, "step_metrics": 2,
     "step": 3,
     "plan": 4, "evaluation": 4, "hub": 4, "run": 4,
     "trainer": 5, "api": 5, "cli": 5,

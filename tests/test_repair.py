@@ -23,7 +23,8 @@ from ibpo.algo.counterfactual import (
 from ibpo.config import DataConfig, RepairConfig
 from ibpo.data import Example
 from ibpo.generation import Rollout
-from ibpo.repair import run_repairs
+from ibpo.repair import RepairGeneration, run_repairs
+from ibpo.repair_budget import RepairBudget
 from tests.conftest import grader_rewards
 
 # --- shaping ----------------------------------------------------------------------------------
@@ -239,17 +240,14 @@ def test_run_repairs_batches_grades_and_masks():
         return _rollout(rows, texts)
 
     rep = RepairConfig(references=1)
-    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0)
+    gen = RepairGeneration(fake_generate, _Tok(), DataConfig(), 4, 8, 1.0, 1.0)
     out = run_repairs(
-        fake_generate,
-        _Tok(),
+        gen,
         [Example("3 + 4", "37")],
         rollout,
         rewards,
         grader_rewards(_reward),
         rep,
-        DataConfig(),
-        gen,
         random.Random(0),
     )
     assert len(calls) == 1 and len(calls[0]) == 2  # one batched call, one repair per wrong member
@@ -315,19 +313,17 @@ def _budgeted(budget: float, seed: int):
         calls.append(list(prompts))
         return _rollout([[7]] * len(prompts), ["7"] * len(prompts))
 
-    gen = dict(max_new_tokens=4, batch_size=8, temperature=1.0, top_p=1.0)
+    data = DataConfig(prompt_template="{question}")
+    gen = RepairGeneration(fake_generate, _CharTok(), data, 4, 8, 1.0, 1.0)
     out = run_repairs(
-        fake_generate,
-        _CharTok(),
+        gen,
         [Example("3 + 4", "7"), Example("1 + 7", "8")],
         rollout,
         rewards,
         grader_rewards(_reward),
         RepairConfig(template="{question}|{attempt}|{reference}"),
-        DataConfig(prompt_template="{question}"),
-        gen,
         random.Random(seed),
-        budget,
+        RepairBudget(budget),
     )
     return out, calls
 

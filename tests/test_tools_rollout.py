@@ -17,7 +17,8 @@ from ibpo.generation.multiturn import ToolRollouts, tool_columns
 from ibpo.logprobs import completion_logprobs
 from ibpo.recipe import load_config, resolve_params
 from ibpo.rewards.functions import builtin, grade_completions, reward_set
-from ibpo.step import ScoredBatch, micro_batch_loss, repairs_enabled
+from ibpo.step import micro_batch_loss, repairs_enabled
+from ibpo.step_parts import ScoredBatch
 from ibpo.tools import resolve_tools
 from tests.tool_script import ScriptedTurns, call_text, tool_model, tool_tokenizer
 

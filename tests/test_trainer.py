@@ -12,7 +12,8 @@ from ibpo.data import PromptStream, builtin_examples
 from ibpo.modeling import load_policy
 from ibpo.recipe import load_config, resolve_params
 from ibpo.rewards import GRADERS
-from ibpo.step import StepParts, rl_step
+from ibpo.step import rl_step
+from ibpo.step_parts import StepParts
 from ibpo.trainer import build_optimizer, run_recipe
 
 

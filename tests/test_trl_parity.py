@@ -27,7 +27,7 @@ from ibpo.recipe import load_config
 from ibpo.rewards import calls
 from ibpo.rewards.functions import RewardError, grade_completions, logged_metrics, reward_set
 from ibpo.run.callbacks import CallbackError, Callbacks, RunControl, RunState
-from ibpo.step import reward_summary
+from ibpo.step_metrics import reward_summary
 from tests.conftest import make_tokenizer
 
 # --- the documented reward functions, called as TRL calls them --------------------------------

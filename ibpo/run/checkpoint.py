@@ -62,7 +62,7 @@ from ibpo.distributed import (
     optimizer_state,
     save_adapter,
 )
-from ibpo.step import StepParts
+from ibpo.step_parts import StepParts
 
 CHECKPOINTS = "checkpoints"  # sub-folder of output_dir
 KEEP_CHECKPOINTS = 2  # the newest kept: resuming needs one, and one more survives a bad save
@@ -189,7 +189,7 @@ def _process_state(parts: StepParts, device: torch.device | None = None) -> dict
         "torch": torch.get_rng_state(),
         "repair_rng": parts.rng.getstate(),
         "stream": parts.stream.state_dict(),
-        "repair_spending": parts.spending.state_dict(),
+        "repair_spending": parts.repair_history.state_dict(),
     }
     gpu = _own_cuda_device(device)
     if gpu is not None:  # keyed by role, not index: the process's GPU is one GPU whatever its index
@@ -326,7 +326,7 @@ def _restore_process(state: dict, parts: StepParts, device: torch.device | None 
     parts.rng.setstate(state["repair_rng"])
     parts.stream.load_state_dict(state["stream"])
     if "repair_spending" in state:  # checkpoints from before the spending rule start it afresh
-        parts.spending = SpendingState.from_state_dict(state["repair_spending"])
+        parts.repair_history = SpendingState.from_state_dict(state["repair_spending"])
 
 
 def load_checkpoint(accelerator, path: Path, parts: StepParts) -> TrainerState:

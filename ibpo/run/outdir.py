@@ -29,7 +29,7 @@ from ibpo.config import Config, ConfigError, RunConfig
 from ibpo.data.splits import IN_MEMORY
 from ibpo.recipe import from_dict
 from ibpo.run.checkpoint import CHECKPOINTS, latest_checkpoint
-from ibpo.step import StepParts
+from ibpo.step_parts import StepParts
 
 PREVIOUS = "previous-"  # <output_dir>/previous-<UTC time>/: an earlier run, moved aside
 
