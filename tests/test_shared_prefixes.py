@@ -14,7 +14,7 @@ from ibpo.generation import generate, hf_generator, set_kv_cache
 from ibpo.generation.prefixes import padded_cost, plan_shared_prefixes, shares_prefixes
 from ibpo.logprobs import completion_logprobs
 from ibpo.modeling import load_policy
-from ibpo.repair import run_repairs
+from ibpo.repair import RepairGeneration, run_repairs
 from tests.conftest import grader_rewards, make_tiny_qwen3, make_tokenizer
 
 # Repair-like prompts: two groups, each a long shared question then per-row attempts of several
@@ -123,22 +123,13 @@ def test_repairs_with_shared_prefixes_match_repairs_without(tiny_model_dir):
     torch.manual_seed(0)
     rollout = generate(model, tok, [e.question for e in examples], G, 6, 8)
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
-    gen = dict(max_new_tokens=8, batch_size=16, temperature=1.0, top_p=1.0)
     reward_fn = grader_rewards(lambda text, answer: float(answer in text))
     outs = {}
     for share in (False, True):
         torch.manual_seed(3)
+        gen = RepairGeneration(hf_generator(model, share), tok, DataConfig(), 8, 16, 1.0, 1.0)
         outs[share] = run_repairs(
-            hf_generator(model, share),
-            tok,
-            examples,
-            rollout,
-            rewards,
-            reward_fn,
-            RepairConfig(),
-            DataConfig(),
-            gen,
-            random.Random(0),
+            gen, examples, rollout, rewards, reward_fn, RepairConfig(), random.Random(0)
         )
     plain, shared = outs[False], outs[True]
     assert torch.equal(plain.phi, shared.phi) and torch.equal(plain.edited, shared.edited)
