@@ -273,43 +273,6 @@ def _merged_forward(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     return forward
 
 
-class _WeightArena:
-    """The dense copies of a model's 4-bit weights for one `dequantized_base(merge_lora=True)`
-    phase, as views of one flat buffer per compute dtype.
-
-    Why one buffer: a copy per layer is hundreds of allocations of a few MB, which glibc's malloc
-    serves from its heap once its adaptive mmap threshold has risen past them; freed on exit they
-    leave holes it keeps, and the process's resident set stays that much higher through the
-    update that follows. One allocation of the whole copy is mapped on its own and handed back to
-    the system whole when the phase ends. The values are `_dequantize`'s, copied.
-    """
-
-    def __init__(self, model: nn.Module):
-        import bitsandbytes as bnb
-
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        for mod in model.modules():
-            if isinstance(mod, bnb.nn.Linear4bit):
-                key = self._key(mod)
-                sizes[key] = sizes.get(key, 0) + mod.in_features * mod.out_features
-        self.flat = {
-            (dt, dev): torch.empty(n, dtype=dt, device=dev) for (dt, dev), n in sizes.items()
-        }
-        self.used = dict.fromkeys(sizes, 0)
-
-    @staticmethod
-    def _key(layer: nn.Module) -> tuple[torch.dtype, torch.device]:
-        return layer.compute_dtype or torch.float32, layer.weight.device
-
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """`_dequantize(layer)` written into the layer's part of the buffer."""
-        key = self._key(layer)
-        n, start = layer.in_features * layer.out_features, self.used[key]
-        self.used[key] = start + n
-        w = self.flat[key][start : start + n].view(layer.out_features, layer.in_features)
-        return w.copy_(_dequantize(layer))
-
-
 class _QLoraLinear(torch.autograd.Function):
     """y = x W^T + b [+ s (x A^T) B^T] for a frozen 4-bit W, dequantised in forward and again in
     backward, as one node of the autograd graph (A, B = None: the bare base layer).
@@ -416,13 +379,12 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
 
     patched, inside = [], set()  # inside: 4-bit layers already handled with their LoRA layer
     fused = []  # LoRA layers computing base + update as one node (training)
-    copy = _WeightArena(model) if merge_lora else None
     try:
         for mod in model.modules():  # parents come before their children
             base = getattr(mod, "base_layer", None)
             if merge_lora and isinstance(base, bnb.nn.Linear4bit) and hasattr(mod, "lora_A"):
                 inside.add(id(base))
-                w = copy.dequantize(base)
+                w = _dequantize(base)
                 if getattr(mod, "lora_variant", None):  # DoRA & co. are not a plain B A update
                     raise NotImplementedError(
                         "dequantized_base(merge_lora=True) folds plain LoRA only; "
@@ -443,7 +405,7 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
                     fused.append(mod)
             elif isinstance(mod, bnb.nn.Linear4bit) and id(mod) not in inside:
                 mod.forward = (
-                    _linear_forward(copy.dequantize(mod), mod.bias)
+                    _linear_forward(_dequantize(mod), mod.bias)
                     if merge_lora
                     else _base_forward(mod)
                 )
@@ -452,7 +414,6 @@ def dequantized_base(model: nn.Module, merge_lora: bool = False) -> Iterator[int
     finally:
         for mod in patched + fused:
             del mod.forward  # the class's forward shows again; any copy is freed
-        del copy
 
 
 # The dequantised copy of a 4-bit base on CPU is used only while it stays this small (fp32: ~1B

@@ -29,17 +29,6 @@ GIB = 2**30
 # Completion tokens per lm_head chunk of training's log-probs (step.py; the planner counts one
 # fp32 [chunk, V] block).
 CHUNK_TOKENS = 1024
-# On CPU half of it: the fp32 [chunk, V] block is the largest buffer of the update (200 MB at
-# SmolLM2's 49,152 tokens for 1024 rows), and 512-row chunks run the head as fast (bench/
-# bench_vs_trl.py, docs/benchmarks.md); smaller ones cost time. GPUs keep CHUNK_TOKENS.
-CPU_CHUNK_TOKENS = 512
-
-
-def head_chunk_tokens(device_type: str) -> int:
-    """Completion tokens per lm_head chunk of the log-probs on a device of this type."""
-    return CPU_CHUNK_TOKENS if device_type == "cpu" else CHUNK_TOKENS
-
-
 F32 = 4  # bytes of fp32: LoRA weights and grads, upcast activations, logits
 # bitsandbytes NF4 with double quantisation (modeling.py): 4 bits per weight; one absmax per
 # 64 weights, itself quantised to 8 bits with one fp32 scale per 256 absmax values; per tensor

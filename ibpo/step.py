@@ -92,7 +92,7 @@ from ibpo.modeling import (
 from ibpo.repair import RepairGeneration, run_repairs
 from ibpo.repair_budget import RepairDecision, decide_repairs, observe_repairs
 from ibpo.rewards.functions import RewardSet, grade_completions, run_reward_set
-from ibpo.sizes import head_chunk_tokens
+from ibpo.sizes import CHUNK_TOKENS
 from ibpo.step_metrics import (
     RoundsLog,
     UpdateLog,
@@ -502,7 +502,7 @@ def old_and_reference(model, mbs: list[MicroBatch], count: int, cfg, objective):
     """Stage 6: per micro-batch the old log-probs, only when a rollout is reused
     (updates_per_rollout > 1), and the reference ones, only when kl_coef > 0 or the KL is
     logged; None where not computed. Each runs `count` forwards (see `frozen_logprobs`)."""
-    chunk, temp, tr = None, cfg.rollout.temperature, cfg.train  # None: the device's chunk
+    chunk, temp, tr = CHUNK_TOKENS, cfg.rollout.temperature, cfg.train
     old = None
     if tr.updates_per_rollout > 1:
         old = frozen_logprobs(model, mbs, chunk, temp, reference=False, count=count)
@@ -512,11 +512,8 @@ def old_and_reference(model, mbs: list[MicroBatch], count: int, cfg, objective):
     return old, ref
 
 
-def sequence_logprobs(model, mb: MicroBatch, chunk: int | None, temperature: float):
-    """Log-probs/entropies [n, t] of one micro-batch (already cut to its widths), the head run
-    over `chunk` completion tokens at a time (None: the device's, sizes.head_chunk_tokens)."""
-    if chunk is None:
-        chunk = head_chunk_tokens(mb.input_ids.device.type)
+def sequence_logprobs(model, mb: MicroBatch, chunk: int, temperature: float):
+    """Log-probs/entropies [n, t] of one micro-batch (already cut to its widths)."""
     return completion_logprobs(
         model,
         mb.input_ids,
@@ -569,7 +566,7 @@ def micro_batch_loss(
     else this forward's, so the check costs no forward of its own."""
     G = cfg.rollout.group_size
     with offloaded_activations(cfg.model.offload_activations):
-        logp, ent = sequence_logprobs(model, mb, None, cfg.rollout.temperature)
+        logp, ent = sequence_logprobs(model, mb, CHUNK_TOKENS, cfg.rollout.temperature)
     mask, a = mb.completion_mask, mb.take(batch.adv)
     trainer_logp = logp.detach() if old is None else old  # the policy before this step's update
     behaviour = None if batch.rollout.logprobs is None else mb.take(batch.rollout.logprobs)

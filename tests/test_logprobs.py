@@ -312,31 +312,3 @@ def test_heads_with_accelerate_hooks_are_not_fused():
     other = torch.nn.Linear(4, 6, bias=False)
     other.forward = lambda x: x  # an instance forward replaced by a wrapper
     assert not fused_head_supported(other)
-
-
-def test_step_log_probs_run_the_device_s_head_chunk(policy, monkeypatch):
-    """The update's head runs CPU_CHUNK_TOKENS rows at a time on CPU (its largest buffer, one
-    fp32 [chunk, V] block, is halved) and CHUNK_TOKENS elsewhere (the GPU's, which the planner
-    counts); the log-probs do not depend on it."""
-    import ibpo.step as step
-    from ibpo import sizes
-    from ibpo.batching import cut
-
-    assert sizes.head_chunk_tokens("cpu") == sizes.CPU_CHUNK_TOKENS == 512
-    assert sizes.head_chunk_tokens("cuda") == sizes.CHUNK_TOKENS == 1024
-    model, tok = policy
-    torch.manual_seed(2)
-    ro = generate(model, tok, ["What is 2+3?", "1+1=?"], 2, 8, 4)
-    mb = cut(ro, list(range(ro.num_sequences)))
-    seen, real = [], step.completion_logprobs
-
-    def recording(*args, **kwargs):
-        seen.append(args[5])  # (model, ids, mask, prompt_len, completion_mask, chunk, ...)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(step, "completion_logprobs", recording)
-    with torch.no_grad():
-        by_device = step.sequence_logprobs(model, mb, None, 1.0)[0]
-        by_three = step.sequence_logprobs(model, mb, 3, 1.0)[0]
-    assert seen == [512, 3]
-    torch.testing.assert_close(by_device, by_three)

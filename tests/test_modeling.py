@@ -146,26 +146,6 @@ def test_dequantized_base_generates_and_trains_like_the_4bit_layers(tiny_model_d
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
-def test_folded_copies_are_views_of_one_buffer(tiny_model_dir):
-    """Generation's dense copies of the 4-bit weights fill one flat buffer per dtype (one
-    allocation, handed back whole when the phase ends), each view the layer's own values."""
-    import bitsandbytes as bnb
-
-    from ibpo.modeling import _dequantize, _WeightArena, dequantized_bytes
-
-    model, _ = _nf4_policy(tiny_model_dir)
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    arena = _WeightArena(model)
-    (flat,) = arena.flat.values()
-    assert flat.numel() * flat.element_size() == dequantized_bytes(model)
-    copies = [arena.dequantize(m) for m in layers]
-    assert sum(w.numel() for w in copies) == flat.numel()
-    for m, w in zip(layers, copies):  # read after all are written: no two views overlap
-        assert w.shape == (m.out_features, m.in_features)
-        assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-        assert torch.equal(w, _dequantize(m))
-
-
 def test_dequantized_base_follows_the_adapter_between_entries(tiny_model_dir):
     from ibpo.modeling import dequantized_base
 
