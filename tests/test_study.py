@@ -31,43 +31,19 @@ def study():
     sys.path.remove(str(ROOT / "bench"))
 
 
-def _module(name: str):
-    return importlib.import_module(f"study_{name}")
+def _study_module(name: str):
+    """A module-scoped fixture giving bench/study_<name>.py (imported once `study` set the path)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(study):
+        return importlib.import_module(f"study_{name}")
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def stats(study):
-    return _module("stats")
-
-
-@pytest.fixture(scope="module")
-def grid(study):
-    return _module("grid")
-
-
-@pytest.fixture(scope="module")
-def reading(study):
-    return _module("runs")
-
-
-@pytest.fixture(scope="module")
-def compare(study):
-    return _module("compare")
-
-
-@pytest.fixture(scope="module")
-def report(study):
-    return _module("report")
-
-
-@pytest.fixture(scope="module")
-def workers(study):
-    return _module("workers")
-
-
-@pytest.fixture(scope="module")
-def archive(study):
-    return _module("archive")
+stats, grid, reading, compare, report, workers, archive = map(
+    _study_module, ["stats", "grid", "runs", "compare", "report", "workers", "archive"]
+)
 
 
 def test_sign_test_is_exact_and_two_sided(stats):
